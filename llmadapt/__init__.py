@@ -1,0 +1,47 @@
+"""llmadapt: run one LLM workload on several stacks and get traces you can compare line by line.
+
+Importing this package is cheap (no torch); frameworks load only inside workers.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .contract import SCHEMA_VERSION, Failure, Header, Patch, Phase, Span, Step, Summary, json_schema
+from .errors import (
+    ContractError,
+    EnvironmentNotReadyError,
+    LlmadaptError,
+    TraceMismatchError,
+    UnknownAdapterError,
+    UnsupportedError,
+    WorkloadError,
+)
+from .hookspecs import hookimpl
+from .interfaces import AdapterInfo, EnvironmentSpec, FineTuner, Server, StepResult, Supports, Trainer
+from .spec import MODEL_PRESETS, Workload
+
+__all__ = [
+    "SCHEMA_VERSION", "AdapterInfo", "Comparison", "ContractError", "EnvironmentNotReadyError", "EnvironmentSpec",
+    "Failure", "FineTuner", "Header", "LlmadaptError", "MODEL_PRESETS", "ParityReport", "Patch", "Phase",
+    "RunResult", "Server", "Span", "Step", "StepResult", "Summary", "Supports", "TraceMismatchError", "Trainer",
+    "UnknownAdapterError", "UnsupportedError", "Workload", "WorkloadError", "adapters", "compare", "hookimpl",
+    "json_schema", "parity", "run", "show",
+]
+
+
+def __getattr__(name: str):
+    # The orchestrator API loads on first use, keeping `import llmadapt` (and plugin modules) light.
+    if name in ("run", "RunResult"):
+        from . import launch
+
+        return getattr(launch, name)
+    if name in ("compare", "parity", "show", "Comparison", "ParityReport"):
+        from . import analysis
+
+        return getattr(analysis, name)
+    if name == "adapters":
+        from .plugins import adapters
+
+        return adapters
+    raise AttributeError(f"module 'llmadapt' has no attribute {name!r}")

@@ -1,0 +1,312 @@
+"""Compare runs, check loss parity, show and export traces. Reads only what is on disk."""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+
+from .errors import LlmadaptError, TraceMismatchError
+from .launch import RunResult, load_records, run
+from .plugins import check_supported, get_adapter
+from .spec import Workload
+
+# fp32 loss trajectories of two correct stacks differ only by floating-point reduction order
+# (summation order in matmuls, all-reduce order across ranks), which the optimizer carries
+# forward. On the tiny presets over tens of steps that stays below 1e-5 relative; the
+# tolerance leaves a 10x margin yet catches a wrong loss normalisation, a skipped micro-batch
+# or different data (all >= 1e-3 relative).
+PARITY_RTOL = 1e-4
+PARITY_ATOL = 1e-5
+
+
+@attrs.frozen
+class ParityReport:
+    ok: bool
+    rtol: float
+    atol: float
+    steps: int
+    first_divergence: int | None
+    """First step whose losses differ by more than atol + rtol * |reference|; None when all agree."""
+    max_abs_delta: float
+    reference: list[float | None]
+    candidate: list[float | None]
+
+    def describe(self, names: tuple[str, str] = ("reference", "candidate")) -> str:
+        if self.ok:
+            return (f"parity ok: {names[1]} matches {names[0]} at all {self.steps} steps "
+                    f"(max |delta| {self.max_abs_delta:.3g}; tolerance atol {self.atol:g} + rtol {self.rtol:g})")
+        if self.first_divergence is None:
+            return f"parity failed: {names[0]} has {len(self.reference)} steps, {names[1]} {len(self.candidate)}"
+        i = self.first_divergence
+        return (f"parity failed at step {i}: {names[0]} loss {self.reference[i]!r}, {names[1]} loss "
+                f"{self.candidate[i]!r} (|delta| {abs((self.reference[i] or 0) - (self.candidate[i] or 0)):.3g} > "
+                f"atol {self.atol:g} + rtol {self.rtol:g} x |loss|)")
+
+
+def loss_parity(reference: list[float | None], candidate: list[float | None], *,
+                rtol: float = PARITY_RTOL, atol: float = PARITY_ATOL) -> ParityReport:
+    first, worst = None, 0.0
+    for i, (a, b) in enumerate(zip(reference, candidate)):
+        if a is None or b is None:
+            first = i if first is None else first
+            continue
+        delta = abs(a - b)
+        worst = max(worst, delta)
+        if delta > atol + rtol * abs(a) and first is None:
+            first = i
+    same_length = len(reference) == len(candidate) and len(reference) > 0
+    return ParityReport(ok=first is None and same_length, rtol=rtol, atol=atol, steps=min(len(reference),
+                        len(candidate)), first_divergence=first, max_abs_delta=worst,
+                        reference=list(reference), candidate=list(candidate))
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / "summary.json"
+    if not path.is_file():
+        raise LlmadaptError(f"{run_dir} is not a run directory (no summary.json)")
+    return json.loads(path.read_text())
+
+
+def parity_of_runs(reference: str | Path, candidate: str | Path, *, rtol: float = PARITY_RTOL,
+                   atol: float = PARITY_ATOL, allow_mismatch: bool = False) -> ParityReport:
+    a, b = read_summary(reference), read_summary(candidate)
+    if a["problem_hash"] != b["problem_hash"] and not allow_mismatch:
+        raise TraceMismatchError(
+            f"{reference} and {candidate} ran different problems (problem hash {a['problem_hash'][:12]} vs "
+            f"{b['problem_hash'][:12]}): their losses are not comparable (pass allow_mismatch to compare anyway)"
+        )
+    return loss_parity(a["losses"], b["losses"], rtol=rtol, atol=atol)
+
+
+# -- compare ----------------------------------------------------------------------------------
+@attrs.frozen
+class Row:
+    label: str
+    adapter: str
+    variant: str
+    run_dir: str | None
+    status: str
+    step_p50_s: float | None
+    step_p90_s: float | None
+    tokens_per_s: float | None
+    samples_per_s: float | None
+    peak_memory_bytes: int | None
+    first_loss: float | None
+    last_loss: float | None
+    parity_delta: float | None
+    """Max |loss - baseline loss| over steps, against the first row of the same problem."""
+    note: str = ""
+
+
+@attrs.frozen
+class Comparison:
+    rows: list[Row]
+
+    def table(self) -> str:
+        head = ["run", "status", "step p50 s", "step p90 s", "tokens/s", "samples/s", "peak mem MiB",
+                "first loss", "last loss", "parity delta"]
+        body = [[r.label, r.status, _f(r.step_p50_s, 4), _f(r.step_p90_s, 4), _f(r.tokens_per_s, 0),
+                 _f(r.samples_per_s, 1), _f(r.peak_memory_bytes and r.peak_memory_bytes / 2**20, 0),
+                 _f(r.first_loss, 4), _f(r.last_loss, 4), _f(r.parity_delta, 2, sci=True)] for r in self.rows]
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+        lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body]]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        notes = [f"{r.label}: {r.note}" for r in self.rows if r.note]
+        return "\n".join(lines + notes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": [attrs.asdict(r) for r in self.rows]}
+
+
+def _f(value: float | None, digits: int, sci: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}e}" if sci else f"{value:,.{digits}f}"
+
+
+def matrix_variants(workload: Workload, matrix: dict[str, list[Any]]) -> list[tuple[str, Workload]]:
+    """Every combination of the matrix values, applied as overrides; labels like 'dp=2,recompute=full'."""
+    if not matrix:
+        return [("", workload)]
+    keys = list(matrix)
+    out = []
+    for values in itertools.product(*(matrix[k] for k in keys)):
+        sets = [f"{k}={_yaml_scalar(v)}" for k, v in zip(keys, values)]
+        label = ",".join(f"{k.split('.')[-1]}={_yaml_scalar(v)}" for k, v in zip(keys, values))
+        out.append((label, workload.with_overrides(sets)))
+    return out
+
+
+def _yaml_scalar(v: Any) -> str:
+    return json.dumps(v) if not isinstance(v, str) else v
+
+
+def parse_matrix(items: list[str]) -> dict[str, list[Any]]:
+    """['optimizations.recompute=none,full', 'parallelism.dp=1,2'] -> {path: [values]}."""
+    import yaml
+
+    matrix: dict[str, list[Any]] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not values:
+            raise LlmadaptError(f"--matrix {item!r}: use path=v1,v2 (e.g. parallelism.dp=1,2)")
+        matrix[key.strip()] = [yaml.safe_load(v) for v in values.split(",")]
+    return matrix
+
+
+def compare(workload: Workload | str | Path, adapters: list[str], *, matrix: dict[str, list[Any]] | None = None,
+            log: Callable[[str], None] | None = None, **run_options: Any) -> Comparison:
+    """Run every adapter on every matrix variant, side by side; one row each.
+
+    Every (adapter, variant) pair is checked before the first run starts, so a bad
+    combination fails at once instead of after an hour of measurements.
+    """
+    if not isinstance(workload, Workload):
+        workload = Workload.from_file(workload)
+    plan = []
+    for label, variant in matrix_variants(workload, matrix or {}):
+        for name in adapters:
+            check_supported(get_adapter(name), variant)
+            plan.append((name, label, variant))
+    rows: list[Row] = []
+    baselines: dict[str, list[float | None]] = {}
+    for i, (name, label, variant) in enumerate(plan, 1):
+        title = f"{name}" + (f" [{label}]" if label else "")
+        if log:
+            log(f"[{i}/{len(plan)}] {title}")
+        result: RunResult = run(variant, name, **run_options)
+        s = result.summary
+        base = baselines.setdefault(s.problem_hash, s.losses)
+        delta = loss_parity(base, s.losses).max_abs_delta if s.losses else None
+        note = "; ".join(f"{f.cause}: {f.message}" for f in s.failures)[:300]
+        rows.append(Row(
+            label=title, adapter=name, variant=label, run_dir=str(result.run_dir), status=s.status,
+            step_p50_s=s.step_time_s.p50 if s.step_time_s else None,
+            step_p90_s=s.step_time_s.p90 if s.step_time_s else None,
+            tokens_per_s=s.tokens_per_s.mean if s.tokens_per_s else None,
+            samples_per_s=s.samples_per_s.mean if s.samples_per_s else None,
+            peak_memory_bytes=s.peak_memory_bytes,
+            first_loss=s.losses[0] if s.losses else None, last_loss=s.losses[-1] if s.losses else None,
+            parity_delta=delta, note=note,
+        ))
+    return Comparison(rows=rows)
+
+
+def parity(workload: Workload | str | Path, adapters: list[str], *, rtol: float = PARITY_RTOL,
+           atol: float = PARITY_ATOL, **run_options: Any) -> ParityReport:
+    """Run the workload on two adapters (fp32) and check their loss trajectories agree at every step."""
+    if not isinstance(workload, Workload):
+        workload = Workload.from_file(workload)
+    if len(adapters) != 2:
+        raise LlmadaptError(f"parity compares exactly two adapters, got {len(adapters)}: {', '.join(adapters)}")
+    if workload.precision != "fp32":
+        raise LlmadaptError(f"parity needs precision fp32 (got {workload.precision}): lower precisions are not "
+                            "expected to agree step by step")
+    for name in adapters:
+        check_supported(get_adapter(name), workload)
+    results = [run(workload, name, **run_options) for name in adapters]
+    for r in results:
+        if not r.ok:
+            f = r.summary.failures[0] if r.summary.failures else None
+            raise LlmadaptError(f"parity: the {r.summary.adapter} run failed ({f.cause}: {f.message}) - see {r.run_dir}"
+                                if f else f"parity: the {r.summary.adapter} run failed - see {r.run_dir}")
+    return loss_parity(results[0].losses, results[1].losses, rtol=rtol, atol=atol)
+
+
+# -- show and export --------------------------------------------------------------------------
+def show(run_dir: str | Path) -> dict[str, Any]:
+    """The run's summary (as stored), for display or further processing."""
+    return read_summary(run_dir)
+
+
+def render_summary(s: dict[str, Any]) -> str:
+    st, tok = s.get("step_time_s"), s.get("tokens_per_s")
+    lines = [
+        f"run        {s['run_id']}  [{s['status']}]",
+        f"adapter    {s['adapter']} ({s['framework']} {s['framework_version']}), launcher {s['launcher']}, "
+        f"world size {s['world_size']}",
+        f"workload   {s['workload_hash'][:12]} (problem {s['problem_hash'][:12]})",
+        f"device     {s['device']['kind']}: {s['device']['name']}" if s.get("device") else "device     -",
+        f"steps      {s['steps_completed']} completed, {s['measured_steps']} measured",
+    ]
+    if st:
+        lines.append(f"step time  p50 {st['p50']:.4f} s  p90 {st['p90']:.4f} s  mean {st['mean']:.4f} s "
+                     f"(std {st['std']:.4f}, n={st['count']})")
+    if tok:
+        lines.append(f"throughput {tok['mean']:,.0f} tokens/s, {s['samples_per_s']['mean']:.2f} samples/s")
+    if s.get("peak_memory_bytes"):
+        lines.append(f"memory     peak {s['peak_memory_bytes'] / 2**20:,.0f} MiB ({s['memory_kind']}), per rank: "
+                     + ", ".join("-" if m is None else f"{m / 2**20:,.0f}" for m in s["peak_memory_per_rank"]))
+    if s.get("losses"):
+        lines.append(f"loss       {s['losses'][0]:.4f} -> {s['losses'][-1]:.4f}")
+    if s.get("mfu") is not None:
+        lines.append(f"mfu        {s['mfu']:.1%}")
+    for name, secs in s.get("phase_means_s", {}).items():
+        lines.append(f"phase      {name:<24} {secs:.4f} s")
+    for p in s.get("patches", []):
+        lines.append(f"patch      {p['framework']}: {p['name']} ({p['kind']}) - {p['description']}")
+    for f in s.get("failures", []):
+        where = f"rank {f['rank']}" if f.get("rank") is not None else "launcher"
+        lines.append(f"failure    {f['cause']} ({where}, step {f.get('step')}): {f['message']}")
+    return "\n".join(lines)
+
+
+EXPORT_FORMATS = ("json", "csv", "chrome-trace")
+
+
+def export(run_dir: str | Path, fmt: str) -> str:
+    run_dir = Path(run_dir)
+    if fmt not in EXPORT_FORMATS:
+        raise LlmadaptError(f"unknown export format {fmt!r}; known: {', '.join(EXPORT_FORMATS)}")
+    summary = read_summary(run_dir)
+    records = load_records(run_dir)
+    if fmt == "json":
+        return json.dumps({"summary": summary, "records": records}, indent=2)
+    steps = [r for r in records if r["type"] == "step"]
+    if fmt == "csv":
+        phase_names = sorted({f"{p['source']}:{p['name']}" for s in steps for p in s["phases"]})
+        buf = io.StringIO()
+        writer = csv.writer(buf)
+        writer.writerow(["rank", "step", "warmup", "seconds", "tokens", "samples", "loss", "peak_memory_bytes",
+                         *[f"phase_s[{n}]" for n in phase_names]])
+        for s in sorted(steps, key=lambda s: (s["step"], s["rank"])):
+            phases = {f"{p['source']}:{p['name']}": p["seconds"] for p in s["phases"]}
+            mem = s["memory"] or {}
+            peak = mem.get("peak_allocated_bytes") if mem.get("kind") == "cuda" else mem.get("peak_rss_bytes")
+            writer.writerow([s["rank"], s["step"], s["warmup"], s["seconds"], s["tokens"], s["samples"], s["loss"],
+                             peak, *[phases.get(n, "") for n in phase_names]])
+        return buf.getvalue()
+    return json.dumps(chrome_trace(records), indent=1)
+
+
+def chrome_trace(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Chrome trace events (Perfetto): one track per rank, steps and spans on wall-clock time."""
+    anchors = {r["rank"]: (r["wall_anchor_ns"], r["mono_anchor_ns"], r["node"]) for r in records
+               if r["type"] == "header"}
+    events: list[dict[str, Any]] = []
+
+    def us(rank: int, mono_ns: int) -> float:
+        wall, mono, _ = anchors[rank]
+        return (mono_ns - mono + wall) / 1000.0
+
+    for rank, (_, _, node) in anchors.items():
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank} ({node})"}})
+    for r in records:
+        if r["type"] != "step" or r["rank"] not in anchors:
+            continue
+        rank = r["rank"]
+        args = {"loss": r["loss"], "tokens": r["tokens"], "warmup": r["warmup"],
+                **{f"{p['source']}:{p['name']}_s": p["seconds"] for p in r["phases"]}}
+        events.append({"ph": "X", "name": f"step {r['step']}", "cat": "step", "pid": rank, "tid": 0,
+                       "ts": us(rank, r["start_ns"]), "dur": (r["end_ns"] - r["start_ns"]) / 1000.0, "args": args})
+        for sp in r["spans"]:
+            events.append({"ph": "X", "name": sp["name"], "cat": sp["source"], "pid": rank, "tid": 1,
+                           "ts": us(rank, sp["start_ns"]), "dur": (sp["end_ns"] - sp["start_ns"]) / 1000.0})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+

@@ -1,0 +1,232 @@
+"""The command line: a thin layer over the Python API. Every command takes --json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .errors import LlmadaptError
+
+
+def _workload(args):
+    from .spec import Workload
+
+    return Workload.from_file(args.workload).with_overrides(args.set or [])
+
+
+def _emit(args, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=2, default=str) if args.json else text)
+
+
+def _run_options(args) -> dict[str, Any]:
+    opts: dict[str, Any] = {"launcher": args.launcher, "out": args.out, "timeout": args.timeout}
+    if not args.json:
+        opts["progress"] = _progress
+    return opts
+
+
+def _progress(record: dict[str, Any]) -> None:
+    if record.get("type") == "step":
+        tag = " (warm-up)" if record["warmup"] else ""
+        print(f"  step {record['step']:>4}  loss {record['loss']:.4f}  {record['seconds']:.4f} s{tag}",
+              file=sys.stderr, flush=True)
+    elif record.get("type") == "failure":
+        print(f"  failure on rank {record.get('rank')}: {record['cause']}: {record['message']}", file=sys.stderr)
+
+
+def cmd_run(args) -> int:
+    import attrs
+
+    from .analysis import render_summary
+    from .launch import run
+
+    workload = _workload(args)
+    print(f"running {workload.label} on {args.adapter} (world size {workload.world_size})", file=sys.stderr)
+    result = run(workload, args.adapter, **_run_options(args))
+    summary = attrs.asdict(result.summary)
+    _emit(args, {"run_dir": str(result.run_dir), "summary": summary},
+          render_summary(summary) + f"\ntrace      {result.run_dir}")
+    return 0 if result.ok else 1
+
+
+def cmd_compare(args) -> int:
+    from .analysis import compare, parse_matrix
+
+    comparison = compare(_workload(args), _names(args.adapters), matrix=parse_matrix(args.matrix or []),
+                         log=None if args.json else (lambda m: print(m, file=sys.stderr, flush=True)),
+                         **_run_options(args))
+    _emit(args, comparison.to_dict(), comparison.table())
+    return 0 if all(r.status == "ok" for r in comparison.rows) else 1
+
+
+def cmd_parity(args) -> int:
+    import attrs
+
+    from .analysis import parity
+
+    names = _names(args.adapters)
+    report = parity(_workload(args), names, rtol=args.rtol, atol=args.atol, **_run_options(args))
+    _emit(args, attrs.asdict(report), report.describe((names[0], names[1])))
+    return 0 if report.ok else 1
+
+
+def cmd_show(args) -> int:
+    from .analysis import render_summary, show
+
+    summary = show(args.run)
+    _emit(args, summary, render_summary(summary))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .analysis import export
+
+    text = export(args.run, args.format)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
+
+
+def cmd_adapters(args) -> int:
+    from . import environments
+    from .plugins import adapters
+
+    rows = []
+    for info in adapters().values():
+        rows.append({
+            "name": info.name, "version": info.version, "framework": info.framework, "roles": list(info.roles),
+            "supports": info.supports.summary(), "environment": info.environment.name,
+            "environment_status": environments.status(info.environment),
+            "description": info.description,
+        })
+    lines = [f"{'name':<10} {'version':<8} {'roles':<16} {'environment':<24} supports"]
+    for r in rows:
+        env = f"{r['environment']} ({r['environment_status']})"
+        lines.append(f"{r['name']:<10} {r['version']:<8} {','.join(r['roles']):<16} {env:<24} {r['supports']}")
+    _emit(args, rows, "\n".join(lines))
+    return 0
+
+
+def cmd_schema(args) -> int:
+    from .contract import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def _environment(name: str):
+    from .plugins import adapters
+
+    for info in adapters().values():
+        if name in (info.environment.name, info.name):
+            return info.environment
+    known = sorted({i.environment.name for i in adapters().values()})
+    raise LlmadaptError(f"unknown environment {name!r}; known: {', '.join(known)}")
+
+
+def cmd_env_create(args) -> int:
+    from .environments import create
+
+    python = create(_environment(args.name), force=args.force, log=lambda m: print(m, file=sys.stderr, flush=True))
+    _emit(args, {"environment": args.name, "python": str(python)}, f"{args.name}: {python}")
+    return 0
+
+
+def cmd_env_list(args) -> int:
+    from . import environments
+    from .plugins import adapters
+
+    envs = {info.environment.name: info.environment for info in adapters().values()}
+    rows = [{"environment": name, "status": environments.status(spec), "path": str(environments.env_dir(spec)),
+             "requirements": list(spec.requirements)} for name, spec in sorted(envs.items())]
+    _emit(args, rows, "\n".join(f"{r['environment']:<16} {r['status']:<9} {r['path']}" for r in rows))
+    return 0
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="llmadapt", description="Run one LLM workload on several stacks and "
+                                     "compare the traces.")
+    parser.add_argument("--version", action="version", version=f"llmadapt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, func, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("--json", action="store_true", help="print JSON instead of text")
+        p.set_defaults(func=func)
+        return p
+
+    def workload_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("workload", help="workload file (.toml, .yaml, .json)")
+        p.add_argument("--set", action="append", metavar="PATH=VALUE", help="override a field, e.g. train.steps=5")
+        p.add_argument("--launcher", default="auto", choices=["auto", "inline", "subprocess", "torchrun"])
+        p.add_argument("--out", default="runs", help="folder for run directories (default: ./runs)")
+        p.add_argument("--timeout", type=float, default=None, help="seconds before a run is stopped")
+
+    p = command("run", cmd_run, "run a workload on one adapter")
+    workload_args(p)
+    p.add_argument("--adapter", default="torch", help="adapter name (default: torch)")
+
+    p = command("compare", cmd_compare, "run a workload on several adapters and option variants; one table")
+    workload_args(p)
+    p.add_argument("--adapters", default="torch", help="comma-separated adapter names")
+    p.add_argument("--matrix", action="append", metavar="PATH=V1,V2",
+                   help="option variants, e.g. optimizations.recompute=none,full (repeat for a grid)")
+
+    p = command("parity", cmd_parity, "check two adapters' fp32 loss trajectories agree at every step")
+    workload_args(p)
+    p.add_argument("--adapters", required=True, help="two comma-separated adapter names")
+    p.add_argument("--rtol", type=float, default=None)
+    p.add_argument("--atol", type=float, default=None)
+
+    p = command("show", cmd_show, "show a run's summary")
+    p.add_argument("run", help="run directory")
+
+    p = command("export", cmd_export, "export a run as JSON, CSV or a Chrome trace (Perfetto)")
+    p.add_argument("run", help="run directory")
+    p.add_argument("--format", required=True, choices=["json", "csv", "chrome-trace"])
+    p.add_argument("-o", "--output", help="file to write (default: stdout)")
+
+    command("adapters", cmd_adapters, "list registered adapters, what they support and their environments")
+    command("schema", cmd_schema, "print the JSON Schema of trace records")
+
+    env = sub.add_parser("env", help="build and list adapter environments")
+    env_sub = env.add_subparsers(dest="env_command", required=True, metavar="ACTION")
+    p = env_sub.add_parser("create", help="build an adapter's environment (virtualenv with pinned requirements)")
+    p.add_argument("name", help="environment (or adapter) name")
+    p.add_argument("--force", action="store_true", help="rebuild even if ready")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_env_create)
+    p = env_sub.add_parser("list", help="list environments and whether they are built")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_env_list)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "rtol", "absent") is None or getattr(args, "atol", "absent") is None:
+        from .analysis import PARITY_ATOL, PARITY_RTOL
+
+        args.rtol = PARITY_RTOL if args.rtol is None else args.rtol
+        args.atol = PARITY_ATOL if args.atol is None else args.atol
+    try:
+        code = args.func(args)
+    except LlmadaptError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        print("interrupted: the partial trace was kept", file=sys.stderr)
+        code = 130
+    raise SystemExit(code)

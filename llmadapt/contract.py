@@ -1,0 +1,351 @@
+"""The metrics contract: record types, their JSON Schema, and JSONL reading and writing.
+
+The single source of truth for field names and units. Units are in the names: seconds
+(``*_s``/``seconds``), bytes (``*_bytes``), tokens, nanoseconds (``*_ns``, from the process's
+monotonic clock; each header carries one wall-clock anchor per process to align ranks).
+
+A trace is a run directory of JSONL files, one per rank (``rank-00000.jsonl``) plus
+``launcher.jsonl`` for what the orchestrator saw, and ``summary.json``. Writers flush every
+record, so a crash leaves every record made before it.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+from .errors import ContractError
+
+SCHEMA_VERSION = "1.0"
+
+FAILURE_CAUSES = ("error", "crash", "killed", "timeout", "oom", "interrupted", "unsupported")
+
+
+@attrs.frozen
+class Phase:
+    """Time spent in one part of a step, as measured by `source` (llmadapt or the framework's own timer)."""
+
+    name: str
+    seconds: float
+    source: str
+
+
+@attrs.frozen
+class Span:
+    """An interval on this process's monotonic clock, for timelines (Chrome trace)."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    source: str = "llmadapt"
+
+
+@attrs.frozen
+class Memory:
+    """Memory at the end of a step. On CUDA: torch.cuda peak stats; on CPU: process RSS (peak and current)."""
+
+    kind: Literal["cuda", "cpu-rss"]
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    rss_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return self.peak_allocated_bytes if self.kind == "cuda" else self.peak_rss_bytes
+
+
+@attrs.frozen
+class Patch:
+    """A compatibility patch a run applied to its framework."""
+
+    framework: str
+    name: str
+    description: str
+    kind: Literal["cpu-equivalent", "shim"] = "cpu-equivalent"
+    """'cpu-equivalent' provides a real CPU implementation; 'shim' fakes something (e.g. a type string)."""
+
+
+@attrs.frozen
+class Device:
+    kind: Literal["cpu", "cuda"]
+    name: str
+    count: int
+    memory_bytes: int | None = None
+
+
+@attrs.frozen
+class Header:
+    """First record of each rank's file: who ran what, where, with which software."""
+
+    run_id: str
+    rank: int
+    local_rank: int
+    world_size: int
+    node: str
+    role: str
+    adapter: str
+    adapter_version: str
+    framework: str
+    framework_version: str
+    launcher: str
+    workload_hash: str
+    problem_hash: str
+    workload: dict[str, Any]
+    checkpoint_hash: str | None
+    device: Device
+    software: dict[str, str]
+    patches: list[Patch]
+    start_time: str
+    """ISO 8601 wall-clock time the process started measuring."""
+    wall_anchor_ns: int
+    """time.time_ns() read together with mono_anchor_ns: maps this process's monotonic clock to wall time."""
+    mono_anchor_ns: int
+    schema_version: str = SCHEMA_VERSION
+    type: Literal["header"] = "header"
+
+
+@attrs.frozen
+class Step:
+    """One global step on one rank (all its micro-batches and the optimizer step)."""
+
+    rank: int
+    step: int
+    warmup: bool
+    start_ns: int
+    end_ns: int
+    seconds: float
+    tokens: int
+    """Input tokens this rank processed in the step (padding excluded)."""
+    samples: int
+    loss: float | None
+    """Loss of the whole global batch: mean over every loss-bearing token of all ranks."""
+    phases: list[Phase] = attrs.Factory(list)
+    memory: Memory | None = None
+    expert_load: list[list[int]] | None = None
+    """MoE: tokens routed to each expert, per layer ([layer][expert]), over the global batch."""
+    spans: list[Span] = attrs.Factory(list)
+    type: Literal["step"] = "step"
+
+
+@attrs.frozen
+class Failure:
+    """Why a rank, a worker or the run stopped early. Written by the worker when it can, else by the launcher."""
+
+    cause: Literal["error", "crash", "killed", "timeout", "oom", "interrupted", "unsupported"]
+    message: str
+    rank: int | None = None
+    """None when the launcher saw it (not attributable to one rank)."""
+    step: int | None = None
+    exit_code: int | None = None
+    time: str | None = None
+    type: Literal["failure"] = "failure"
+
+
+@attrs.frozen
+class Stats:
+    """Statistics over the measured values of one metric."""
+
+    count: int
+    mean: float
+    std: float
+    min: float
+    p50: float
+    p90: float
+    p95: float
+    p99: float
+    max: float
+
+
+@attrs.frozen
+class Summary:
+    """The run's aggregate, computed by the orchestrator from every rank's records."""
+
+    run_id: str
+    status: Literal["ok", "failed"]
+    role: str
+    adapter: str
+    framework: str
+    framework_version: str
+    launcher: str
+    workload_hash: str
+    problem_hash: str
+    world_size: int
+    device: Device | None
+    patches: list[Patch]
+    steps_completed: int
+    measured_steps: int
+    losses: list[float | None]
+    """Global-batch loss at every completed step (warm-up included), by step index."""
+    step_time_s: Stats | None
+    """Per step, the slowest rank's time."""
+    tokens_per_s: Stats | None
+    samples_per_s: Stats | None
+    tokens_per_step: int | None
+    peak_memory_bytes: int | None
+    """Max over ranks of the peak (device allocated on CUDA, RSS on CPU)."""
+    peak_memory_per_rank: list[int | None]
+    memory_kind: str | None
+    model_flops_per_token: float | None
+    """PaLM convention (see llmadapt.flops)."""
+    achieved_flops_per_s: float | None
+    mfu: float | None
+    """None where the device peak is unknown (e.g. CPUs) or the convention does not apply."""
+    phase_means_s: dict[str, float]
+    """Mean over measured steps and ranks, per 'source:name'."""
+    failures: list[Failure]
+    schema_version: str = SCHEMA_VERSION
+    type: Literal["summary"] = "summary"
+
+
+RECORD_TYPES: dict[str, type] = {"header": Header, "step": Step, "failure": Failure, "summary": Summary}
+
+
+def to_json(record: Any) -> dict[str, Any]:
+    return attrs.asdict(record)
+
+
+# -- JSON Schema, generated from the record types ---------------------------------------------
+def _schema_for(hint: Any, defs: dict[str, Any]) -> dict[str, Any]:
+    origin = typing.get_origin(hint)
+    if attrs.has(hint):
+        name = hint.__name__
+        if name not in defs:
+            defs[name] = {}  # placeholder against recursion
+            hints = typing.get_type_hints(hint)
+            props, required = {}, []
+            for field in attrs.fields(hint):
+                props[field.name] = _schema_for(hints[field.name], defs)
+                doc = _field_docs(hint).get(field.name)
+                if doc:
+                    props[field.name]["description"] = doc
+                if field.default is attrs.NOTHING:
+                    required.append(field.name)
+            defs[name] = {
+                "type": "object",
+                "properties": props,
+                "required": required,
+                "additionalProperties": False,
+            }
+            if hint.__doc__:
+                defs[name]["description"] = " ".join(hint.__doc__.split())
+        return {"$ref": f"#/$defs/{name}"}
+    if origin in (typing.Union, types.UnionType):
+        return {"anyOf": [_schema_for(a, defs) for a in typing.get_args(hint)]}
+    if origin is Literal:
+        values = list(typing.get_args(hint))
+        return {"const": values[0]} if len(values) == 1 else {"enum": values}
+    if origin is list:
+        return {"type": "array", "items": _schema_for(typing.get_args(hint)[0], defs)}
+    if origin is dict:
+        return {"type": "object", "additionalProperties": _schema_for(typing.get_args(hint)[1], defs)}
+    simple = {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}
+    if hint in simple:
+        return {"type": simple[hint]}
+    if hint is Any:
+        return {}
+    raise TypeError(f"no JSON Schema mapping for {hint!r}")
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string literal after a field), read from the source."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    docs, body = {}, tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of one trace record (any type), from the record classes above."""
+    defs: dict[str, Any] = {}
+    refs = [_schema_for(cls, defs) for cls in RECORD_TYPES.values()]
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"https://llmadapt.dev/schema/record-{SCHEMA_VERSION}.json",
+        "title": f"llmadapt trace record, schema {SCHEMA_VERSION}",
+        "oneOf": refs,
+        "$defs": defs,
+    }
+
+
+_validator = None
+
+
+def validate(record: dict[str, Any]) -> dict[str, Any]:
+    """Check one record against the schema; raise ContractError naming the first problem."""
+    global _validator
+    if _validator is None:
+        import jsonschema
+
+        _validator = jsonschema.Draft202012Validator(json_schema())
+    kind = record.get("type") if isinstance(record, dict) else None
+    if kind not in RECORD_TYPES:
+        raise ContractError(f"record has unknown type {kind!r}; known: {', '.join(RECORD_TYPES)}")
+    sub = {"$ref": f"#/$defs/{RECORD_TYPES[kind].__name__}", "$defs": _validator.schema["$defs"]}
+    error = next(iter(_validator.evolve(schema=sub).iter_errors(record)), None)
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(record)"
+        raise ContractError(f"{kind} record, field {where}: {error.message}")
+    if record.get("schema_version", SCHEMA_VERSION).split(".")[0] != SCHEMA_VERSION.split(".")[0]:
+        raise ContractError(f"schema version {record['schema_version']} is not readable by {SCHEMA_VERSION}")
+    return record
+
+
+# -- JSONL ----------------------------------------------------------------------------------
+class JsonlWriter:
+    """Appends one JSON object per line and flushes each, so nothing written is lost on a crash."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: Any) -> None:
+        data = record if isinstance(record, dict) else to_json(record)
+        self._file.write(json.dumps(data, separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> JsonlWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | Path, *, check: bool = True) -> list[dict[str, Any]]:
+    """Read and (by default) validate every record. A torn last line (killed mid-write) is skipped."""
+    records = []
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break  # the writer was killed mid-line; everything before it stands
+            raise ContractError(f"{path}:{number}: not valid JSON") from None
+        if check:
+            try:
+                validate(record)
+            except ContractError as exc:
+                raise ContractError(f"{path}:{number}: {exc}") from None
+        records.append(record)
+    return records

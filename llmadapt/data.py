@@ -1,0 +1,142 @@
+"""Token data with one global sample order: every stack and every data-parallel layout sees the
+same tokens at the same global step.
+
+Global step s uses global samples ``s*G .. s*G+G-1`` (G = global batch). Data-parallel rank r
+of D takes the contiguous block ``r*G/D .. (r+1)*G/D-1`` and splits it into micro-batches in
+order. Samples are pre-shifted: ``input_ids = x[:-1]``, ``labels = x[1:]`` with -100 where no
+loss is taken (prompt tokens, padding), so every stack computes the same loss:
+sum of token cross-entropies over the global batch / number of loss-bearing tokens in it.
+
+- synthetic: sample i is an arithmetic progression modulo the vocabulary (random start and
+  stride, 10% of tokens replaced at random), drawn from ``random.Random(seed, i)``: stable
+  across Python and torch versions, learnable so the loss falls, never exhausted.
+- jsonl: instruction/answer pairs, ``<s> prompt answer </s>``, right-padded, prompt masked;
+  epoch e visits the examples in a permutation seeded by (seed, e).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .spec import Workload
+
+IGNORE = -100
+RESERVED = 4  # token ids below this are special tokens; synthetic data avoids them
+
+
+@attrs.frozen
+class Sample:
+    input_ids: list[int]
+    labels: list[int]
+    length: int  # tokens before padding
+
+
+@attrs.frozen
+class MicroBatch:
+    input_ids: Any  # LongTensor [micro_batch, seq_len]
+    labels: Any  # LongTensor [micro_batch, seq_len], -100 = no loss
+
+
+@attrs.frozen
+class StepBatch:
+    """This rank's share of one global step."""
+
+    step: int
+    micro_batches: list[MicroBatch]
+    loss_tokens_global: int
+    """Loss-bearing tokens in the whole global batch: the loss normalizer on every rank."""
+    tokens: int
+    """Input tokens (padding excluded) in this rank's share."""
+    samples: int
+
+
+class TokenData:
+    def __init__(self, workload: Workload, tokenizer=None) -> None:
+        self.w = workload
+        self.seq_len = workload.train.seq_len
+        self._examples: list[tuple[list[int], list[int]]] | None = None
+        if workload.data.source == "jsonl":
+            if tokenizer is None:
+                raise ValueError("jsonl data needs the canonical tokenizer")
+            self._examples = self._load_jsonl(Path(workload.data.path), tokenizer)
+            self._pad = tokenizer.pad_token_id
+
+    # -- global order ---------------------------------------------------------------
+    def sample(self, index: int) -> Sample:
+        if self._examples is None:
+            return self._synthetic(index)
+        n = len(self._examples)
+        epoch, pos = divmod(index, n)
+        order = list(range(n))
+        random.Random(f"{self.w.seed}:epoch:{epoch}").shuffle(order)
+        prompt, answer = self._examples[order[pos]]
+        return self._pack(prompt, answer)
+
+    def global_samples(self, step: int) -> list[Sample]:
+        g = self.w.train.global_batch
+        return [self.sample(step * g + j) for j in range(g)]
+
+    def step_batch(self, step: int, dp_rank: int, dp_size: int) -> StepBatch:
+        import torch
+
+        samples = self.global_samples(step)
+        loss_tokens = sum(sum(1 for t in s.labels if t != IGNORE) for s in samples)
+        per_rank = len(samples) // dp_size
+        mine = samples[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        mb = self.w.train.micro_batch or per_rank
+        micro = []
+        for i in range(0, per_rank, mb):
+            chunk = mine[i : i + mb]
+            micro.append(
+                MicroBatch(
+                    input_ids=torch.tensor([s.input_ids for s in chunk], dtype=torch.long),
+                    labels=torch.tensor([s.labels for s in chunk], dtype=torch.long),
+                )
+            )
+        return StepBatch(
+            step=step,
+            micro_batches=micro,
+            loss_tokens_global=loss_tokens,
+            tokens=sum(s.length for s in mine),
+            samples=len(mine),
+        )
+
+    # -- sources ----------------------------------------------------------------------
+    def _synthetic(self, index: int) -> Sample:
+        rng = random.Random(f"{self.w.seed}:sample:{index}")
+        vocab = self.w.model.vocab_size - RESERVED
+        start, stride = rng.randrange(vocab), rng.randrange(1, 17)
+        x = [RESERVED + (start + stride * t) % vocab for t in range(self.seq_len + 1)]
+        for t in range(len(x)):
+            if rng.random() < 0.1:
+                x[t] = RESERVED + rng.randrange(vocab)
+        return Sample(input_ids=x[:-1], labels=x[1:], length=self.seq_len)
+
+    def _load_jsonl(self, path: Path, tokenizer) -> list[tuple[list[int], list[int]]]:
+        d = self.w.data
+        examples = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if d.prompt_field not in row or d.answer_field not in row:
+                raise ValueError(f"{path}:{number}: needs fields {d.prompt_field!r} and {d.answer_field!r}")
+            prompt = [tokenizer.bos_token_id] + tokenizer.encode(row[d.prompt_field] + "\n", add_special_tokens=False)
+            answer = tokenizer.encode(row[d.answer_field], add_special_tokens=False) + [tokenizer.eos_token_id]
+            examples.append((prompt, answer))
+        if not examples:
+            raise ValueError(f"{path}: no examples")
+        return examples
+
+    def _pack(self, prompt: list[int], answer: list[int]) -> Sample:
+        x = (prompt + answer)[: self.seq_len + 1]
+        # label position t predicts x[t+1]: no loss while x[t+1] is still part of the prompt
+        labels = [tok if t + 1 >= len(prompt) else IGNORE for t, tok in enumerate(x[1:])]
+        length = len(x) - 1
+        pad = self.seq_len - length
+        return Sample(input_ids=x[:-1] + [self._pad] * pad, labels=labels + [IGNORE] * pad, length=length)

@@ -1,0 +1,200 @@
+"""What an adapter is: its declaration (`AdapterInfo`, `Supports`, `EnvironmentSpec`) and the
+role interfaces its worker classes implement (`Trainer`, `FineTuner`, `Server`).
+
+The declaration is read by the orchestrator before any process starts (so an unsupported
+workload fails fast); the role classes run inside the adapter's own environment.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, Callable
+
+import attrs
+
+from .contract import Patch, Phase, Span
+
+if TYPE_CHECKING:  # the worker context holds torch objects; the orchestrator never builds one
+    from .runtime import StepBatch, WorkerContext
+    from .spec import Workload
+
+ROLES = ("train", "finetune", "serve")
+
+
+@attrs.frozen
+class EnvironmentSpec:
+    """How to build the Python environment that runs an adapter: a virtualenv with pinned requirements.
+
+    Several adapters may share one environment by using the same name and requirements.
+    llmadapt itself is always installed into it (editable when it runs from a source checkout).
+    """
+
+    name: str
+    requirements: tuple[str, ...]
+    """Pinned pip requirements, e.g. ("torch==2.13.0", "transformers==5.19.0")."""
+    local_packages: tuple[str, ...] = ()
+    """Absolute paths of local packages installed editable (e.g. the adapter's own package)."""
+
+
+@attrs.frozen
+class Supports:
+    """What an adapter can run; checked against each workload before launch."""
+
+    precisions: tuple[str, ...] = ("fp32",)
+    dp: bool = False
+    tp: bool = False
+    pp: bool = False
+    ep: bool = False
+    zero_stages: tuple[int, ...] = (0,)
+    offload: tuple[str, ...] = ("none",)
+    recompute: tuple[str, ...] = ("none",)
+    flash_attention: bool = False
+    quantization: tuple[str, ...] = ("none",)
+    lora: bool = False
+    moe: bool = False
+
+    def problems(self, workload: Workload) -> list[tuple[str, Any, str]]:
+        """(field, value, what is allowed) for everything in the workload this adapter cannot do."""
+        out: list[tuple[str, Any, str]] = []
+        o, p = workload.optimizations, workload.parallelism
+
+        def need(ok: bool, field: str, value: Any, allowed: str) -> None:
+            if not ok:
+                out.append((field, value, allowed))
+
+        need(workload.precision in self.precisions, "precision", workload.precision,
+             f"supported: {', '.join(self.precisions)}")
+        for name in ("dp", "tp", "pp", "ep"):
+            need(getattr(p, name) == 1 or getattr(self, name), f"parallelism.{name}", getattr(p, name),
+                 "supported: 1")
+        need(o.zero_stage in self.zero_stages, "optimizations.zero_stage", o.zero_stage,
+             f"supported: {', '.join(map(str, self.zero_stages))}")
+        need(o.offload in self.offload, "optimizations.offload", o.offload, f"supported: {', '.join(self.offload)}")
+        need(o.recompute in self.recompute, "optimizations.recompute", o.recompute,
+             f"supported: {', '.join(self.recompute)}")
+        need(not o.flash_attention or self.flash_attention, "optimizations.flash_attention", True, "supported: false")
+        need(o.quantization in self.quantization, "optimizations.quantization", o.quantization,
+             f"supported: {', '.join(self.quantization)}")
+        need(not workload.lora.rank or self.lora, "lora.rank", workload.lora.rank, "supported: 0 (no LoRA)")
+        need(not workload.model.is_moe or self.moe, "model.num_experts", workload.model.num_experts,
+             "supported: 0 (dense models only)")
+        return out
+
+    def summary(self) -> str:
+        parts = ["/".join(self.precisions)]
+        parts += [n for n in ("dp", "tp", "pp", "ep") if getattr(self, n)]
+        if self.zero_stages != (0,):
+            parts.append("zero" + "".join(map(str, self.zero_stages)))
+        if self.offload != ("none",):
+            parts.append("offload")
+        parts += [f"recompute:{r}" for r in self.recompute if r != "none"]
+        if self.flash_attention:
+            parts.append("flash")
+        parts += [q for q in self.quantization if q != "none"]
+        if self.lora:
+            parts.append("lora")
+        if self.moe:
+            parts.append("moe")
+        return " ".join(parts)
+
+
+@attrs.frozen
+class AdapterInfo:
+    """One adapter, as registered through the ``llmadapt_register_adapters`` hook."""
+
+    name: str
+    version: str
+    framework: str
+    """The framework it wraps, e.g. 'deepspeed'; the worker reports the installed version."""
+    roles: dict[str, str]
+    """Role -> 'module:Class' of the class implementing it (imported only in the worker)."""
+    environment: EnvironmentSpec
+    supports: Supports = Supports()
+    description: str = ""
+    check: Callable[[Workload], list[tuple[str, Any, str]]] | None = None
+    """Extra adapter-specific rules: returns (field, value, allowed) problems. Must not import the framework."""
+
+    def __attrs_post_init__(self) -> None:
+        unknown = set(self.roles) - set(ROLES)
+        if unknown:
+            raise ValueError(f"adapter {self.name!r}: unknown roles {sorted(unknown)}; known: {', '.join(ROLES)}")
+
+
+@attrs.frozen
+class StepResult:
+    """What an adapter reports for one global step."""
+
+    loss: float
+    """Global-batch loss: sum of token losses over every rank / batch.loss_tokens_global."""
+    phases: list[Phase] = attrs.Factory(list)
+    expert_load: list[list[int]] | None = None
+    spans: list[Span] = attrs.Factory(list)
+
+
+class Trainer(abc.ABC):
+    """Pre-training: the core drives the loop and owns the clock; ``step`` does one global step.
+
+    Lifecycle, all inside the worker process: ``__init__(ctx)``, ``setup()`` (build or load
+    the model from ``ctx.checkpoint``, wrap it, make the optimizer; append any compatibility
+    patch to ``self.patches``), then ``step(batch)`` for every warm-up and measured step, then
+    ``teardown()``. Raise exceptions freely: the core records them as failures.
+    """
+
+    role = "train"
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.patches: list[Patch] = []
+
+    @abc.abstractmethod
+    def setup(self) -> None:
+        """Build the model from the canonical checkpoint, the optimizer and the parallel layout."""
+
+    @abc.abstractmethod
+    def step(self, batch: StepBatch) -> StepResult:
+        """Run one global step over ``batch.micro_batches`` (this rank's share) and the optimizer step."""
+
+    def teardown(self) -> None:
+        """Release framework resources (the core destroys the default process group)."""
+
+    def data_rank(self) -> tuple[int, int]:
+        """(data-parallel rank, data-parallel size) of this process: which share of the global batch it reads."""
+        return self.ctx.rank, self.ctx.world_size
+
+    def framework_version(self) -> str:
+        """Installed version of the wrapped framework, for the trace header."""
+        return ""
+
+
+class FineTuner(Trainer):
+    """Fine-tuning from the canonical checkpoint: full, LoRA or QLoRA, per ``workload.lora`` and quantization."""
+
+    role = "finetune"
+
+
+class Server(abc.ABC):
+    """Serving (the serve workload kind comes with the load generator): start or attach to an
+    engine, report readiness, stream token chunks for one request, scrape the engine's own
+    metrics, and stop. The core's load generator owns the clock and all client-side timing."""
+
+    role = "serve"
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start (or attach to) the engine."""
+
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """True once the engine accepts requests."""
+
+    @abc.abstractmethod
+    def stream(self, prompt_tokens: list[int], max_tokens: int) -> Any:
+        """Yield (text, token_count) chunks for one request as they arrive."""
+
+    @abc.abstractmethod
+    def scrape(self) -> dict[str, float]:
+        """The engine's own metrics now, by name."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop the engine and leave no process behind."""

@@ -1,0 +1,151 @@
+"""The canonical checkpoint: one HF-format model (safetensors) and tokenizer per model spec and seed.
+
+Every adapter loads this same file, so every stack starts from identical weights. It is
+built locally (no hub), cached in the state folder by content hash, and built once per
+machine under a file lock; the header of every trace carries its weights' sha256 so runs on
+different machines can be checked for the same start.
+
+Runs inside workers (imports torch and transformers).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import attrs
+
+from .environments import state_dir
+from .spec import ModelSpec
+
+RECIPE_VERSION = 1  # bump when the way checkpoints are built changes
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+WEIGHTS = "model.safetensors"
+
+
+def checkpoint_key(model: ModelSpec, seed: int) -> str:
+    data = attrs.asdict(model)
+    data.pop("name")
+    text = json.dumps({"model": data, "seed": seed, "recipe": RECIPE_VERSION}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def tokenizer_corpus() -> list[str]:
+    """Text the tokenizer is trained on: the shipped instruction data (no download)."""
+    text = resources.files("llmadapt.resources").joinpath("tiny-instructions.jsonl").read_text()
+    lines = []
+    for row in map(json.loads, text.splitlines()):
+        lines += [row["instruction"], row["answer"]]
+    return lines
+
+
+def build_tokenizer(vocab_size: int, out_dir: Path):
+    """A byte-level BPE trained on the shipped corpus; every byte is encodable, so no text is unknown."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def hf_config(model: ModelSpec, tokenizer):
+    from transformers import LlamaConfig, MixtralConfig
+
+    common = dict(
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_heads,
+        num_key_value_heads=model.num_kv_heads,
+        max_position_embeddings=model.max_position_embeddings,
+        rms_norm_eps=model.norm_eps,
+        tie_word_embeddings=model.tie_embeddings,
+        rope_theta=model.rope_theta,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    if model.family == "mixtral":
+        return MixtralConfig(
+            num_local_experts=model.num_experts,
+            num_experts_per_tok=model.experts_per_token,
+            router_aux_loss_coef=0.0,
+            **common,
+        )
+    return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+
+
+def canonical_checkpoint(model: ModelSpec, seed: int, cache: Path | None = None) -> Path:
+    """Path of the checkpoint directory for (model, seed), building it if needed (process-safe)."""
+    root = (cache or state_dir() / "checkpoints")
+    target = root / checkpoint_key(model, seed)
+    if (target / "READY").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # other ranks on this machine wait here
+        if (target / "READY").is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
+        try:
+            _build(model, seed, tmp)
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _build(model: ModelSpec, seed: int, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer(min(model.vocab_size, 32000), out)
+    if len(tokenizer) > model.vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but model.vocab_size is {model.vocab_size}")
+    config = hf_config(model, tokenizer)
+    torch.manual_seed(seed)
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf_model.save_pretrained(str(out), safe_serialization=True)
+    # transformers 5.x writes rope settings only as rope_parameters; older readers (4.51)
+    # ignore that and fall back to their default theta. Write it at the top level as well.
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["rope_theta"] = model.rope_theta
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    (out / "READY").write_text(json.dumps({"weights_sha256": weights_hash(out), "key": out.name}))
+
+
+def weights_hash(checkpoint: Path) -> str:
+    digest = hashlib.sha256()
+    with open(checkpoint / WEIGHTS, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def recorded_weights_hash(checkpoint: Path) -> str | None:
+    try:
+        return json.loads((checkpoint / "READY").read_text())["weights_sha256"]
+    except (OSError, KeyError, json.JSONDecodeError):
+        return None

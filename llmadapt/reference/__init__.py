@@ -1,0 +1,1 @@
+"""The reference adapter ``torch``: plain PyTorch + transformers, the embedded default."""

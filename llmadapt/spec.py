@@ -1,0 +1,435 @@
+"""The workload specification: what to run, independent of which stack runs it.
+
+A `Workload` is immutable and builds offline with no side effects. Load one from TOML, YAML
+or JSON with `Workload.from_file`, from a dict with `Workload.from_dict`, or build it in
+Python; `Workload.with_overrides(["train.steps=5"])` applies ``--set`` style changes.
+Every validation error names the field path, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+from .errors import WorkloadError
+
+KINDS = ("train", "finetune")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+RECOMPUTES = ("none", "selective", "full")
+QUANTIZATIONS = ("none", "int8", "nf4")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+DATA_SOURCES = ("synthetic", "jsonl")
+FAMILIES = ("llama", "mixtral")
+
+
+def _choice(options: tuple[str, ...]):
+    def check(inst, attribute, value):
+        if value not in options:
+            raise WorkloadError(attribute.name, value, f"allowed: {', '.join(map(str, options))}")
+
+    return check
+
+
+def _at_least(low: int | float):
+    def check(inst, attribute, value):
+        if value < low:
+            raise WorkloadError(attribute.name, value, f"must be >= {low}")
+
+    return check
+
+
+@attrs.frozen
+class ModelSpec:
+    """Model shape. Decoder-only Llama-style (RMSNorm, rotary, SwiGLU, GQA); MoE when num_experts > 0."""
+
+    name: str = "custom"
+    """Preset name or 'custom'; a label only (not part of the workload hash)."""
+    family: str = attrs.field(default="llama", validator=_choice(FAMILIES))
+    vocab_size: int = attrs.field(default=512, validator=_at_least(2))
+    hidden_size: int = attrs.field(default=64, validator=_at_least(1))
+    intermediate_size: int = attrs.field(default=176, validator=_at_least(1))
+    num_layers: int = attrs.field(default=2, validator=_at_least(1))
+    num_heads: int = attrs.field(default=4, validator=_at_least(1))
+    num_kv_heads: int = attrs.field(default=2, validator=_at_least(1))
+    max_position_embeddings: int = attrs.field(default=256, validator=_at_least(1))
+    rope_theta: float = attrs.field(default=10000.0, validator=_at_least(1.0))
+    norm_eps: float = 1e-5
+    num_experts: int = attrs.field(default=0, validator=_at_least(0))
+    """0 for a dense model; otherwise experts per MoE layer (every layer is MoE)."""
+    experts_per_token: int = attrs.field(default=2, validator=_at_least(1))
+    """Top-k routing: experts each token is sent to (MoE only)."""
+    tie_embeddings: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise WorkloadError("hidden_size", self.hidden_size, f"must be divisible by num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise WorkloadError("num_kv_heads", self.num_kv_heads, f"must divide num_heads={self.num_heads}")
+        if self.family == "mixtral" and self.num_experts < 1:
+            raise WorkloadError("num_experts", self.num_experts, "family 'mixtral' needs num_experts >= 1")
+        if self.family == "llama" and self.num_experts:
+            raise WorkloadError("num_experts", self.num_experts, "family 'llama' is dense: use 0 or family 'mixtral'")
+        if self.num_experts and self.experts_per_token > self.num_experts:
+            raise WorkloadError(
+                "experts_per_token", self.experts_per_token, f"must be <= num_experts={self.num_experts}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # Real shapes, from the published configs.
+    "llama2-7b": dict(family="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                      num_layers=32, num_heads=32, num_kv_heads=32, max_position_embeddings=4096),
+    "llama2-13b": dict(family="llama", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                       num_layers=40, num_heads=40, num_kv_heads=40, max_position_embeddings=4096),
+    "llama2-70b": dict(family="llama", vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+                       num_layers=80, num_heads=64, num_kv_heads=8, max_position_embeddings=4096),
+    "mixtral-8x7b": dict(family="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_layers=32, num_heads=32, num_kv_heads=8, max_position_embeddings=32768,
+                         rope_theta=1e6, num_experts=8, experts_per_token=2),
+    # Tiny shapes for CPU: same architecture, GQA included, seconds per run.
+    "tiny-llama": dict(family="llama", vocab_size=512, hidden_size=64, intermediate_size=176,
+                       num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=256),
+    "tiny-mixtral": dict(family="mixtral", vocab_size=512, hidden_size=64, intermediate_size=128,
+                         num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=256,
+                         rope_theta=1e6, num_experts=4, experts_per_token=2),
+}
+
+
+@attrs.frozen
+class DataSpec:
+    """Where tokens come from. Every stack and every layout sees the same tokens at the same global step."""
+
+    source: str = attrs.field(default="synthetic", validator=_choice(DATA_SOURCES))
+    """'synthetic': seeded token sequences a model can learn; 'jsonl': instruction/answer pairs."""
+    path: str | None = None
+    """JSONL file (source='jsonl'); one object per line with the prompt and answer fields."""
+    prompt_field: str = "instruction"
+    answer_field: str = "answer"
+
+
+@attrs.frozen
+class TrainSpec:
+    """Training and fine-tuning parameters."""
+
+    seq_len: int = attrs.field(default=64, validator=_at_least(1))
+    global_batch: int = attrs.field(default=8, validator=_at_least(1))
+    """Samples per optimizer step, over all data-parallel ranks."""
+    micro_batch: int | None = None
+    """Samples per forward/backward; default: the whole per-rank batch (no accumulation)."""
+    steps: int = attrs.field(default=10, validator=_at_least(1))
+    """Measured steps."""
+    warmup_steps: int = attrs.field(default=2, validator=_at_least(0))
+    """Steps run before the measured ones; they train too but are excluded from statistics."""
+    optimizer: str = attrs.field(default="adamw", validator=_choice(OPTIMIZERS))
+    lr: float = attrs.field(default=1e-3, validator=_at_least(0.0))
+    weight_decay: float = attrs.field(default=0.0, validator=_at_least(0.0))
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.steps
+
+
+@attrs.frozen
+class Parallelism:
+    """Degrees of parallelism; world size = dp * tp * pp (expert parallelism is carved out of dp * tp)."""
+
+    dp: int = attrs.field(default=1, validator=_at_least(1))
+    tp: int = attrs.field(default=1, validator=_at_least(1))
+    pp: int = attrs.field(default=1, validator=_at_least(1))
+    ep: int = attrs.field(default=1, validator=_at_least(1))
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@attrs.frozen
+class Optimizations:
+    """Memory and speed techniques (study A's R, F, Z2, Z3, Z2O, Z3O, Q)."""
+
+    zero_stage: int = attrs.field(default=0, validator=_choice((0, 1, 2, 3)))
+    offload: str = attrs.field(default="none", validator=_choice(OFFLOADS))
+    recompute: str = attrs.field(default="none", validator=_choice(RECOMPUTES))
+    flash_attention: bool = False
+    quantization: str = attrs.field(default="none", validator=_choice(QUANTIZATIONS))
+    """Base-weight quantization (bitsandbytes); needs LoRA (QLoRA) since quantized weights do not train."""
+
+
+@attrs.frozen
+class LoraSpec:
+    """LoRA adapters; rank 0 means off (full fine-tuning)."""
+
+    rank: int = attrs.field(default=0, validator=_at_least(0))
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+
+
+# Fields that change how a workload runs but not the numbers it computes (in exact arithmetic).
+# Runs whose workloads differ only here share a problem hash, so their losses can be compared.
+_LAYOUT_FIELDS = {
+    "parallelism": None,
+    "train": ("micro_batch",),
+    "optimizations": ("zero_stage", "offload", "recompute", "flash_attention"),
+}
+
+
+@attrs.frozen
+class Workload:
+    """One workload: the unit that runs identically on every stack."""
+
+    kind: str = attrs.field(default="train", validator=_choice(KINDS))
+    name: str = ""
+    """A label only (not part of the hash)."""
+    seed: int = 0
+    model: ModelSpec = attrs.field(factory=lambda: ModelSpec(name="tiny-llama", **MODEL_PRESETS["tiny-llama"]))
+    data: DataSpec = attrs.field(factory=DataSpec)
+    train: TrainSpec = attrs.field(factory=TrainSpec)
+    precision: str = attrs.field(default="fp32", validator=_choice(PRECISIONS))
+    parallelism: Parallelism = attrs.field(factory=Parallelism)
+    optimizations: Optimizations = attrs.field(factory=Optimizations)
+    lora: LoraSpec = attrs.field(factory=LoraSpec)
+
+    def __attrs_post_init__(self) -> None:
+        _check_workload(self)
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Workload:
+        """Build from plain data (parsed TOML/YAML/JSON); model.preset expands to its fields."""
+        return _build(cls, data, "")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Workload:
+        path = Path(path)
+        if not path.is_file():
+            raise WorkloadError("file", str(path), "no such workload file")
+        text = path.read_text()
+        suffix = path.suffix.lower()
+        try:
+            if suffix == ".toml":
+                import tomllib
+
+                data = tomllib.loads(text)
+            elif suffix in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text) or {}
+            elif suffix == ".json":
+                data = json.loads(text)
+            else:
+                raise WorkloadError("file", str(path), "use a .toml, .yaml, .yml or .json file")
+        except WorkloadError:
+            raise
+        except Exception as exc:  # parse errors of three libraries: one clear line
+            raise WorkloadError("file", str(path), f"could not be parsed: {exc}") from None
+        if not isinstance(data, dict):
+            raise WorkloadError("file", str(path), "the top level must be a table/mapping")
+        workload = cls.from_dict(data)
+        if workload.data.path and not Path(workload.data.path).is_absolute():
+            # Data paths in a file are relative to that file, so examples run from anywhere.
+            resolved = (path.parent / workload.data.path).resolve()
+            workload = attrs.evolve(workload, data=attrs.evolve(workload.data, path=str(resolved)))
+        return workload
+
+    def with_overrides(self, assignments: list[str] | tuple[str, ...]) -> Workload:
+        """Apply ``path=value`` assignments (values parsed as YAML scalars/lists)."""
+        if not assignments:
+            return self
+        import yaml
+
+        data = self.to_dict()
+        for assignment in assignments:
+            key, sep, raw = assignment.partition("=")
+            if not sep or not key:
+                raise WorkloadError("--set", assignment, "use path=value, e.g. train.steps=5")
+            try:
+                value = yaml.safe_load(raw) if raw else ""
+            except yaml.YAMLError:
+                value = raw
+            parts = key.strip().split(".")
+            target = data
+            for i, part in enumerate(parts[:-1]):
+                if not isinstance(target.get(part), dict):
+                    raise WorkloadError(".".join(parts[: i + 1]), part, "is not a section of the workload")
+                target = target[part]
+            if parts[-1] not in target and not (parts == ["model", "preset"]):
+                known = ", ".join(sorted(target))
+                raise WorkloadError(key, value, f"unknown field; known here: {known}")
+            if parts == ["model", "preset"]:
+                data["model"] = {"preset": value}
+            else:
+                target[parts[-1]] = value
+        return Workload.from_dict(data)
+
+    # -- identity -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @property
+    def content_hash(self) -> str:
+        """Stable hash of everything that defines the workload (labels excluded)."""
+        data = self.to_dict()
+        data.pop("name")
+        data["model"].pop("name")
+        return _hash(data)
+
+    @property
+    def problem_hash(self) -> str:
+        """Hash of what determines the loss trajectory: layout and memory techniques excluded."""
+        data = self.to_dict()
+        data.pop("name")
+        data["model"].pop("name")
+        for section, fields in _LAYOUT_FIELDS.items():
+            if fields is None:
+                data.pop(section)
+            else:
+                for field in fields:
+                    data[section].pop(field)
+        return _hash(data)
+
+    @property
+    def world_size(self) -> int:
+        return self.parallelism.world_size
+
+    @property
+    def per_rank_batch(self) -> int:
+        return self.train.global_batch // self.parallelism.dp
+
+    @property
+    def micro_batch(self) -> int:
+        return self.train.micro_batch or self.per_rank_batch
+
+    @property
+    def label(self) -> str:
+        return self.name or f"{self.kind}-{self.model.name}"
+
+
+def _hash(data: dict[str, Any]) -> str:
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _check_workload(w: Workload) -> None:
+    """Cross-field rules; each failure names one field."""
+    p, t, o = w.parallelism, w.train, w.optimizations
+    if t.global_batch % p.dp:
+        raise WorkloadError("train.global_batch", t.global_batch, f"must be divisible by parallelism.dp={p.dp}")
+    if t.micro_batch is not None:
+        if t.micro_batch < 1 or w.per_rank_batch % t.micro_batch:
+            raise WorkloadError(
+                "train.micro_batch", t.micro_batch,
+                f"must divide the per-rank batch global_batch/dp = {w.per_rank_batch}",
+            )
+    if t.seq_len > w.model.max_position_embeddings:
+        raise WorkloadError(
+            "train.seq_len", t.seq_len, f"must be <= model.max_position_embeddings={w.model.max_position_embeddings}"
+        )
+    if w.model.num_heads % p.tp or w.model.num_kv_heads % p.tp:
+        raise WorkloadError(
+            "parallelism.tp", p.tp,
+            f"must divide model.num_heads={w.model.num_heads} and model.num_kv_heads={w.model.num_kv_heads}",
+        )
+    if p.pp > w.model.num_layers:
+        raise WorkloadError("parallelism.pp", p.pp, f"must be <= model.num_layers={w.model.num_layers}")
+    if p.ep > 1:
+        if not w.model.is_moe:
+            raise WorkloadError("parallelism.ep", p.ep, "expert parallelism needs an MoE model (model.num_experts > 0)")
+        if w.model.num_experts % p.ep:
+            raise WorkloadError("parallelism.ep", p.ep, f"must divide model.num_experts={w.model.num_experts}")
+        if (p.dp * p.tp) % p.ep:
+            raise WorkloadError("parallelism.ep", p.ep, f"must divide dp*tp={p.dp * p.tp}")
+    if o.offload == "optimizer" and o.zero_stage == 0:
+        raise WorkloadError("optimizations.offload", o.offload, "optimizer offload needs optimizations.zero_stage >= 1")
+    if o.offload == "optimizer+params" and o.zero_stage != 3:
+        raise WorkloadError("optimizations.offload", o.offload, "parameter offload needs optimizations.zero_stage = 3")
+    if w.lora.rank and w.kind != "finetune":
+        raise WorkloadError("lora.rank", w.lora.rank, "LoRA needs kind = 'finetune'")
+    if o.quantization != "none" and not w.lora.rank:
+        raise WorkloadError(
+            "optimizations.quantization", o.quantization, "quantized base weights do not train: set lora.rank > 0 (QLoRA)"
+        )
+    if w.data.source == "jsonl":
+        if not w.data.path:
+            raise WorkloadError("data.path", w.data.path, "data.source = 'jsonl' needs a path to a JSONL file")
+        if not Path(w.data.path).is_file():
+            raise WorkloadError("data.path", w.data.path, "no such file")
+
+
+# -- dict -> attrs, with field paths in every error --------------------------------------------
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise WorkloadError(path or "workload", data, "must be a table/mapping")
+    data = dict(data)
+    if cls is ModelSpec and "preset" in data:
+        preset = data.pop("preset")
+        if preset not in MODEL_PRESETS:
+            raise WorkloadError(f"{path}.preset", preset, f"known presets: {', '.join(MODEL_PRESETS)}")
+        data = {"name": preset, **MODEL_PRESETS[preset], **data}
+    fields = {f.name: f for f in attrs.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{path}.{unknown[0]}" if path else unknown[0]
+        raise WorkloadError(where, data[unknown[0]], f"unknown field; known: {', '.join(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        field_path = f"{path}.{name}" if path else name
+        kwargs[name] = _convert(hints[name], value, field_path)
+    try:
+        return cls(**kwargs)
+    except WorkloadError as exc:
+        # Validators know only their own field name: prefix the section path.
+        field = exc.field if not path or exc.field.startswith(path) else f"{path}.{exc.field}"
+        raise WorkloadError(field, exc.value, exc.allowed) from None
+
+
+def _convert(hint: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(hint)
+    if attrs.has(hint):
+        return _build(hint, value, path)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(options[0], value, path)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise WorkloadError(path, value, "must be a list")
+        return tuple(_convert(typing.get_args(hint)[0], v, path) for v in value)
+    if origin is Literal:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise WorkloadError(path, value, "must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise WorkloadError(path, value, "must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise WorkloadError(path, value, "must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise WorkloadError(path, value, "must be a string")
+        return value
+    return value
