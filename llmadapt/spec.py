@@ -240,12 +240,11 @@ class Workload:
             raise WorkloadError("file", str(path), f"could not be parsed: {exc}") from None
         if not isinstance(data, dict):
             raise WorkloadError("file", str(path), "the top level must be a table/mapping")
-        workload = cls.from_dict(data)
-        if workload.data.path and not Path(workload.data.path).is_absolute():
+        section = data.get("data")
+        if isinstance(section, dict) and isinstance(section.get("path"), str) and not Path(section["path"]).is_absolute():
             # Data paths in a file are relative to that file, so examples run from anywhere.
-            resolved = (path.parent / workload.data.path).resolve()
-            workload = attrs.evolve(workload, data=attrs.evolve(workload.data, path=str(resolved)))
-        return workload
+            data = {**data, "data": {**section, "path": str((path.parent / section["path"]).resolve())}}
+        return cls.from_dict(data)
 
     def with_overrides(self, assignments: list[str] | tuple[str, ...]) -> Workload:
         """Apply ``path=value`` assignments (values parsed as YAML scalars/lists)."""

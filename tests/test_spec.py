@@ -1,0 +1,109 @@
+"""Workload specification: presets, files, overrides, hashes and the errors users see."""
+
+import json
+
+import pytest
+
+from llmadapt import MODEL_PRESETS, Workload, WorkloadError
+
+
+def test_presets_expand_to_real_shapes():
+    """llama2-70b has GQA with 8 KV heads; mixtral-8x7b routes top-2 of 8 experts."""
+    w = Workload.from_dict({"model": {"preset": "llama2-70b"}})
+    assert (w.model.hidden_size, w.model.num_layers, w.model.num_heads, w.model.num_kv_heads) == (8192, 80, 64, 8)
+    m = Workload.from_dict({"model": {"preset": "mixtral-8x7b"}}).model
+    assert (m.num_experts, m.experts_per_token, m.is_moe) == (8, 2, True)
+    assert set(MODEL_PRESETS) >= {"llama2-7b", "llama2-13b", "llama2-70b", "mixtral-8x7b", "tiny-llama", "tiny-mixtral"}
+
+
+def test_explicit_fields_override_a_preset():
+    """Fields next to a preset replace the preset's values."""
+    w = Workload.from_dict({"model": {"preset": "tiny-llama", "num_layers": 3}})
+    assert w.model.num_layers == 3 and w.model.hidden_size == 64
+
+
+def test_hash_is_stable_and_ignores_labels():
+    """A preset and its explicit fields hash the same; names are labels, not content."""
+    a = Workload.from_dict({"model": {"preset": "tiny-llama"}, "name": "a"})
+    explicit = dict(MODEL_PRESETS["tiny-llama"])
+    b = Workload.from_dict({"model": explicit, "name": "b"})
+    assert a.content_hash == b.content_hash
+    assert len(a.content_hash) == 64
+    assert a.with_overrides(["train.steps=11"]).content_hash != a.content_hash
+
+
+def test_problem_hash_ignores_layout_but_not_math():
+    """Parallel layout and memory techniques keep the problem hash; precision or LoRA change it."""
+    w = Workload()
+    same = w.with_overrides(["parallelism.dp=2", "train.micro_batch=2", "optimizations.recompute=full"])
+    assert same.problem_hash == w.problem_hash and same.content_hash != w.content_hash
+    assert w.with_overrides(["precision=bf16"]).problem_hash != w.problem_hash
+
+
+@pytest.mark.parametrize("suffix", ["toml", "yaml", "json"])
+def test_loads_every_file_format(tmp_path, suffix):
+    """TOML, YAML and JSON files give the same workload."""
+    texts = {
+        "toml": 'kind = "train"\n[model]\npreset = "tiny-llama"\n[train]\nsteps = 3\n',
+        "yaml": "kind: train\nmodel: {preset: tiny-llama}\ntrain: {steps: 3}\n",
+        "json": json.dumps({"kind": "train", "model": {"preset": "tiny-llama"}, "train": {"steps": 3}}),
+    }
+    path = tmp_path / f"w.{suffix}"
+    path.write_text(texts[suffix])
+    w = Workload.from_file(path)
+    assert w.train.steps == 3 and w.model.name == "tiny-llama"
+
+
+def test_data_path_is_relative_to_the_workload_file(tmp_path):
+    """A relative data.path resolves against the file's folder, so examples run from anywhere."""
+    (tmp_path / "d.jsonl").write_text('{"instruction": "a", "answer": "b"}\n')
+    (tmp_path / "w.toml").write_text('kind = "finetune"\n[data]\nsource = "jsonl"\npath = "d.jsonl"\n')
+    assert Workload.from_file(tmp_path / "w.toml").data.path == str(tmp_path / "d.jsonl")
+
+
+def test_overrides_parse_values():
+    """--set values are parsed: numbers, booleans, lists."""
+    w = Workload(kind="finetune").with_overrides(
+        ["train.lr=0.01", "optimizations.flash_attention=true", "lora.rank=4", "lora.target_modules=[q_proj,k_proj]"]
+    )
+    assert w.train.lr == 0.01 and w.optimizations.flash_attention is True
+    assert w.lora.target_modules == ("q_proj", "k_proj")
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["optimizations.zero_stage=5"], "workload field 'optimizations.zero_stage': got 5; allowed: 0, 1, 2, 3"),
+        (["parallelism.dp=3"], "workload field 'train.global_batch': got 8; must be divisible by parallelism.dp=3"),
+        (["train.micro_batch=3"], "workload field 'train.micro_batch': got 3; must divide the per-rank batch "
+                                  "global_batch/dp = 8"),
+        (["model.preset=llama3"], "workload field 'model.preset': got 'llama3'; known presets: llama2-7b, "
+                                  "llama2-13b, llama2-70b, mixtral-8x7b, tiny-llama, tiny-mixtral"),
+        (["train.stepz=3"], "workload field 'train.stepz': got 3; unknown field; known here: global_batch, lr, "
+                            "micro_batch, optimizer, seq_len, steps, warmup_steps, weight_decay"),
+        (["precision=fp8"], "workload field 'precision': got 'fp8'; allowed: fp32, bf16, fp16"),
+        (["train.steps=many"], "workload field 'train.steps': got 'many'; must be an integer"),
+        (["parallelism.tp=4"], "workload field 'parallelism.tp': got 4; must divide model.num_heads=4 and "
+                               "model.num_kv_heads=2"),
+        (["optimizations.offload=optimizer+params", "optimizations.zero_stage=2"],
+         "workload field 'optimizations.offload': got 'optimizer+params'; parameter offload needs "
+         "optimizations.zero_stage = 3"),
+        (["optimizations.quantization=nf4"], "workload field 'optimizations.quantization': got 'nf4'; quantized "
+                                             "base weights do not train: set lora.rank > 0 (QLoRA)"),
+        (["data.source=jsonl", "data.path=/nonexistent.jsonl"],
+         "workload field 'data.path': got '/nonexistent.jsonl'; no such file"),
+    ],
+)
+def test_bad_input_names_field_value_and_allowed(sets, message):
+    """Every rule violation is one line naming the field, the value and what is allowed."""
+    with pytest.raises(WorkloadError) as info:
+        Workload().with_overrides(sets)
+    assert str(info.value) == message
+
+
+def test_unparseable_file_is_one_clear_line(tmp_path):
+    """A syntax error in a workload file names the file."""
+    path = tmp_path / "bad.toml"
+    path.write_text("kind = \n")
+    with pytest.raises(WorkloadError, match=r"workload field 'file': got '.*bad.toml'; could not be parsed"):
+        Workload.from_file(path)
