@@ -230,3 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         print("interrupted: the partial trace was kept", file=sys.stderr)
         code = 130
     raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()

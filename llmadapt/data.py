@@ -60,6 +60,7 @@ class TokenData:
         self.w = workload
         self.seq_len = workload.train.seq_len
         self._examples: list[tuple[list[int], list[int]]] | None = None
+        self._orders: dict[int, list[int]] = {}
         if workload.data.source == "jsonl":
             if tokenizer is None:
                 raise ValueError("jsonl data needs the canonical tokenizer")
@@ -70,12 +71,16 @@ class TokenData:
     def sample(self, index: int) -> Sample:
         if self._examples is None:
             return self._synthetic(index)
-        n = len(self._examples)
-        epoch, pos = divmod(index, n)
-        order = list(range(n))
-        random.Random(f"{self.w.seed}:epoch:{epoch}").shuffle(order)
-        prompt, answer = self._examples[order[pos]]
+        epoch, pos = divmod(index, len(self._examples))
+        prompt, answer = self._examples[self._order(epoch)[pos]]
         return self._pack(prompt, answer)
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self._examples)))
+            random.Random(f"{self.w.seed}:epoch:{epoch}").shuffle(order)
+            self._orders[epoch] = order
+        return self._orders[epoch]
 
     def global_samples(self, step: int) -> list[Sample]:
         g = self.w.train.global_batch

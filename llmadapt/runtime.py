@@ -174,7 +174,7 @@ def run_worker(run_dir: Path) -> int:
         raise _Stopped(f"stopped by signal {signal.Signals(signum).name} "
                        "(the launcher stopped this rank: another rank failed, a timeout, or an interrupt)")
 
-    signal.signal(signal.SIGTERM, on_term)
+    previous_handler = signal.signal(signal.SIGTERM, on_term)
     try:
         import torch
 
@@ -257,6 +257,7 @@ def run_worker(run_dir: Path) -> int:
             traceback.print_exc()
         return code
     finally:
+        signal.signal(signal.SIGTERM, previous_handler)
         writer.close()
         if dist_started:
             try:

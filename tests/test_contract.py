@@ -1,0 +1,113 @@
+"""Metrics contract: schema, validation, streaming writes, statistics and cross-rank aggregation."""
+
+import json
+import math
+import subprocess
+import sys
+
+import attrs
+import pytest
+
+from llmadapt import ContractError, json_schema
+from llmadapt.contract import Failure, JsonlWriter, Memory, Phase, Step, read_jsonl, to_json, validate
+from llmadapt.stats import aggregate, describe, percentile
+
+
+def step(rank=0, index=0, seconds=1.0, tokens=100, loss=2.0, warmup=False, peak=1000, phases=()):
+    return to_json(Step(rank=rank, step=index, warmup=warmup, start_ns=0, end_ns=int(seconds * 1e9), seconds=seconds,
+                        tokens=tokens, samples=2, loss=loss, phases=list(phases),
+                        memory=Memory(kind="cpu-rss", rss_bytes=peak, peak_rss_bytes=peak)))
+
+
+def test_schema_is_generated_from_record_types():
+    """The schema has one definition per record type, with the fields' docs."""
+    schema = json_schema()
+    assert {"Header", "Step", "Failure", "Summary", "Phase", "Memory"} <= set(schema["$defs"])
+    step_def = schema["$defs"]["Step"]
+    assert step_def["properties"]["type"] == {"const": "step"}
+    assert "global batch" in step_def["properties"]["loss"]["description"]
+    assert "loss" in step_def["required"] and "phases" not in step_def["required"]
+
+
+def test_validate_accepts_a_step_and_names_the_bad_field():
+    """A valid record passes; a wrong type is reported with the field path."""
+    record = step()
+    assert validate(record) is record
+    record["phases"] = [{"name": "forward", "seconds": "fast", "source": "llmadapt"}]
+    with pytest.raises(ContractError, match=r"step record, field phases/0/seconds: 'fast' is not of type 'number'"):
+        validate(record)
+    with pytest.raises(ContractError, match="unknown type 'bogus'"):
+        validate({"type": "bogus"})
+
+
+def test_writer_flushes_every_record_and_reader_survives_a_torn_line(tmp_path):
+    """Records are readable while the writer is open; a half-written last line is ignored."""
+    path = tmp_path / "rank-00000.jsonl"
+    writer = JsonlWriter(path)
+    writer.write(Step(**{k: v for k, v in step().items() if k not in ("type", "memory")}))
+    assert len(read_jsonl(path)) == 1  # not closed yet: already on disk
+    with open(path, "a") as f:
+        f.write('{"type": "step", "rank": 0, "st')  # killed mid-write
+    assert len(read_jsonl(path)) == 1
+    writer.close()
+
+
+def test_statistics_match_numpy_definitions():
+    """Percentiles interpolate linearly (numpy's default); std is the sample std."""
+    values = [5.0, 1.0, 4.0, 2.0, 3.0, 10.0]
+    s = describe(values)
+    assert (s.count, s.min, s.max, s.p50) == (6, 1.0, 10.0, 3.5)
+    assert s.p90 == pytest.approx(7.5)
+    assert s.mean == pytest.approx(25 / 6)
+    assert s.std == pytest.approx(math.sqrt(sum((v - 25 / 6) ** 2 for v in values) / 5))
+    assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert describe([]) is None
+
+
+def test_aggregation_takes_slowest_rank_sums_tokens_and_keeps_memory_per_rank():
+    """Step time = slowest rank; tokens summed; memory max plus per rank; warm-up excluded."""
+    launch = {"role": "train", "adapter": "x", "launcher": "torchrun",
+              "workload": {"parallelism": {"dp": 2}, "train": {"steps": 2, "warmup_steps": 1}}}
+    records = [
+        step(0, 0, 9.0, warmup=True), step(1, 0, 9.0, warmup=True),
+        step(0, 1, 1.0, peak=100, phases=[to_json(Phase("forward", 0.25, "llmadapt"))]),
+        step(1, 1, 2.0, peak=300, phases=[to_json(Phase("forward", 0.75, "llmadapt"))]),
+        step(0, 2, 1.0, loss=1.5), step(1, 2, 1.0, loss=1.5),
+    ]
+    s = aggregate("r", records, launch)
+    assert s.status == "ok" and s.steps_completed == 3 and s.measured_steps == 2
+    assert s.step_time_s.max == 2.0 and s.step_time_s.min == 1.0
+    assert s.tokens_per_step == 200
+    assert s.tokens_per_s.max == 200.0
+    assert s.peak_memory_bytes == 1000 and s.peak_memory_per_rank == [1000, 1000]
+    assert s.losses == [2.0, 2.0, 1.5]
+    assert s.phase_means_s == {"llmadapt:forward": 0.5}
+
+
+def test_incomplete_run_is_failed_even_without_a_failure_record():
+    """A run that ends early is never reported as ok."""
+    launch = {"role": "train", "adapter": "x", "launcher": "subprocess", "workload": {"train": {"steps": 3}}}
+    s = aggregate("r", [step(0, 0, warmup=True)], launch)
+    assert s.status == "failed" and s.failures[0].cause == "crash"
+
+
+def test_failure_causes_are_constrained_by_the_schema():
+    """A failure record with an unknown cause does not validate."""
+    good = to_json(Failure(cause="oom", message="x", rank=0))
+    validate(good)
+    with pytest.raises(ContractError, match="cause"):
+        validate({**good, "cause": "gremlins"})
+
+
+def test_schema_command_prints_the_schema():
+    """`llmadapt schema` prints the generated JSON Schema."""
+    out = subprocess.run([sys.executable, "-m", "llmadapt.cli", "schema"], capture_output=True, text=True, check=False)
+    assert json.loads(out.stdout) == json_schema()
+
+
+def test_summary_round_trips_through_its_schema():
+    """A real summary serialises to a record the schema accepts."""
+    launch = {"role": "train", "adapter": "x", "launcher": "inline", "workload": {"train": {"steps": 1,
+                                                                                           "warmup_steps": 0}}}
+    summary = aggregate("r", [step()], launch)
+    validate(json.loads(json.dumps(attrs.asdict(summary))))

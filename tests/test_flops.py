@@ -1,0 +1,49 @@
+"""Model FLOPs per token (PaLM convention) against hand counts."""
+
+import pytest
+
+from llmadapt import MODEL_PRESETS
+from llmadapt.flops import mfu, model_flops_per_token, param_count, peak_flops
+from llmadapt.spec import ModelSpec
+
+
+def preset(name):
+    return ModelSpec(name=name, **MODEL_PRESETS[name])
+
+
+def test_llama2_7b_parameter_count_matches_the_published_total():
+    """6,738,415,616 parameters, as the released checkpoint has."""
+    assert param_count(preset("llama2-7b")) == 6_738_415_616
+
+
+def test_mixtral_total_and_active_parameters():
+    """46.7B total; 12.75B active non-embedding (2 of 8 experts, router included)."""
+    m = preset("mixtral-8x7b")
+    assert param_count(m) == 46_702_792_704
+    # by hand, per layer: attention 2*4096^2 + 2*4096*1024, two experts 2*3*4096*14336,
+    # router 4096*8, norms 2*4096; times 32 layers; + final norm + output projection 4096*32000
+    layer = 2 * 4096**2 + 2 * 4096 * 1024 + 2 * 3 * 4096 * 14336 + 4096 * 8 + 2 * 4096
+    assert param_count(m, active=True, embedding=False) == 32 * layer + 4096 + 4096 * 32000
+
+
+def test_tiny_llama_flops_per_token_by_hand():
+    """GQA shrinks K/V projections; SwiGLU has three matrices; attention term over all query heads."""
+    h, kv, ffn, layers, heads, head_dim, vocab, t = 64, 2 * 16, 176, 2, 4, 16, 512, 64
+    n = layers * (2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h) + h + h * vocab
+    assert model_flops_per_token(preset("tiny-llama"), t) == 6 * n + 12 * layers * heads * head_dim * t == 849_792
+
+
+def test_llama2_70b_flops_per_token():
+    """70B at 4096 tokens: 6N + 12*L*H*Q*T with N the non-embedding count."""
+    m = preset("llama2-70b")
+    n = param_count(m, embedding=False)
+    assert model_flops_per_token(m, 4096) == 6 * n + 12 * 80 * 64 * 128 * 4096
+    assert n == pytest.approx(68.7e9, rel=0.01)
+
+
+def test_mfu_needs_a_known_peak():
+    """MFU on an H100 in bf16 uses 989.4 TFLOP/s; unknown devices (CPUs) give None."""
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.4e12
+    assert peak_flops("AMD EPYC", "fp32") is None
+    assert mfu(1e9, 1000.0, 1e13, 1) == pytest.approx(0.1)
+    assert mfu(1e9, 1000.0, None, 1) is None

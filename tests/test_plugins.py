@@ -1,0 +1,128 @@
+"""Plugins: registration through pluggy, support checks before launch, the adapters listing."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import llmadapt
+from llmadapt import AdapterInfo, EnvironmentSpec, LlmadaptError, Supports, UnsupportedError, Workload, hookimpl
+from llmadapt.plugins import check_supported, collect_adapters, get_adapter, plugin_manager
+
+ENV = EnvironmentSpec(name="x", requirements=("torch==2.13.0",))
+
+
+def info(name, **supports):
+    return AdapterInfo(name=name, version="1", framework="f", roles={"train": "m:C"}, environment=ENV,
+                       supports=Supports(**supports))
+
+
+@pytest.fixture
+def pm():
+    return plugin_manager(load_entrypoints=False)
+
+
+def test_local_plugin_registers_like_an_entry_point(pm):
+    """A plugin object with the hook registers adapters on a fresh manager."""
+    class Plugin:
+        @hookimpl
+        def llmadapt_register_adapters(self, register):
+            register(info("mine"))
+
+    pm.register(Plugin())
+    assert list(collect_adapters(pm)) == ["mine"]
+    assert get_adapter("mine", pm).framework == "f"
+
+
+def test_duplicate_names_are_an_error_naming_both_plugins(pm):
+    """Two plugins registering one name is refused, naming both."""
+    class A:
+        @hookimpl
+        def llmadapt_register_adapters(self, register):
+            register(info("same"))
+
+    pm.register(A(), name="first")
+    pm.register(A(), name="second")
+    with pytest.raises(LlmadaptError, match="adapter 'same' is registered twice: by plugin '.*' and by '.*'"):
+        collect_adapters(pm)
+
+
+def test_misspelt_hook_is_caught(pm):
+    """A hook implementation with an unknown name fails validation instead of doing nothing."""
+    class Typo:
+        @hookimpl
+        def llmadapt_register_adapter(self, register):
+            pass
+
+    pm.register(Typo())
+    with pytest.raises(Exception, match="unknown hook"):
+        pm.check_pending()
+
+
+def test_reference_adapter_comes_from_the_entry_point():
+    """The built-in torch adapter registers through the `llmadapt` entry-point group."""
+    from importlib import metadata
+
+    names = {ep.name: ep.value for ep in metadata.entry_points(group="llmadapt")}
+    assert names["torch"] == "llmadapt.reference.plugin"
+    assert "torch" in llmadapt.adapters()
+
+
+def test_unknown_adapter_lists_the_known_ones():
+    """Asking for an unregistered adapter names it and lists what exists."""
+    with pytest.raises(llmadapt.UnknownAdapterError, match="unknown adapter 'nope'; registered adapters: .*torch"):
+        get_adapter("nope")
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["parallelism.tp=2"], "adapter 'a' cannot run parallelism.tp=2: supported: 1"),
+        (["optimizations.zero_stage=2"], "adapter 'a' cannot run optimizations.zero_stage=2: supported: 0"),
+        (["precision=bf16"], "adapter 'a' cannot run precision='bf16': supported: fp32"),
+        (["kind=finetune"], "adapter 'a' does not support kind='finetune'; roles: train"),
+    ],
+)
+def test_unsupported_requests_fail_with_one_line(sets, message):
+    """The declaration is checked before anything starts."""
+    with pytest.raises(UnsupportedError) as err:
+        check_supported(info("a"), Workload().with_overrides(sets))
+    assert str(err.value) == message
+
+
+def test_adapter_check_hook_adds_rules():
+    """An adapter's own check() problems are reported the same way."""
+    custom = AdapterInfo(name="c", version="1", framework="f", roles={"train": "m:C"}, environment=ENV,
+                         check=lambda w: [("precision", w.precision, "fp16 needs a GPU")])
+    with pytest.raises(UnsupportedError, match=r"adapter 'c' cannot run precision='fp32': fp16 needs a GPU"):
+        check_supported(custom, Workload())
+
+
+def test_load_plugins_variable_limits_entry_points(monkeypatch):
+    """LLMADAPT_LOAD_PLUGINS='' loads no entry-point plugin at all."""
+    monkeypatch.setenv("LLMADAPT_LOAD_PLUGINS", "")
+    assert collect_adapters(plugin_manager()) == {}
+
+
+def test_adapters_command_lists_roles_supports_and_environment():
+    """`llmadapt adapters --json` shows name, version, roles, supports and environment readiness."""
+    out = subprocess.run([sys.executable, "-m", "llmadapt.cli", "adapters", "--json"], capture_output=True, text=True,
+                         check=True)
+    rows = {r["name"]: r for r in json.loads(out.stdout)}
+    torch = rows["torch"]
+    assert torch["roles"] == ["train", "finetune"]
+    assert torch["environment"] == "torch"
+    assert torch["environment_status"] in ("ready", "missing", "stale", "override")
+    assert "dp" in torch["supports"] and "lora" in torch["supports"]
+
+
+def test_listing_adapters_does_not_import_torch():
+    """The orchestrator path stays light: no torch import to list adapters or show help."""
+    code = ("import sys; from llmadapt.cli import main\n"
+            "for argv in (['adapters'], ['--help']):\n"
+            "    try: main(argv)\n"
+            "    except SystemExit: pass\n"
+            "print('TORCH' if 'torch' in sys.modules else 'LIGHT')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("LIGHT")
