@@ -22,13 +22,15 @@ def _emit(args, data: Any, text: str) -> None:
 
 def _run_options(args) -> dict[str, Any]:
     opts: dict[str, Any] = {"launcher": args.launcher, "out": args.out, "timeout": args.timeout}
-    if not args.json:
-        opts["progress"] = _progress
+    opts["progress"] = _progress
     return opts
 
 
 def _progress(record: dict[str, Any]) -> None:
-    if record.get("type") == "step":
+    if record.get("type") == "start":
+        print(f"running {record['label']} on {record['adapter']} (world size {record['world_size']}, "
+              f"{record['launcher']}) -> {record['run_dir']}", file=sys.stderr, flush=True)
+    elif record.get("type") == "step":
         tag = " (warm-up)" if record["warmup"] else ""
         print(f"  step {record['step']:>4}  loss {record['loss']:.4f}  {record['seconds']:.4f} s{tag}",
               file=sys.stderr, flush=True)
@@ -42,9 +44,7 @@ def cmd_run(args) -> int:
     from .analysis import render_summary
     from .launch import run
 
-    workload = _workload(args)
-    print(f"running {workload.label} on {args.adapter} (world size {workload.world_size})", file=sys.stderr)
-    result = run(workload, args.adapter, **_run_options(args))
+    result = run(_workload(args), args.adapter, **_run_options(args))
     summary = attrs.asdict(result.summary)
     _emit(args, {"run_dir": str(result.run_dir), "summary": summary},
           render_summary(summary) + f"\ntrace      {result.run_dir}")

@@ -70,6 +70,9 @@ def run(
 ) -> RunResult:
     """Run one workload on one adapter; returns when the workers are gone, with the summary.
 
+    ``progress`` receives a ``{"type": "start", ...}`` event once the run directory exists,
+    then rank 0's records as they are written.
+
     A failed run is a result (``summary.status == 'failed'`` with its failures), not an
     exception. Exceptions are for bad input, raised before any process starts.
     """
@@ -97,6 +100,9 @@ def run(
         "python": str(python) if python else None, "created": time.time(),
     }
     (run_dir / "launch.json").write_text(json.dumps(launch, indent=2))
+    if progress:
+        progress({"type": "start", "run_dir": str(run_dir), "adapter": adapter, "label": workload.label,
+                  "world_size": world, "launcher": launcher})
 
     failures: list[Failure] = []
     interrupted = False

@@ -1,0 +1,107 @@
+"""The command line, run as a user runs it."""
+
+import csv
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "tiny-llama.toml"
+SMALL = ["--set", "train.steps=2", "--set", "train.warmup_steps=1", "--set", "train.seq_len=32",
+         "--set", "train.global_batch=4", "--set", "train.micro_batch=2"]
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "llmadapt.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, check=False)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "optimizations.zero_stage=5"], "error: workload field 'optimizations.zero_stage': got 5; "
+                                                  "allowed: 0, 1, 2, 3"),
+        (["--set", "parallelism.tp=2"], "error: adapter 'torch' cannot run parallelism.tp=2: supported: 1"),
+        (["--adapter", "nope"], "error: unknown adapter 'nope'; registered adapters:"),
+        (["--set", "data.source=jsonl", "--set", "data.path=missing.jsonl"],
+         "error: workload field 'data.path': got 'missing.jsonl'; no such file"),
+    ],
+)
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, args, message):
+    """Bad input exits 2 with one line on stderr, before any process starts or any file is written."""
+    out = cli("run", EXAMPLE, "--out", tmp_path / "runs", *args)
+    assert out.returncode == 2
+    assert out.stderr.startswith(message), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_workload_file(tmp_path):
+    """A workload file that does not exist is named."""
+    out = cli("run", tmp_path / "nope.toml")
+    assert out.returncode == 2 and "no such workload file" in out.stderr
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli")
+    result = cli("run", EXAMPLE, *SMALL, "--out", out, "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["summary"]["status"] == "ok"
+    assert "step    0" in result.stderr  # progress while it runs
+    return Path(data["run_dir"])
+
+
+def test_show_prints_the_summary(run_dir):
+    """`show` renders what was measured; `--json` gives the stored summary."""
+    text = cli("show", run_dir)
+    assert text.returncode == 0 and "step time  p50" in text.stdout and "[ok]" in text.stdout
+    data = json.loads(cli("show", run_dir, "--json").stdout)
+    assert data == json.loads((run_dir / "summary.json").read_text())
+
+
+def test_export_csv_has_one_row_per_rank_step(run_dir):
+    """CSV export: one row per rank and step, with phase columns."""
+    rows = list(csv.DictReader(io.StringIO(cli("export", run_dir, "--format", "csv").stdout)))
+    assert [r["step"] for r in rows] == ["0", "1", "2"]
+    assert "phase_s[llmadapt:forward]" in rows[0]
+
+
+def test_export_chrome_trace_places_steps_on_wall_clock(run_dir, tmp_path):
+    """Chrome trace export: a complete event per step, in microseconds since the epoch."""
+    target = tmp_path / "trace.json"
+    assert cli("export", run_dir, "--format", "chrome-trace", "-o", target).returncode == 0
+    events = [e for e in json.loads(target.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in events] == ["step 0", "step 1", "step 2"]
+    assert events[0]["ts"] > 1.7e15 and events[1]["ts"] >= events[0]["ts"] + events[0]["dur"]
+
+
+def test_export_json_holds_every_record(run_dir):
+    data = json.loads(cli("export", run_dir, "--format", "json").stdout)
+    assert {r["type"] for r in data["records"]} == {"header", "step"}
+
+
+def test_compare_matrix_gives_one_row_per_variant(tmp_path):
+    """`compare --matrix` runs every variant and prints one table with the parity delta."""
+    out = cli("compare", EXAMPLE, *SMALL, "--matrix", "train.micro_batch=1,2", "--out", tmp_path, "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert [r["variant"] for r in rows] == ["micro_batch=1", "micro_batch=2"]
+    assert rows[1]["parity_delta"] < 1e-4
+    text = cli("compare", EXAMPLE, *SMALL, "--out", tmp_path).stdout
+    assert text.splitlines()[0].split()[:2] == ["run", "status"]
+
+
+def test_parity_command_passes_and_fails(tmp_path):
+    """`parity` exits 0 when trajectories agree; a tolerance of zero against bf16-free noise still passes for
+    identical runs, and a mismatched precision is refused."""
+    ok = cli("parity", EXAMPLE, *SMALL, "--adapters", "torch,torch", "--out", tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("parity ok: torch matches torch at all 3 steps")
+    refused = cli("parity", EXAMPLE, *SMALL, "--set", "precision=bf16", "--adapters", "torch,torch")
+    assert refused.returncode == 2 and "parity needs precision fp32" in refused.stderr
