@@ -26,11 +26,16 @@ def plugin_manager(load_entrypoints: bool = True) -> pluggy.PluginManager:
     if load_entrypoints:
         allowed = os.environ.get("LLMADAPT_LOAD_PLUGINS")
         names = None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
+        loaded: dict[str, str] = {}
         for ep in metadata.entry_points(group=GROUP):
             if names is not None and ep.name not in names:
                 continue
-            if pm.get_plugin(ep.name) is not None:
-                continue
+            if ep.name in loaded:
+                if loaded[ep.name] == ep.value:
+                    continue  # the same package's metadata seen twice (e.g. an old and an editable install)
+                msg = f"two packages define the llmadapt plugin {ep.name!r}: {loaded[ep.name]} and {ep.value}"
+                raise LlmadaptError(msg)
+            loaded[ep.name] = ep.value
             try:
                 plugin = ep.load()
             except Exception as exc:
