@@ -141,7 +141,8 @@ def render(r: dict) -> str:
     lines = [
         f"interpreter  {r['python']} ({r['repeat']} timed runs each, median; min..max in brackets)",
         "",
-        f"{'command':<26} {'median ms':>9} {'over floor':>10} {'x floor':>7}   {'min..max ms':<15} torch  heavy modules loaded",
+        f"{'command':<26} {'median ms':>9} {'over floor':>10} {'x floor':>7}   {'min..max ms':<15} "
+        "torch  heavy modules loaded",
     ]
 
     def row(label: str, t: dict, torch_loaded, heavy) -> str:
@@ -164,7 +165,11 @@ def render(r: dict) -> str:
                       f"cumulative, all imports {it['total_import_us'] / 1e3:.1f} ms; slowest top-level imports:"]
         for m in it["slowest_top_level"]:
             lines.append(f"    {m['cumulative_us'] / 1e3:7.1f} ms  {m['module']}")
-    lines += ["", "torch imported on these paths: " + ("YES (the light-core promise is broken)" if not r["ok"] else "no")]
+    torch_any = r["import_llmadapt"]["torch_loaded"] or any(c["torch_loaded"] for c in r["commands"].values())
+    failed = [f"llmadapt {n}" for n, c in r["commands"].items() if c["exit_codes"] != [0]]
+    lines += ["", "torch imported on these paths: " + ("YES (the light-core promise is broken)" if torch_any else "no")]
+    if failed:
+        lines.append("commands that failed: " + ", ".join(failed))
     return "\n".join(lines)
 
 

@@ -40,7 +40,8 @@ DEFAULT_WORKLOAD = REPO / "examples" / "tiny-llama.toml"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", default=str(DEFAULT_WORKLOAD), help="workload file (default: examples/tiny-llama.toml)")
+    p.add_argument("--workload", default=str(DEFAULT_WORKLOAD),
+                   help="workload file (default: examples/tiny-llama.toml)")
     p.add_argument("--steps", type=int, default=30, help="measured steps per run (train.steps; default 30)")
     p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="further workload overrides")
     p.add_argument("--rounds", type=int, default=6,
@@ -249,18 +250,19 @@ def render(r: dict) -> str:
     ]
     for side in ("llmadapt", "bare"):
         s = r[side]
-        lines.append(f"{side:<10} {s['count']:>5} {ms(s['median_s'])} {ms(s['mean_s'])} {ms(s['min_s'])} {ms(s['p90_s'])}")
+        lines.append(f"{side:<10} {s['count']:>5} {ms(s['median_s'])} {ms(s['mean_s'])} {ms(s['min_s'])} "
+                     f"{ms(s['p90_s'])}")
     lines += [
         "",
         f"ratio llmadapt/bare (median)  {r['ratio_median']:.3f}  ({r['overhead_median_pct']:+.1f}% overhead)",
         f"ratio llmadapt/bare (mean)    {r['ratio_mean']:.3f}  ({r['overhead_mean_pct']:+.1f}%)",
-        f"ratio llmadapt/bare (min)     {r['ratio_min']:.3f}  ({r['overhead_min_pct']:+.1f}%; the least disturbed steps)",
-        f"median of per-round ratios    {r['ratio_paired']:.3f}  ({r['overhead_paired_pct']:+.1f}%; paired, robust to drift)",
+        f"ratio llmadapt/bare (min)     {r['ratio_min']:.3f}  ({r['overhead_min_pct']:+.1f}%; the fastest steps)",
+        f"median of per-round ratios    {r['ratio_paired']:.3f}  ({r['overhead_paired_pct']:+.1f}%; paired by round)",
         "per-round ratios (median)     " + "  ".join(f"{x:.3f}" for x in r["round_ratios_median"]),
         "llmadapt summary p50 ms       " + "  ".join(f"{x * 1e3:.2f}" for x in r["llmadapt_summary_p50_s"]),
         "bare round median ms          " + "  ".join(f"{x * 1e3:.2f}" for x in r["bare_round_median_s"]),
         f"wall per run (median)         llmadapt {r['wall_per_run_s']['llmadapt']:.2f} s, "
-        f"bare {r['wall_per_run_s']['bare']:.2f} s (ratio {r['wall_ratio']:.2f}; includes model load, trace and summary)",
+        f"bare {r['wall_per_run_s']['bare']:.2f} s (ratio {r['wall_ratio']:.2f}; model load, trace, summary)",
         f"max |loss difference|         {r['max_loss_diff']:.2e} (same work on both sides when ~0)",
     ]
     return "\n".join(lines)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .contract import SCHEMA_VERSION, Failure, Header, Patch, Phase, Span, Step, Summary, json_schema
+from .contract import SCHEMA_VERSION, Comm, Failure, Header, Metric, Patch, Phase, Span, Step, Summary, json_schema
 from .errors import (
     ContractError,
     EnvironmentNotReadyError,
@@ -22,8 +22,8 @@ from .interfaces import AdapterInfo, EnvironmentSpec, FineTuner, Server, StepRes
 from .spec import MODEL_PRESETS, Workload
 
 __all__ = [
-    "SCHEMA_VERSION", "AdapterInfo", "Comparison", "ContractError", "EnvironmentNotReadyError", "EnvironmentSpec",
-    "Failure", "FineTuner", "Header", "LlmadaptError", "MODEL_PRESETS", "ParityReport", "Patch", "Phase",
+    "SCHEMA_VERSION", "AdapterInfo", "Comm", "Comparison", "ContractError", "EnvironmentNotReadyError", "EnvironmentSpec",
+    "Failure", "FineTuner", "Header", "LlmadaptError", "MODEL_PRESETS", "Metric", "ParityReport", "Patch", "Phase",
     "RunResult", "Server", "Span", "Step", "StepResult", "Summary", "Supports", "TraceMismatchError", "Trainer",
     "UnknownAdapterError", "UnsupportedError", "Workload", "WorkloadError", "adapters", "compare", "hookimpl",
     "json_schema", "parity", "run", "show",

@@ -134,6 +134,40 @@ class Step:
 
 
 @attrs.frozen
+class Comm:
+    """A framework's own record of one collective (e.g. DeepSpeed's comms logger), per rank.
+
+    Bandwidths follow the nccl-tests conventions: algbw = message bytes / time, busbw = algbw x
+    the op's factor (all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; others 1).
+    """
+
+    rank: int
+    op: str
+    message_bytes: int
+    count: int
+    total_seconds: float
+    source: str
+    step: int | None = None
+    """The step it was logged in; None for a whole-run aggregate."""
+    algbw_gbps: float | None = None
+    busbw_gbps: float | None = None
+    type: Literal["comm"] = "comm"
+
+
+@attrs.frozen
+class Metric:
+    """A named figure a framework reports once (e.g. its FLOPs profiler's total), beside ours, never instead."""
+
+    rank: int
+    name: str
+    value: float
+    unit: str
+    source: str
+    step: int | None = None
+    type: Literal["metric"] = "metric"
+
+
+@attrs.frozen
 class Failure:
     """Why a rank, a worker or the run stopped early. Written by the worker when it can, else by the launcher."""
 
@@ -203,7 +237,9 @@ class Summary:
     type: Literal["summary"] = "summary"
 
 
-RECORD_TYPES: dict[str, type] = {"header": Header, "step": Step, "failure": Failure, "summary": Summary}
+RECORD_TYPES: dict[str, type] = {
+    "header": Header, "step": Step, "comm": Comm, "metric": Metric, "failure": Failure, "summary": Summary,
+}
 
 
 def to_json(record: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 
-from .contract import Patch, Phase, Span
+from .contract import Comm, Metric, Patch, Phase, Span
 
 if TYPE_CHECKING:  # the worker context holds torch objects; the orchestrator never builds one
     from .runtime import StepBatch, WorkerContext
@@ -129,6 +129,9 @@ class StepResult:
     phases: list[Phase] = attrs.Factory(list)
     expert_load: list[list[int]] | None = None
     spans: list[Span] = attrs.Factory(list)
+    comms: list[Comm] = attrs.Factory(list)
+    """The framework's own collective records for this step (written as 'comm' records)."""
+    metrics: list[Metric] = attrs.Factory(list)
 
 
 class Trainer(abc.ABC):
@@ -156,6 +159,10 @@ class Trainer(abc.ABC):
 
     def teardown(self) -> None:
         """Release framework resources (the core destroys the default process group)."""
+
+    def final_records(self) -> list[Comm | Metric]:
+        """Run-level figures from the framework (comms summaries, FLOPs profiler totals), written after the last step."""
+        return []
 
     def data_rank(self) -> tuple[int, int]:
         """(data-parallel rank, data-parallel size) of this process: which share of the global batch it reads."""

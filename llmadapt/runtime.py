@@ -238,7 +238,11 @@ def run_worker(run_dir: Path) -> int:
                 phases=[Phase("data", data_seconds, "llmadapt"), *result.phases],
                 memory=memory_snapshot(ctx), expert_load=result.expert_load, spans=list(result.spans),
             ))
+            for extra in (*result.comms, *result.metrics):
+                writer.write(attrs.evolve(extra, step=step_index))
         step_index = None
+        for extra in trainer.final_records():
+            writer.write(extra)
         trainer.teardown()
         return 0
     except BaseException as exc:  # every way out leaves a failure record

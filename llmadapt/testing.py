@@ -61,16 +61,19 @@ class AdapterConformance:
 
     # -- helpers ------------------------------------------------------------------------
     @pytest.fixture(scope="class")
-    def out(self, tmp_path_factory) -> Path:
-        return tmp_path_factory.mktemp(f"conformance-{self.adapter}")
+    @classmethod
+    def out(cls, tmp_path_factory) -> Path:
+        return tmp_path_factory.mktemp(f"conformance-{cls.adapter}")
 
     @pytest.fixture(scope="class")
-    def info(self):
-        return get_adapter(self.adapter)
+    @classmethod
+    def info(cls):
+        return get_adapter(cls.adapter)
 
     @pytest.fixture(scope="class")
-    def train_run(self, out) -> RunResult:
-        return run(standard_workloads()["train"], self.adapter, out=out, **self.run_options)
+    @classmethod
+    def train_run(cls, out) -> RunResult:
+        return run(standard_workloads()["train"], cls.adapter, out=out, **cls.run_options)
 
     def _run(self, name: str, out: Path, **options: Any) -> RunResult:
         return run(standard_workloads()[name], self.adapter, out=out, **{**self.run_options, **options})

@@ -77,8 +77,12 @@ def test_export_chrome_trace_places_steps_on_wall_clock(run_dir, tmp_path):
     target = tmp_path / "trace.json"
     assert cli("export", run_dir, "--format", "chrome-trace", "-o", target).returncode == 0
     events = [e for e in json.loads(target.read_text())["traceEvents"] if e["ph"] == "X"]
-    assert [e["name"] for e in events] == ["step 0", "step 1", "step 2"]
-    assert events[0]["ts"] > 1.7e15 and events[1]["ts"] >= events[0]["ts"] + events[0]["dur"]
+    steps = [e for e in events if e["cat"] == "step"]
+    assert [e["name"] for e in steps] == ["step 0", "step 1", "step 2"]
+    assert steps[0]["ts"] > 1.7e15 and steps[1]["ts"] >= steps[0]["ts"] + steps[0]["dur"]
+    # the adapter's spans (forward/backward per micro-batch, optimizer) nest inside their step
+    inner = [e for e in events if e["cat"] == "llmadapt" and steps[1]["ts"] <= e["ts"] <= steps[1]["ts"] + steps[1]["dur"]]
+    assert [e["name"] for e in inner] == ["forward 0", "backward 0", "forward 1", "backward 1", "optimizer"]
 
 
 def test_export_json_holds_every_record(run_dir):

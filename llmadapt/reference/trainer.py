@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 
-from llmadapt.contract import Phase
+from llmadapt.contract import Phase, Span
 from llmadapt.interfaces import FineTuner, StepResult, Trainer
 from llmadapt.moe import ExpertLoadCounter
 
@@ -88,6 +88,7 @@ class TorchTrainer(Trainer):
         scale = ctx.world_size / batch.loss_tokens_global  # DDP averages over ranks: undo that
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         forward = backward = 0.0
+        spans: list[Span] = []
         last = len(batch.micro_batches) - 1
         if self.experts:
             self.experts.start_step()
@@ -96,7 +97,7 @@ class TorchTrainer(Trainer):
             input_ids, labels = mb.input_ids.to(ctx.device), mb.labels.to(ctx.device)
             with sync, self._attention_backend():
                 ctx.synchronize()
-                t0 = time.perf_counter()
+                t0 = time.monotonic_ns()
                 if self.experts:
                     self.experts.counting = True
                 logits = model(input_ids=input_ids).logits
@@ -107,22 +108,26 @@ class TorchTrainer(Trainer):
                     reduction="sum",
                 )
                 ctx.synchronize()
-                t1 = time.perf_counter()
+                t1 = time.monotonic_ns()
                 (token_loss * scale).backward()
                 ctx.synchronize()
-                t2 = time.perf_counter()
-            forward += t1 - t0
-            backward += t2 - t1
+                t2 = time.monotonic_ns()
+            forward += (t1 - t0) / 1e9
+            backward += (t2 - t1) / 1e9
+            spans += [Span(f"forward {i}", t0, t1), Span(f"backward {i}", t1, t2)]
             loss_sum += token_loss.detach().double()
         phases = [Phase("forward", forward, "llmadapt"), Phase("backward", backward, "llmadapt")]
+        t3 = time.monotonic_ns()
         with ctx.phase("optimizer", phases):
             self.optimizer.step()
+        spans.append(Span("optimizer", t3, time.monotonic_ns()))
         if self.ddp:
             import torch.distributed as dist
 
             dist.all_reduce(loss_sum)
         expert_load = self.experts.global_counts() if self.experts else None
-        return StepResult(loss=loss_sum.item() / batch.loss_tokens_global, phases=phases, expert_load=expert_load)
+        return StepResult(loss=loss_sum.item() / batch.loss_tokens_global, phases=phases, expert_load=expert_load,
+                          spans=spans)
 
 
 class TorchFineTuner(TorchTrainer, FineTuner):
