@@ -51,13 +51,16 @@ def recipe(spec: EnvironmentSpec) -> dict:
     from . import __version__
 
     core = core_source()
-    return {
+    out = {
         "requirements": list(spec.requirements),
         "local_packages": [str(core)] if core else [],
         "core": f"llmadapt=={__version__}" if core is None else "editable",
         "plugin_packages": list(spec.local_packages),
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
     }
+    if spec.install_env:
+        out["install_env"] = [list(kv) for kv in spec.install_env]
+    return out
 
 
 def recipe_hash(spec: EnvironmentSpec) -> str:
@@ -112,7 +115,7 @@ def create(spec: EnvironmentSpec, *, log: Callable[[str], None] = print, force: 
     if r["core"] != "editable":
         args.append(r["core"])
     log(f"installing {len(r['requirements'])} pinned requirements + llmadapt (this takes a few minutes)")
-    _check(args, "pip install", stream=log)
+    _check(args, "pip install", stream=log, env={**os.environ, **dict(spec.install_env)})
     (target / MARKER).write_text(
         json.dumps({"recipe_hash": recipe_hash(spec), "recipe": r, "created": time.time()}, indent=2)
     )
@@ -120,8 +123,9 @@ def create(spec: EnvironmentSpec, *, log: Callable[[str], None] = print, force: 
     return python
 
 
-def _check(args: list[str], what: str, stream: Callable[[str], None] | None = None) -> None:
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _check(args: list[str], what: str, stream: Callable[[str], None] | None = None,
+           env: dict[str, str] | None = None) -> None:
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     tail: list[str] = []
     assert proc.stdout is not None
     for line in proc.stdout:

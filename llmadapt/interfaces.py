@@ -34,6 +34,8 @@ class EnvironmentSpec:
     """Pinned pip requirements, e.g. ("torch==2.13.0", "transformers==5.19.0")."""
     local_packages: tuple[str, ...] = ()
     """Absolute paths of local packages installed editable (e.g. the adapter's own package)."""
+    install_env: tuple[tuple[str, str], ...] = ()
+    """Environment variables for the install (e.g. (("DS_BUILD_OPS", "0"),)); part of the recipe."""
 
 
 @attrs.frozen
