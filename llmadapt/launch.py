@@ -107,11 +107,10 @@ def run(
     failures: list[Failure] = []
     interrupted = False
     if launcher == "inline":
-        from .runtime import run_worker  # imports torch: only on this path
+        from .runtime import Place, run_worker  # imports torch: only on this path
 
-        code = run_worker(run_dir)
-        if code:
-            failures.append(Failure(cause="error", message=f"inline worker returned {code}", exit_code=code))
+        # The worker records its own failures; an interrupt is re-raised once the summary is written.
+        interrupted = run_worker(run_dir, Place(0, 0, 1, 0, "inline")) == 130
     else:
         cmd = [str(python), "-m", "llmadapt.worker", str(run_dir)]
         if launcher == "torchrun":

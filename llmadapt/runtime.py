@@ -159,11 +159,15 @@ class _Stopped(BaseException):
     """Raised from the SIGTERM handler so the loop unwinds and records why it stopped."""
 
 
-def run_worker(run_dir: Path) -> int:
-    """Worker entry point: returns the process exit code. Every outcome leaves a record."""
+def run_worker(run_dir: Path, place: Place | None = None) -> int:
+    """Worker entry point: returns the process exit code. Every outcome leaves a record.
+
+    ``place`` is given by the inline launcher (one rank, whatever the caller's environment says).
+    """
     run_dir = Path(run_dir)
     launch = json.loads((run_dir / "launch.json").read_text())
-    place = Place.from_env()
+    inline = place is not None
+    place = place or Place.from_env()
     writer = JsonlWriter(run_dir / f"rank-{place.rank:05d}.jsonl")
     step_index: int | None = None
     trainer: Trainer | None = None
@@ -174,19 +178,20 @@ def run_worker(run_dir: Path) -> int:
         raise _Stopped(f"stopped by signal {signal.Signals(signum).name} "
                        "(the launcher stopped this rank: another rank failed, a timeout, or an interrupt)")
 
-    previous_handler = signal.signal(signal.SIGTERM, on_term)
+    # Inline runs may be called from any thread and must not take over the caller's signals.
+    previous_handler = None if inline else signal.signal(signal.SIGTERM, on_term)
     try:
         import torch
 
         workload = Workload.from_dict(launch["workload"])
-        _apply_thread_policy(place)
+        if not inline:
+            _apply_thread_policy()
         device = _pick_device(place)
         if place.world_size > 1:
             import torch.distributed as dist
 
-            if not dist.is_initialized():
-                backend = "nccl" if device.type == "cuda" else "gloo"
-                dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
             dist_started = True
 
         from .models import canonical_checkpoint, recorded_weights_hash
@@ -261,7 +266,8 @@ def run_worker(run_dir: Path) -> int:
             traceback.print_exc()
         return code
     finally:
-        signal.signal(signal.SIGTERM, previous_handler)
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
         writer.close()
         if dist_started:
             try:
@@ -279,7 +285,7 @@ def _short_trace(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
-def _apply_thread_policy(place: Place) -> None:
+def _apply_thread_policy() -> None:
     import torch
 
     threads = os.environ.get("OMP_NUM_THREADS")

@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable
 
-from .contract import Failure, Stats, Summary
+from .contract import Device, Failure, Patch, Stats, Summary
 from .flops import model_flops_per_token, mfu, peak_flops
 from .spec import Workload
 
@@ -85,11 +85,11 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
     known_peaks = [p for p in per_rank_peak if p is not None]
 
     head = headers.get(0) or (next(iter(headers.values())) if headers else None)
-    device = head["device"] if head else None
+    device = Device(**head["device"]) if head else None
     fpt = model_flops_per_token(workload.model, workload.train.seq_len)
     tok_stats = describe(tokens_s)
     achieved = fpt * tok_stats.mean if tok_stats else None
-    peak = peak_flops(device["name"], workload.precision) if device else None
+    peak = peak_flops(device.name, workload.precision) if device else None
     # MFU is meaningless for quantized or LoRA runs under the 6N convention: leave it out.
     plain = workload.optimizations.quantization == "none" and not workload.lora.rank
     run_mfu = mfu(fpt, tok_stats.mean, peak, world) if (tok_stats and plain) else None
@@ -132,12 +132,12 @@ def _peak(memory: dict[str, Any]) -> int | None:
     return memory["peak_allocated_bytes"] if memory["kind"] == "cuda" else memory["peak_rss_bytes"]
 
 
-def _patches(headers: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+def _patches(headers: Iterable[dict[str, Any]]) -> list[Patch]:
     seen, out = set(), []
     for h in headers:
         for p in h["patches"]:
             key = (p["framework"], p["name"])
             if key not in seen:
                 seen.add(key)
-                out.append(p)
+                out.append(Patch(**p))
     return out

@@ -124,3 +124,20 @@ def test_environment_not_built_is_one_line(tmp_path, monkeypatch):
         run(BASE, "torch", out=tmp_path / "runs")
     assert not (tmp_path / "runs").exists()
 
+
+
+def test_inline_runs_from_a_worker_thread_and_ignores_the_callers_place(tmp_path, monkeypatch):
+    """Embedding: inline works off the main thread and runs one rank even inside a torchrun-started caller."""
+    import threading
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    results = []
+    thread = threading.Thread(target=lambda: results.append(inline(BASE.with_overrides(["train.steps=1"]),
+                                                                   tmp_path)))
+    thread.start()
+    thread.join()
+    (result,) = results
+    assert result.ok, result.summary.failures
+    assert result.summary.device.kind == "cpu"
+    assert [p.name for p in result.run_dir.glob("rank-*.jsonl")] == ["rank-00000.jsonl"]
