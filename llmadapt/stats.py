@@ -71,17 +71,14 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
             for ph in s["phases"]:
                 phase_sums[f"{ph['source']}:{ph['name']}"].append(ph["seconds"])
 
-    per_rank_peak: list[int | None] = []
+    peaks_by_rank: dict[int, list[int]] = defaultdict(list)
     memory_kind = None
-    for rank in range(world):
-        peaks = [
-            _peak(r["memory"]) for by_rank in steps_by_index.values() if (r := by_rank.get(rank)) and r["memory"]
-        ]
-        peaks = [p for p in peaks if p is not None]
-        per_rank_peak.append(max(peaks) if peaks else None)
-        for by_rank in steps_by_index.values():
-            if rank in by_rank and by_rank[rank]["memory"]:
-                memory_kind = by_rank[rank]["memory"]["kind"]
+    for r in records:
+        if r["type"] == "step" and r["memory"]:
+            memory_kind = r["memory"]["kind"]
+            if (peak := _peak(r["memory"])) is not None:
+                peaks_by_rank[r["rank"]].append(peak)
+    per_rank_peak = [max(peaks_by_rank[rank]) if peaks_by_rank[rank] else None for rank in range(world)]
     known_peaks = [p for p in per_rank_peak if p is not None]
 
     head = headers.get(0) or (next(iter(headers.values())) if headers else None)
