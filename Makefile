@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]' -e examples/adapter-plain
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]' -e examples/adapter-plain -e plugins/openai
 	touch $@
 
 setup: $(BIN)/.installed

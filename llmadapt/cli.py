@@ -99,10 +99,12 @@ def cmd_adapters(args) -> int:
 
     rows = []
     for info in adapters().values():
+        env = info.environment
         rows.append({
             "name": info.name, "version": info.version, "framework": info.framework, "roles": list(info.roles),
-            "supports": info.supports.summary(), "environment": info.environment.name,
-            "environment_status": environments.status(info.environment),
+            "supports": info.supports.summary() if set(info.roles) - {"serve"} else "-",
+            "environment": env.name if env else "-",
+            "environment_status": environments.status(env) if env else "attach only",
             "description": info.description,
         })
     lines = [f"{'name':<10} {'version':<8} {'roles':<16} {'environment':<24} supports"]
@@ -124,9 +126,9 @@ def _environment(name: str):
     from .plugins import adapters
 
     for info in adapters().values():
-        if name in (info.environment.name, info.name):
+        if info.environment and name in (info.environment.name, info.name):
             return info.environment
-    known = sorted({i.environment.name for i in adapters().values()})
+    known = sorted({i.environment.name for i in adapters().values() if i.environment})
     raise LlmadaptError(f"unknown environment {name!r}; known: {', '.join(known)}")
 
 
@@ -142,7 +144,7 @@ def cmd_env_list(args) -> int:
     from . import environments
     from .plugins import adapters
 
-    envs = {info.environment.name: info.environment for info in adapters().values()}
+    envs = {info.environment.name: info.environment for info in adapters().values() if info.environment}
     rows = [{"environment": name, "status": environments.status(spec), "path": str(environments.env_dir(spec)),
              "requirements": list(spec.requirements)} for name, spec in sorted(envs.items())]
     _emit(args, rows, "\n".join(f"{r['environment']:<16} {r['status']:<9} {r['path']}" for r in rows))

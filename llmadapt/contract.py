@@ -98,7 +98,8 @@ class Header:
     problem_hash: str
     workload: dict[str, Any]
     checkpoint_hash: str | None
-    device: Device
+    device: Device | None
+    """The device the measured code ran on; None where the client cannot know (an attached server)."""
     software: dict[str, str]
     patches: list[Patch]
     start_time: str
@@ -131,6 +132,49 @@ class Step:
     """MoE: tokens routed to each expert, per layer ([layer][expert]), over the global batch."""
     spans: list[Span] = attrs.Factory(list)
     type: Literal["step"] = "step"
+
+
+@attrs.frozen
+class Request:
+    """One request as the load generator saw it (serving). Times are ns on the generator's monotonic clock."""
+
+    index: int
+    warmup: bool
+    scheduled_ns: int
+    """When the arrival process said to send it."""
+    sent_ns: int | None
+    """When it was actually sent (None: never sent); sent - scheduled is the generator's own lag."""
+    first_token_ns: int | None
+    """First chunk carrying content."""
+    end_ns: int | None
+    chunk_ns: list[int]
+    """Arrival time of every content-bearing chunk."""
+    chunk_tokens: list[int | None]
+    """Tokens in each chunk where the protocol says (TGI: one event per token); None where it does not."""
+    input_tokens: int
+    """Prompt tokens by the canonical tokenizer."""
+    output_tokens: int | None
+    """Generated tokens: the engine's usage count where given, else the sum of known chunk counts."""
+    requested_output_tokens: int
+    output_forced: bool
+    """True when the engine was asked to ignore EOS (output length forced)."""
+    finish_reason: str | None
+    status: Literal["ok", "error", "timeout", "cancelled"]
+    error: str | None = None
+    error_cause: str | None = None
+    """http_429, http_4xx, http_5xx, in_band, malformed, connection, timeout, engine_dead, cancelled."""
+    server_input_tokens: int | None = None
+    type: Literal["request"] = "request"
+
+
+@attrs.frozen
+class ServerSample:
+    """The engine's own metrics, scraped during the run (e.g. Prometheus /metrics), labelled by source."""
+
+    t_ns: int
+    source: str
+    values: dict[str, float]
+    type: Literal["server_sample"] = "server_sample"
 
 
 @attrs.frozen
@@ -197,6 +241,31 @@ class Stats:
 
 
 @attrs.frozen
+class ServingStats:
+    """Serving figures as the field defines them (see docs/contract.md); latencies in milliseconds."""
+
+    completed: int
+    failed: int
+    failures_by_cause: dict[str, int]
+    duration_s: float
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    request_goodput: float | None
+    ttft_ms: Stats | None
+    tpot_ms: Stats | None
+    itl_ms: Stats | None
+    e2el_ms: Stats | None
+    send_lag_ms: Stats | None
+    valid: bool
+    """False when the generator fell behind its schedule (see validity)."""
+    validity: str
+    output_length_forced: bool
+    total_input_tokens: int
+    total_output_tokens: int
+
+
+@attrs.frozen
 class Summary:
     """The run's aggregate, computed by the orchestrator from every rank's records."""
 
@@ -233,12 +302,15 @@ class Summary:
     phase_means_s: dict[str, float]
     """Mean over measured steps and ranks, per 'source:name'."""
     failures: list[Failure]
+    serving: ServingStats | None = None
+    """Serving runs only: client-side latency, throughput and goodput."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["summary"] = "summary"
 
 
 RECORD_TYPES: dict[str, type] = {
-    "header": Header, "step": Step, "comm": Comm, "metric": Metric, "failure": Failure, "summary": Summary,
+    "header": Header, "step": Step, "request": Request, "server_sample": ServerSample, "comm": Comm,
+    "metric": Metric, "failure": Failure, "summary": Summary,
 }
 
 

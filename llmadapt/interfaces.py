@@ -8,7 +8,7 @@ workload fails fast); the role classes run inside the adapter's own environment.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import attrs
 
@@ -16,6 +16,7 @@ from .contract import Comm, Metric, Patch, Phase, Span
 
 if TYPE_CHECKING:  # the worker context holds torch objects; the orchestrator never builds one
     from .runtime import StepBatch, WorkerContext
+    from .serving import Chunk, PlannedRequest, ServeContext
     from .spec import Workload
 
 ROLES = ("train", "finetune", "serve")
@@ -110,7 +111,8 @@ class AdapterInfo:
     """The framework it wraps, e.g. 'deepspeed'; the worker reports the installed version."""
     roles: dict[str, str]
     """Role -> 'module:Class' of the class implementing it (imported only in the worker)."""
-    environment: EnvironmentSpec
+    environment: EnvironmentSpec | None
+    """None for adapters that only attach to a running engine (nothing to start, nothing to install)."""
     supports: Supports = Supports()
     description: str = ""
     check: Callable[[Workload], list[tuple[str, Any, str]]] | None = None
@@ -182,28 +184,48 @@ class FineTuner(Trainer):
 
 
 class Server(abc.ABC):
-    """Serving (the serve workload kind comes with the load generator): start or attach to an
-    engine, report readiness, stream token chunks for one request, scrape the engine's own
-    metrics, and stop. The core's load generator owns the clock and all client-side timing."""
+    """Serving: start (or attach to) an engine, say when it is ready, stream one request, scrape its metrics, stop.
+
+    Unlike the training roles, a Server runs in the orchestrator, next to the load generator,
+    so its module must stay light (no torch): the engine itself runs as a subprocess in the
+    adapter's environment (``ctx.python``) or elsewhere (``workload.serve.url``). The load
+    generator owns the clock: ``stream`` only yields chunks as they arrive; the generator
+    stamps them. Raise ``RequestFailed(cause, message)`` for a failed request.
+    """
 
     role = "serve"
 
+    def __init__(self, ctx: ServeContext) -> None:
+        self.ctx = ctx
+        self.patches: list[Patch] = []
+
     @abc.abstractmethod
     def start(self) -> None:
-        """Start (or attach to) the engine."""
+        """Start the engine (a subprocess on 127.0.0.1, in its own process group) or attach to ctx.workload.serve.url."""
 
     @abc.abstractmethod
-    def ready(self) -> bool:
-        """True once the engine accepts requests."""
+    async def ready(self, session: Any) -> bool:
+        """True once the engine accepts requests (e.g. GET /health answers 200). ``session``: an aiohttp session."""
 
     @abc.abstractmethod
-    def stream(self, prompt_tokens: list[int], max_tokens: int) -> Any:
-        """Yield (text, token_count) chunks for one request as they arrive."""
+    def stream(self, session: Any, request: PlannedRequest) -> AsyncIterator[Chunk]:
+        """An async iterator of chunks for one request, in arrival order."""
 
-    @abc.abstractmethod
-    def scrape(self) -> dict[str, float]:
-        """The engine's own metrics now, by name."""
+    async def scrape(self, session: Any) -> dict[str, float]:
+        """The engine's own metrics now (name -> value); empty when the engine has none."""
+        return {}
+
+    def alive(self) -> bool:
+        """False once a started engine has exited (its in-flight and remaining requests then fail fast)."""
+        return True
 
     @abc.abstractmethod
     def stop(self) -> None:
-        """Stop the engine and leave no process behind."""
+        """Stop the engine and leave no process behind (a no-op when attached)."""
+
+    def engine_version(self) -> str:
+        return ""
+
+    def metrics_source(self) -> str:
+        """Label for scraped metrics, e.g. 'vllm' or 'tgi'."""
+        return self.ctx.adapter

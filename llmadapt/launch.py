@@ -83,6 +83,8 @@ def run(
     if launcher not in LAUNCHERS:
         raise LlmadaptError(f"unknown launcher {launcher!r}; known: {', '.join(LAUNCHERS)}")
     world = workload.world_size
+    if workload.kind == "serve":
+        return _run_serve(workload, info, out, run_id, timeout, progress)
     if launcher == "auto":
         launcher = "torchrun" if world > 1 else "subprocess"
     if launcher in ("inline", "subprocess") and world > 1:
@@ -127,6 +129,35 @@ def run(
     if interrupted:
         raise KeyboardInterrupt
     return RunResult(run_dir=run_dir, summary=summary)
+
+
+def _run_serve(workload: Workload, info, out, run_id, timeout, progress) -> RunResult:
+    from .serving import run_serve
+
+    attach = workload.serve.url is not None
+    if not attach and info.environment is None:
+        raise LlmadaptError(f"adapter {info.name!r} only attaches to a running engine: set serve.url")
+    python = None if attach else python_for(info.environment)  # fails before anything is written
+    launcher = "attach" if attach else "subprocess"
+    run_id = run_id or make_run_id(info.name, workload)
+    run_dir = Path(out) / run_id
+    run_dir.mkdir(parents=True, exist_ok=False)
+    launch = {
+        "run_id": run_id, "adapter": info.name, "framework": info.framework, "role": "serve", "launcher": launcher,
+        "world_size": 1, "workload": workload.to_dict(), "workload_hash": workload.content_hash,
+        "python": str(python) if python else None, "created": time.time(),
+    }
+    (run_dir / "launch.json").write_text(json.dumps(launch, indent=2))
+    if progress:
+        progress({"type": "start", "run_dir": str(run_dir), "adapter": info.name, "label": workload.label,
+                  "world_size": 1, "launcher": launcher})
+    failures: list[Failure] = []
+    try:
+        failures = run_serve(workload, info, run_id, run_dir, launcher, python, timeout, progress)
+    except KeyboardInterrupt:
+        summarise(run_dir, [Failure(cause="interrupted", message="interrupted (Ctrl-C) in the orchestrator")])
+        raise
+    return RunResult(run_dir=run_dir, summary=summarise(run_dir, failures))
 
 
 def summarise(run_dir: Path, launcher_failures: list[Failure] = ()) -> Summary:

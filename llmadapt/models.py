@@ -45,23 +45,30 @@ def tokenizer_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int, out_dir: Path):
-    """A byte-level BPE trained on the shipped corpus; every byte is encodable, so no text is unknown."""
+def train_tokenizer(vocab_size: int):
+    """A byte-level BPE trained on the shipped corpus (``tokenizers`` only, no torch); every byte is encodable."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=min(vocab_size, 32000),
         special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    return tok
+
+
+def build_tokenizer(vocab_size: int, out_dir: Path):
+    """The canonical tokenizer in Hugging Face format, saved next to the weights."""
+    from transformers import PreTrainedTokenizerFast
+
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        tokenizer_object=train_tokenizer(vocab_size), pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        unk_token="<unk>",
     )
     fast.save_pretrained(str(out_dir))
     return fast
@@ -120,7 +127,7 @@ def _build(model: ModelSpec, seed: int, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    tokenizer = build_tokenizer(min(model.vocab_size, 32000), out)
+    tokenizer = build_tokenizer(model.vocab_size, out)
     if len(tokenizer) > model.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but model.vocab_size is {model.vocab_size}")
     config = hf_config(model, tokenizer)

@@ -88,7 +88,9 @@ def check_supported(info: AdapterInfo, workload) -> None:
         raise UnsupportedError(
             f"adapter {info.name!r} does not support kind={workload.kind!r}; roles: {', '.join(info.roles)}"
         )
-    problems = info.supports.problems(workload) + (info.check(workload) if info.check else [])
+    # Training declarations say nothing about serving engines: serve workloads meet only the adapter's own rules.
+    problems = [] if workload.kind == "serve" else info.supports.problems(workload)
+    problems += info.check(workload) if info.check else []
     if problems:
         field, value, allowed = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -19,7 +19,10 @@ import attrs
 
 from .errors import WorkloadError
 
-KINDS = ("train", "finetune")
+KINDS = ("train", "finetune", "serve")
+ARRIVALS = ("constant", "poisson", "gamma", "closed", "trace")
+LENGTH_DISTS = ("fixed", "uniform", "normal", "dataset")
+APIS = ("completions", "chat")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 RECOMPUTES = ("none", "selective", "full")
@@ -180,6 +183,67 @@ class LoraSpec:
     target_modules: tuple[str, ...] = ("q_proj", "v_proj")
 
 
+@attrs.frozen
+class LengthSpec:
+    """A token-length distribution. Samples are clipped to [low, high] and drawn from the workload's seed."""
+
+    dist: str = attrs.field(default="fixed", validator=_choice(LENGTH_DISTS))
+    """fixed (= mean), uniform (low..high), normal (mean, std), dataset (lengths of data.path's prompts/answers)."""
+    mean: int = attrs.field(default=32, validator=_at_least(1))
+    low: int = attrs.field(default=1, validator=_at_least(1))
+    high: int = attrs.field(default=128, validator=_at_least(1))
+    std: float = attrs.field(default=0.0, validator=_at_least(0.0))
+
+
+@attrs.frozen
+class ArrivalSpec:
+    """When requests are sent."""
+
+    process: str = attrs.field(default="poisson", validator=_choice(ARRIVALS))
+    """constant, poisson, gamma (shape = burstiness; 1 = Poisson, < 1 burstier), closed (fixed concurrency),
+    trace (replay a JSONL of send_time_s, input_len, output_len)."""
+    rate: float = attrs.field(default=4.0, validator=_at_least(0.0))
+    """Requests per second (open-loop processes)."""
+    burstiness: float = attrs.field(default=1.0, validator=_at_least(0.0))
+    concurrency: int = attrs.field(default=4, validator=_at_least(1))
+    """Requests in flight at all times (closed loop)."""
+    trace: str | None = None
+
+
+@attrs.frozen
+class SloSpec:
+    """Service-level objectives for goodput: a request counts if it meets every one given."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+
+@attrs.frozen
+class ServeSpec:
+    """Serving: the request stream the load generator sends, the same to every engine."""
+
+    arrival: ArrivalSpec = attrs.field(factory=ArrivalSpec)
+    requests: int = attrs.field(default=32, validator=_at_least(1))
+    """Measured requests (warm-up requests come on top)."""
+    duration_s: float | None = None
+    """Stop scheduling after this many seconds (requests still bounds the count)."""
+    warmup_requests: int = attrs.field(default=2, validator=_at_least(0))
+    max_concurrency: int | None = None
+    """Cap on requests in flight for open-loop processes (none: unbounded)."""
+    input_len: LengthSpec = attrs.field(factory=lambda: LengthSpec(mean=32))
+    output_len: LengthSpec = attrs.field(factory=lambda: LengthSpec(mean=16))
+    ignore_eos: bool = True
+    """Force the output length where the engine allows it (recorded either way)."""
+    api: str = attrs.field(default="completions", validator=_choice(APIS))
+    slo: SloSpec = attrs.field(factory=SloSpec)
+    request_timeout_s: float = attrs.field(default=120.0, validator=_at_least(0.001))
+    scrape_interval_s: float = attrs.field(default=1.0, validator=_at_least(0.05))
+    """How often the engine's own metrics are sampled."""
+    url: str | None = None
+    """Attach to a running server at this URL instead of starting one (adapters that can)."""
+
+
 # Fields that change how a workload runs but not the numbers it computes (in exact arithmetic).
 # Runs whose workloads differ only here share a problem hash, so their losses can be compared.
 _LAYOUT_FIELDS = {
@@ -204,6 +268,7 @@ class Workload:
     parallelism: Parallelism = attrs.field(factory=Parallelism)
     optimizations: Optimizations = attrs.field(factory=Optimizations)
     lora: LoraSpec = attrs.field(factory=LoraSpec)
+    serve: ServeSpec = attrs.field(factory=ServeSpec)
 
     def __attrs_post_init__(self) -> None:
         _check_workload(self)
@@ -363,11 +428,35 @@ def _check_workload(w: Workload) -> None:
         raise WorkloadError(
             "optimizations.quantization", o.quantization, "quantized base weights do not train: set lora.rank > 0 (QLoRA)"
         )
+    if w.kind == "serve":
+        _check_serve(w)
     if w.data.source == "jsonl":
         if not w.data.path:
             raise WorkloadError("data.path", w.data.path, "data.source = 'jsonl' needs a path to a JSONL file")
         if not Path(w.data.path).is_file():
             raise WorkloadError("data.path", w.data.path, "no such file")
+
+
+def _check_serve(w: Workload) -> None:
+    s = w.serve
+    for name in ("input_len", "output_len"):
+        spec: LengthSpec = getattr(s, name)
+        if spec.low > spec.high:
+            raise WorkloadError(f"serve.{name}.low", spec.low, f"must be <= serve.{name}.high={spec.high}")
+        if spec.dist == "dataset" and w.data.source != "jsonl":
+            raise WorkloadError(f"serve.{name}.dist", "dataset", "needs data.source = 'jsonl' with a data.path")
+    longest = s.input_len.high if s.input_len.dist != "fixed" else s.input_len.mean
+    longest += s.output_len.high if s.output_len.dist != "fixed" else s.output_len.mean
+    if longest > w.model.max_position_embeddings:
+        raise WorkloadError("serve.input_len", longest, f"input + output tokens must fit "
+                            f"model.max_position_embeddings={w.model.max_position_embeddings}")
+    if s.arrival.process == "trace":
+        if not s.arrival.trace or not Path(s.arrival.trace).is_file():
+            raise WorkloadError("serve.arrival.trace", s.arrival.trace, "process 'trace' needs an existing JSONL file")
+    elif s.arrival.process != "closed" and s.arrival.rate <= 0:
+        raise WorkloadError("serve.arrival.rate", s.arrival.rate, "must be > 0 for open-loop arrivals")
+    if s.arrival.process == "gamma" and s.arrival.burstiness <= 0:
+        raise WorkloadError("serve.arrival.burstiness", s.arrival.burstiness, "must be > 0")
 
 
 # -- dict -> attrs, with field paths in every error --------------------------------------------

@@ -48,6 +48,8 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
             steps_by_index[r["step"]][r["rank"]] = r
 
     workload = Workload.from_dict(launch["workload"])
+    if workload.kind == "serve":
+        return _aggregate_serve(run_id, records, launch, workload, headers, failures)
     world = workload.world_size
     # A step counts as completed when every rank finished it.
     complete = sorted(i for i, by_rank in steps_by_index.items() if len(by_rank) == world)
@@ -138,3 +140,25 @@ def _patches(headers: Iterable[dict[str, Any]]) -> list[Patch]:
                 seen.add(key)
                 out.append(Patch(**p))
     return out
+
+
+def _aggregate_serve(run_id, records, launch, workload, headers, failures) -> Summary:
+    from .serving import serving_stats
+
+    serving = serving_stats(records, workload)
+    head = headers.get(0)
+    if serving.failures_by_cause.get("engine_dead"):
+        failures.append(Failure(cause="crash", message="the engine died during the run: "
+                                f"{serving.failures_by_cause['engine_dead']} requests failed because of it"))
+    status = "ok" if not failures and serving.completed else "failed"
+    return Summary(
+        run_id=run_id, status=status, role="serve", adapter=launch["adapter"],
+        framework=head["framework"] if head else launch.get("framework", ""),
+        framework_version=head["framework_version"] if head else "", launcher=launch["launcher"],
+        workload_hash=workload.content_hash, problem_hash=workload.problem_hash, world_size=1,
+        device=Device(**head["device"]) if head and head["device"] else None,
+        patches=_patches(headers.values()), steps_completed=0, measured_steps=0, losses=[], step_time_s=None,
+        tokens_per_s=None, samples_per_s=None, tokens_per_step=None, peak_memory_bytes=None,
+        peak_memory_per_rank=[], memory_kind=None, model_flops_per_token=None, achieved_flops_per_s=None, mfu=None,
+        phase_means_s={}, failures=failures, serving=serving,
+    )

@@ -13,6 +13,11 @@ REQUIREMENTS = (
     "peft==0.21.2",
     "bitsandbytes==0.50.2",
     "accelerate==1.15.0",
+    # `transformers serve` (the hf server) needs these next to transformers
+    "fastapi==0.165.0",
+    "uvicorn==0.54.0",
+    "openai==3.57.0",
+    "rich==15.0.0",
 )
 
 TORCH_ENV = EnvironmentSpec(name="torch", requirements=REQUIREMENTS)
@@ -38,4 +43,13 @@ def llmadapt_register_adapters(register):
         ),
         description="Plain PyTorch + transformers: DDP over gloo/NCCL, gradient checkpointing, peft LoRA, "
                     "bitsandbytes QLoRA. The reference every other adapter is compared against.",
+    ))
+    register(AdapterInfo(
+        name="hf",
+        version=__version__,
+        framework="transformers-serve",
+        roles={"serve": "llmadapt.reference.serve:HFServer"},
+        environment=TORCH_ENV,
+        description="transformers' own OpenAI-compatible server (continuous batching) on the canonical checkpoint, "
+                    "as a subprocess: the reference for serving.",
     ))

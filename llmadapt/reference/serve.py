@@ -1,0 +1,60 @@
+"""The reference server ``hf``: transformers' own OpenAI-compatible server (`transformers serve`,
+continuous batching) on the canonical checkpoint, as a subprocess in the reference environment.
+
+Runs in the orchestrator (no torch import here): the engine is the subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from llmadapt.sse import OpenAICompatibleServer
+
+STOP_GRACE_S = 30.0
+
+
+class HFServer(OpenAICompatibleServer):
+    supports_ignore_eos = False  # transformers serve rejects ignore_eos: output lengths are recorded, not forced
+
+    def start(self) -> None:
+        ctx = self.ctx
+        if ctx.workload.serve.url:
+            self.proc = None
+            return
+        cli = Path(ctx.python).parent / "transformers"
+        cmd = [str(cli), "serve", str(ctx.checkpoint), "--continuous-batching", "--device", "auto",
+               "--host", "127.0.0.1", "--port", str(ctx.port), "--log-level", "warning"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        self.log = open(ctx.run_dir / "engine.log", "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc is None or self.proc.poll() is None
+
+    def stop(self) -> None:
+        proc = getattr(self, "proc", None)
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        self.log.close()
+
+    def engine_version(self) -> str:
+        from importlib import metadata
+
+        try:  # the orchestrator's view; the header's software block has the client side
+            return "transformers " + metadata.version("transformers")
+        except metadata.PackageNotFoundError:
+            return "transformers (see the reference environment)"

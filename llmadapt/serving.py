@@ -1,0 +1,507 @@
+"""Serving: the request plan and the load generator that measures every engine the same way.
+
+The generator runs in the orchestrator's process (no torch), on asyncio with one aiohttp
+session. It owns the clock: it decides when each request is due (the arrival process), stamps
+the actual send, every content-bearing chunk and the end on its monotonic clock, and writes one
+``request`` record per request as it finishes, plus periodic ``server_sample`` records of the
+engine's own metrics. Adapters only speak their engine's protocol (``Server.stream``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+
+from .contract import JsonlWriter, Request, ServerSample
+from .spec import LengthSpec, Workload
+
+LEAD_S = 0.05  # the schedule starts this long after planning, so the first requests are not born late
+SPIN_S = 0.0015  # sleep until this close to a send time, then yield-spin: sub-millisecond send lag
+LAG_P99_LIMIT_MS = 10.0  # a run whose p99 send lag exceeds this did not deliver its arrival process
+
+
+@attrs.frozen
+class PlannedRequest:
+    index: int
+    warmup: bool
+    offset_s: float | None
+    """Due time after the schedule's start (open loop); None in a closed loop."""
+    prompt: str
+    prompt_token_ids: list[int]
+    input_tokens: int
+    output_tokens: int
+    ignore_eos: bool
+    api: str
+
+
+@attrs.frozen
+class Chunk:
+    """One piece of a streamed response as the adapter parsed it."""
+
+    text: str = ""
+    tokens: int | None = None
+    """Tokens in this chunk when the protocol says; None when it does not."""
+    finish_reason: str | None = None
+    usage_output_tokens: int | None = None
+    usage_input_tokens: int | None = None
+
+
+class RequestFailed(Exception):
+    """Raised by a Server's stream for a failed request; ``cause`` is counted in the summary."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+@attrs.define
+class ServeContext:
+    workload: Workload
+    adapter: str
+    run_dir: Path
+    python: Path | None
+    """Interpreter of the adapter's environment (to start the engine); None when attaching."""
+    checkpoint: Path | None
+    """The canonical checkpoint to serve; None when attaching to a server of another model."""
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return self.workload.serve.url or f"http://127.0.0.1:{self.port}"
+
+
+# -- the plan -----------------------------------------------------------------------------------
+def sample_lengths(spec: LengthSpec, n: int, rng: random.Random, dataset: list[int] | None = None) -> list[int]:
+    def clip(x: float) -> int:
+        return max(spec.low, min(spec.high, int(round(x))))
+
+    if spec.dist == "fixed":
+        return [spec.mean] * n
+    if spec.dist == "uniform":
+        return [rng.randint(spec.low, spec.high) for _ in range(n)]
+    if spec.dist == "normal":
+        return [clip(rng.gauss(spec.mean, spec.std)) for _ in range(n)]
+    if not dataset:
+        raise ValueError("length distribution 'dataset' needs lengths from data.path")
+    return [clip(rng.choice(dataset)) for _ in range(n)]
+
+
+def arrival_offsets(workload: Workload, n: int, rng: random.Random) -> list[float | None]:
+    """Due times (s after start) for n requests; None for every request of a closed loop."""
+    a = workload.serve.arrival
+    if a.process == "closed":
+        return [None] * n
+    if a.process == "trace":
+        rows = [json.loads(line) for line in Path(a.trace).read_text().splitlines() if line.strip()]
+        return [float(r["send_time_s"]) for r in rows[:n]]
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        if a.process == "constant":
+            gap = 1.0 / a.rate
+        elif a.process == "poisson":
+            gap = rng.expovariate(a.rate)
+        else:  # gamma: shape = burstiness, mean gap = 1 / rate
+            gap = rng.gammavariate(a.burstiness, 1.0 / (a.rate * a.burstiness))
+        t += gap
+    return out
+
+
+def word_pool(tokenizer) -> list[str]:
+    """Words that are one token each with a leading space, so a prompt of n words is exactly n tokens."""
+    pool = []
+    for token in sorted(tokenizer.get_vocab()):
+        if token.startswith("\u0120") and token[1:].isalpha() and len(token) > 2:
+            word = " " + token[1:]
+            if len(tokenizer.encode(word, add_special_tokens=False).ids) == 1:
+                pool.append(word)
+    if len(pool) < 8:
+        raise ValueError(f"the tokenizer has only {len(pool)} single-token words: cannot build exact prompts")
+    return pool
+
+
+def plan_requests(workload: Workload, tokenizer) -> list[PlannedRequest]:
+    """Every request of the run, warm-up first, from the workload's seed: the same stream for every engine."""
+    s = workload.serve
+    rng = random.Random(f"{workload.seed}:serve")
+    total = s.warmup_requests + s.requests
+    trace_rows = None
+    if s.arrival.process == "trace":
+        trace_rows = [json.loads(line) for line in Path(s.arrival.trace).read_text().splitlines() if line.strip()]
+        total = min(total, len(trace_rows))
+    dataset_in = dataset_out = None
+    if workload.data.source == "jsonl" and workload.data.path:
+        rows = [json.loads(line) for line in Path(workload.data.path).read_text().splitlines() if line.strip()]
+        dataset_in = [len(tokenizer.encode(r[workload.data.prompt_field], add_special_tokens=False).ids) or 1
+                      for r in rows]
+        dataset_out = [len(tokenizer.encode(r[workload.data.answer_field], add_special_tokens=False).ids) or 1
+                       for r in rows]
+    inputs = sample_lengths(s.input_len, total, rng, dataset_in)
+    outputs = sample_lengths(s.output_len, total, rng, dataset_out)
+    if trace_rows:
+        inputs = [int(r.get("input_len", i)) for r, i in zip(trace_rows, inputs)]
+        outputs = [int(r.get("output_len", o)) for r, o in zip(trace_rows, outputs)]
+    offsets = arrival_offsets(workload, total, rng)
+    pool = word_pool(tokenizer)
+    plan = []
+    for i in range(total):
+        prompt = "".join(rng.choice(pool) for _ in range(inputs[i]))
+        ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+        if len(ids) != inputs[i]:
+            raise ValueError(f"prompt {i}: built {len(ids)} tokens, wanted {inputs[i]}")
+        plan.append(PlannedRequest(index=i, warmup=i < s.warmup_requests, offset_s=offsets[i], prompt=prompt,
+                                   prompt_token_ids=ids, input_tokens=len(ids), output_tokens=outputs[i],
+                                   ignore_eos=s.ignore_eos, api=s.api))
+    return plan
+
+
+# -- the generator ------------------------------------------------------------------------------
+class LoadGenerator:
+    def __init__(self, server, workload: Workload, plan: list[PlannedRequest], writer: JsonlWriter,
+                 progress: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.server, self.w, self.plan, self.writer, self.progress = server, workload, plan, writer, progress
+        self.done = 0
+
+    async def run(self, session) -> None:
+        s = self.w.serve
+        scraper = asyncio.create_task(self._scrape_loop(session))
+        try:
+            if s.arrival.process == "closed":
+                await self._closed_loop(session)
+            else:
+                await self._open_loop(session)
+        finally:
+            scraper.cancel()
+            try:
+                await scraper
+            except (asyncio.CancelledError, Exception):
+                pass
+            await self._scrape_once(session)
+
+    async def _open_loop(self, session) -> None:
+        s = self.w.serve
+        sem = asyncio.Semaphore(s.max_concurrency) if s.max_concurrency else None
+        start = time.monotonic_ns() + int(LEAD_S * 1e9)
+        deadline = start + int(s.duration_s * 1e9) if s.duration_s else None
+        tasks = []
+        try:
+            for req in self.plan:
+                due = start + int(req.offset_s * 1e9)
+                if deadline and due > deadline:
+                    break
+                await _sleep_until(due)
+                if sem:
+                    await sem.acquire()
+                tasks.append(asyncio.create_task(self._one(session, req, due, sem)))
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _closed_loop(self, session) -> None:
+        s = self.w.serve
+        queue = list(reversed(self.plan))
+        deadline = time.monotonic_ns() + int(s.duration_s * 1e9) if s.duration_s else None
+
+        async def worker() -> None:
+            while queue:
+                if deadline and time.monotonic_ns() > deadline:
+                    return
+                req = queue.pop()
+                await self._one(session, req, time.monotonic_ns(), None)
+
+        workers = [asyncio.create_task(worker()) for _ in range(s.arrival.concurrency)]
+        try:
+            await asyncio.gather(*workers)
+        except asyncio.CancelledError:
+            for t in workers:
+                t.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            raise
+
+    async def _one(self, session, req: PlannedRequest, scheduled_ns: int, sem) -> None:
+        chunk_ns: list[int] = []
+        chunk_tokens: list[int | None] = []
+        first = finish = usage_out = usage_in = None
+        status, error, cause = "ok", None, None
+        sent = None
+        try:
+            if not self.server.alive():
+                raise RequestFailed("engine_dead", "the engine had exited before this request was sent")
+            sent = time.monotonic_ns()
+            async with asyncio.timeout(self.w.serve.request_timeout_s):
+                async for chunk in self.server.stream(session, req):
+                    now = time.monotonic_ns()
+                    if chunk.text or chunk.tokens:
+                        first = first or now
+                        chunk_ns.append(now)
+                        chunk_tokens.append(chunk.tokens)
+                    finish = chunk.finish_reason or finish
+                    usage_out = chunk.usage_output_tokens if chunk.usage_output_tokens is not None else usage_out
+                    usage_in = chunk.usage_input_tokens if chunk.usage_input_tokens is not None else usage_in
+            if first is None:
+                raise RequestFailed("malformed", "the stream ended without any content")
+        except TimeoutError:
+            status, cause, error = "timeout", "timeout", f"no complete response within {self.w.serve.request_timeout_s:g} s"
+        except RequestFailed as exc:
+            status, cause, error = "error", exc.cause, str(exc)
+        except asyncio.CancelledError:
+            status, cause, error = "cancelled", "cancelled", "cancelled (interrupted)"
+            self._write(req, scheduled_ns, sent, first, chunk_ns, chunk_tokens, finish, usage_out, usage_in,
+                        status, error, cause)
+            raise
+        except Exception as exc:  # connection resets, protocol errors: failures, never crashes
+            dead = not self.server.alive()
+            status, cause = "error", "engine_dead" if dead else "connection"
+            error = f"{type(exc).__name__}: {exc}"[:500]
+        finally:
+            if sem:
+                sem.release()
+        self._write(req, scheduled_ns, sent, first, chunk_ns, chunk_tokens, finish, usage_out, usage_in,
+                    status, error, cause)
+
+    def _write(self, req, scheduled_ns, sent, first, chunk_ns, chunk_tokens, finish, usage_out, usage_in,
+               status, error, cause) -> None:
+        known = [t for t in chunk_tokens if t is not None]
+        output = usage_out if usage_out is not None else (sum(known) if chunk_tokens and len(known) ==
+                                                          len(chunk_tokens) else None)
+        record = Request(
+            index=req.index, warmup=req.warmup, scheduled_ns=scheduled_ns, sent_ns=sent, first_token_ns=first,
+            end_ns=time.monotonic_ns() if sent else None, chunk_ns=chunk_ns, chunk_tokens=chunk_tokens,
+            input_tokens=req.input_tokens, output_tokens=output,
+            requested_output_tokens=req.output_tokens, output_forced=req.ignore_eos and self.server_forces(),
+            finish_reason=finish, status=status, error=error, error_cause=cause, server_input_tokens=usage_in,
+        )
+        self.writer.write(record)
+        self.done += 1
+        if self.progress:
+            self.progress(attrs.asdict(record))
+
+    def server_forces(self) -> bool:
+        return bool(getattr(self.server, "forces_output_length", False))
+
+    async def _scrape_loop(self, session) -> None:
+        while True:
+            await asyncio.sleep(self.w.serve.scrape_interval_s)
+            await self._scrape_once(session)
+
+    async def _scrape_once(self, session) -> None:
+        try:
+            values = await asyncio.wait_for(self.server.scrape(session), timeout=5)
+        except Exception:
+            return  # a metrics endpoint that fails is missing data, not a failed run
+        if values:
+            self.writer.write(ServerSample(t_ns=time.monotonic_ns(), source=self.server.metrics_source(),
+                                           values=values))
+
+
+async def _sleep_until(due_ns: int) -> None:
+    remaining = (due_ns - time.monotonic_ns()) / 1e9
+    if remaining > SPIN_S:
+        await asyncio.sleep(remaining - SPIN_S)
+    while time.monotonic_ns() < due_ns:
+        await asyncio.sleep(0)
+
+
+# -- statistics ---------------------------------------------------------------------------------
+def serving_stats(records: list[dict[str, Any]], workload: Workload):
+    """Client-side serving figures from request records (measured requests only)."""
+    from .contract import ServingStats
+    from .stats import describe
+
+    reqs = [r for r in records if r["type"] == "request" and not r["warmup"]]
+    ok = [r for r in reqs if r["status"] == "ok"]
+    failed = [r for r in reqs if r["status"] != "ok"]
+    causes: dict[str, int] = {}
+    for r in failed:
+        causes[r["error_cause"] or r["status"]] = causes.get(r["error_cause"] or r["status"], 0) + 1
+    sent = [r for r in reqs if r["sent_ns"] is not None]
+    if sent:
+        start = min(r["sent_ns"] for r in sent)
+        end = max(r["end_ns"] for r in sent if r["end_ns"] is not None)
+        duration = max((end - start) / 1e9, 1e-9)
+    else:
+        duration = 0.0
+    ms = 1e-6
+    ttft = [(r["first_token_ns"] - r["sent_ns"]) * ms for r in ok]
+    e2el = [(r["end_ns"] - r["sent_ns"]) * ms for r in ok]
+    tpot = [((r["end_ns"] - r["first_token_ns"]) * ms) / (r["output_tokens"] - 1)
+            for r in ok if r["output_tokens"] and r["output_tokens"] > 1]
+    itl = [(b - a) * ms for r in ok for a, b in zip(r["chunk_ns"], r["chunk_ns"][1:])]
+    lags = [(r["sent_ns"] - r["scheduled_ns"]) * ms for r in sent]
+    out_tokens = sum(r["output_tokens"] or 0 for r in ok)
+    in_tokens = sum(r["input_tokens"] for r in ok)
+    slo = workload.serve.slo
+    goodput = None
+    if any(v is not None for v in (slo.ttft_ms, slo.tpot_ms, slo.e2el_ms)) and duration:
+        def meets(r) -> bool:
+            t = (r["first_token_ns"] - r["sent_ns"]) * ms
+            e = (r["end_ns"] - r["sent_ns"]) * ms
+            p = ((r["end_ns"] - r["first_token_ns"]) * ms) / (r["output_tokens"] - 1) \
+                if r["output_tokens"] and r["output_tokens"] > 1 else 0.0
+            return ((slo.ttft_ms is None or t <= slo.ttft_ms) and (slo.tpot_ms is None or p <= slo.tpot_ms)
+                    and (slo.e2el_ms is None or e <= slo.e2el_ms))
+        goodput = sum(1 for r in ok if meets(r)) / duration
+    lag_stats = describe(lags)
+    valid, why = True, "the generator met its schedule (p99 send lag within %.0f ms)" % LAG_P99_LIMIT_MS
+    if workload.serve.arrival.process == "closed":
+        why = "closed loop: requests are sent as slots free up (no schedule to fall behind)"
+    elif lag_stats and lag_stats.p99 > LAG_P99_LIMIT_MS:
+        valid = False
+        why = (f"invalid: the generator fell behind its schedule (p99 send lag {lag_stats.p99:.1f} ms > "
+               f"{LAG_P99_LIMIT_MS:.0f} ms); the arrival process asked for was not delivered")
+    if not reqs:
+        valid, why = False, "no measured request was sent"
+    return ServingStats(
+        completed=len(ok), failed=len(failed), failures_by_cause=causes, duration_s=duration,
+        request_throughput=len(ok) / duration if duration else 0.0,
+        output_throughput=out_tokens / duration if duration else 0.0,
+        total_token_throughput=(in_tokens + out_tokens) / duration if duration else 0.0,
+        request_goodput=goodput, ttft_ms=describe(ttft), tpot_ms=describe(tpot), itl_ms=describe(itl),
+        e2el_ms=describe(e2el), send_lag_ms=lag_stats, valid=valid, validity=why,
+        output_length_forced=all(r["output_forced"] for r in reqs) if reqs else False,
+        total_input_tokens=in_tokens, total_output_tokens=out_tokens,
+    )
+
+
+def vllm_bench_keys(summary: dict[str, Any]) -> dict[str, Any]:
+    """The serving summary under `vllm bench serve`'s result keys, for tools that read those."""
+    s = summary["serving"]
+    out = {
+        "completed": s["completed"], "failed": s["failed"], "duration": s["duration_s"],
+        "request_throughput": s["request_throughput"], "request_goodput": s["request_goodput"],
+        "output_throughput": s["output_throughput"], "total_token_throughput": s["total_token_throughput"],
+        "total_input_tokens": s["total_input_tokens"], "total_output_tokens": s["total_output_tokens"],
+    }
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        st = s[f"{metric}_ms"]
+        for key, field in (("mean", "mean"), ("median", "p50"), ("std", "std"), ("p50", "p50"), ("p90", "p90"),
+                           ("p99", "p99")):
+            out[f"{key}_{metric}_ms"] = st[field] if st else math.nan
+    return out
+
+
+# -- orchestration ------------------------------------------------------------------------------
+STARTUP_TIMEOUT_S = 600.0
+
+
+def run_serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: str, python: Path | None,
+              timeout: float | None, progress) -> list:
+    """Start (or attach to) the engine, wait until ready, drive the request plan, stop the engine.
+
+    Returns launcher-level failures; every request outcome is in the records.
+    """
+    import importlib
+    import socket
+    import subprocess
+
+    from .contract import Failure, Header
+    from .launch import free_port
+    from .runtime import _now
+
+    attach = workload.serve.url is not None
+    checkpoint = None
+    if not attach:
+        out = subprocess.run([str(python), "-m", "llmadapt.prepare", json.dumps(attrs.asdict(workload.model)),
+                              str(workload.seed)], capture_output=True, text=True, check=False)
+        if out.returncode:
+            return [Failure(cause="error", message=f"building the canonical checkpoint failed: "
+                                                   f"{out.stderr.strip().splitlines()[-1:]}")]
+        checkpoint = Path(out.stdout.strip().splitlines()[-1])
+    tokenizer = _load_tokenizer(workload, checkpoint)
+    plan = plan_requests(workload, tokenizer)
+    module_name, _, class_name = info.roles["serve"].partition(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    server = cls(ServeContext(workload, info.name, run_dir, python, checkpoint, free_port()))
+    writer = JsonlWriter(run_dir / "rank-00000.jsonl")
+    failures: list = []
+
+    async def main() -> None:
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+        async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session:
+            started = time.monotonic()
+            limit = min(timeout, STARTUP_TIMEOUT_S) if timeout else STARTUP_TIMEOUT_S
+            while not await _ready(server, session):
+                if not server.alive():
+                    failures.append(Failure(cause="crash", message=f"the engine exited during start-up; see "
+                                                                   f"{run_dir / 'engine.log'}"))
+                    return
+                if time.monotonic() - started > limit:
+                    failures.append(Failure(cause="timeout", message=f"the engine was not ready within {limit:g} s"))
+                    return
+                await asyncio.sleep(0.5)
+            wall, mono = time.time_ns(), time.monotonic_ns()
+            writer.write(Header(
+                run_id=run_id, rank=0, local_rank=0, world_size=1, node=socket.gethostname(), role="serve",
+                adapter=info.name, adapter_version=info.version, framework=info.framework,
+                framework_version=server.engine_version(), launcher=launcher, workload_hash=workload.content_hash,
+                problem_hash=workload.problem_hash, workload=workload.to_dict(),
+                checkpoint_hash=_recorded_hash(checkpoint), device=None, software=_client_software(),
+                patches=list(server.patches), start_time=_now(), wall_anchor_ns=wall, mono_anchor_ns=mono,
+            ))
+            run = LoadGenerator(server, workload, plan, writer, progress).run(session)
+            if timeout is None:
+                await run
+                return
+            try:
+                await asyncio.wait_for(run, timeout=max(1.0, timeout - (time.monotonic() - started)))
+            except TimeoutError:
+                failures.append(Failure(cause="timeout", message=f"the run exceeded its timeout of {timeout:g} s"))
+
+    try:
+        server.start()
+        asyncio.run(main())
+    finally:
+        server.stop()
+        writer.close()
+    return failures
+
+
+async def _ready(server, session) -> bool:
+    try:
+        return bool(await asyncio.wait_for(server.ready(session), timeout=5))
+    except Exception:
+        return False
+
+
+def _load_tokenizer(workload: Workload, checkpoint: Path | None):
+    from tokenizers import Tokenizer
+
+    if checkpoint is not None:
+        return Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    from .models import train_tokenizer
+
+    return train_tokenizer(workload.model.vocab_size)
+
+
+def _recorded_hash(checkpoint: Path | None) -> str | None:
+    if checkpoint is None:
+        return None
+    from .models import recorded_weights_hash
+
+    return recorded_weights_hash(checkpoint)
+
+
+def _client_software() -> dict[str, str]:
+    import platform
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in ("llmadapt", "aiohttp", "tokenizers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out

@@ -1,0 +1,193 @@
+"""The load generator and the serve path, against a local streaming server (tests/fake_openai.py)."""
+
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llmadapt import Workload, run
+from llmadapt.contract import read_jsonl
+from llmadapt.models import train_tokenizer
+from llmadapt.serving import arrival_offsets, plan_requests
+
+HERE = Path(__file__).parent
+pytest.importorskip("aiohttp")
+pytest.importorskip("llmadapt_openai", reason="the openai adapter package is not installed (pip install -e plugins/openai)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def fake_server():
+    procs = []
+
+    def start(*args):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, str(HERE / "fake_openai.py"), str(port), *args])
+        procs.append(proc)
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                return f"http://127.0.0.1:{port}", proc
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("fake server did not start")
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def serve_workload(url, **serve):
+    base = {"url": url, "requests": 12, "warmup_requests": 1, "input_len": {"mean": 16}, "output_len": {"mean": 8},
+            "arrival": {"process": "constant", "rate": 50.0}, "request_timeout_s": 5.0, "scrape_interval_s": 0.2}
+    for key, value in serve.items():
+        base[key] = {**base[key], **value} if isinstance(value, dict) else value
+    return Workload.from_dict({"kind": "serve", "model": {"preset": "tiny-llama"}, "serve": base})
+
+
+def requests_of(result):
+    return [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "request"]
+
+
+def test_prompts_have_exact_token_counts_and_the_plan_is_reproducible():
+    """Prompts are built from single-token words: the canonical tokenizer counts exactly what was asked."""
+    tok = train_tokenizer(512)
+    w = Workload.from_dict({"kind": "serve", "serve": {"input_len": {"dist": "uniform", "low": 3, "high": 40},
+                                                       "requests": 20}})
+    plan = plan_requests(w, tok)
+    assert len(plan) == 22 and [p.warmup for p in plan[:3]] == [True, True, False]
+    for p in plan:
+        assert len(tok.encode(p.prompt, add_special_tokens=False).ids) == p.input_tokens
+        assert 3 <= p.input_tokens <= 40
+    assert [p.prompt for p in plan_requests(w, tok)] == [p.prompt for p in plan]
+
+
+@pytest.mark.parametrize(("process", "burstiness", "cv2"), [("poisson", 1.0, 1.0), ("gamma", 0.25, 4.0),
+                                                             ("gamma", 4.0, 0.25)])
+def test_arrival_processes_have_the_asked_rate_and_burstiness(process, burstiness, cv2):
+    """Mean gap = 1/rate; squared coefficient of variation = 1/burstiness (1 for Poisson)."""
+    w = Workload.from_dict({"kind": "serve", "serve": {"arrival": {"process": process, "rate": 10.0,
+                                                                   "burstiness": burstiness}}})
+    t = arrival_offsets(w, 20001, random.Random(0))
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    mean = statistics.fmean(gaps)
+    assert mean == pytest.approx(0.1, rel=0.05)
+    assert statistics.pvariance(gaps) / mean**2 == pytest.approx(cv2, rel=0.1)
+
+
+def test_constant_and_closed_arrivals():
+    w = Workload.from_dict({"kind": "serve", "serve": {"arrival": {"process": "constant", "rate": 4.0}}})
+    assert arrival_offsets(w, 3, random.Random(0)) == [0.0, 0.25, 0.5]
+    closed = w.with_overrides(["serve.arrival.process=closed"])
+    assert arrival_offsets(closed, 3, random.Random(0)) == [None, None, None]
+
+
+def test_every_request_is_recorded_with_client_side_timings(tmp_path, fake_server):
+    """TTFT, ITL, TPOT, E2EL come from the generator's clock; warm-up is excluded; the engine's metrics are sampled."""
+    url, _ = fake_server("--first-ms", "20", "--token-ms", "5")
+    result = run(serve_workload(url), "openai", out=tmp_path)
+    assert result.ok, result.summary.failures
+    s = result.summary.serving
+    assert (s.completed, s.failed) == (12, 0)
+    assert s.total_output_tokens == 12 * 8 and s.total_input_tokens == 12 * 16
+    assert s.ttft_ms.min >= 20 and s.e2el_ms.min >= 20 + 7 * 5  # the server cannot answer sooner
+    assert s.itl_ms.count == 12 * 7 and s.tpot_ms.count == 12
+    records = requests_of(result)
+    assert len(records) == 13 and sum(r["warmup"] for r in records) == 1
+    for r in records:
+        assert r["scheduled_ns"] <= r["sent_ns"] < r["first_token_ns"] <= r["end_ns"]
+        assert len(r["chunk_ns"]) == 8 and r["finish_reason"] == "length"
+    assert s.valid and s.send_lag_ms.count == 12
+    samples = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "server_sample"]
+    assert samples and samples[-1]["values"]["fake_requests_total"] == 13
+
+
+def test_failures_are_counted_by_cause_never_crash(tmp_path, fake_server):
+    """429, 5xx, in-band errors, malformed SSE and timeouts are failed requests with their cause."""
+    url, _ = fake_server("--cycle", "ok,429,500,inband,malformed,hang,keepalive")
+    w = serve_workload(url, requests=13, warmup_requests=1, request_timeout_s=1.0)
+    result = run(w, "openai", out=tmp_path)
+    s = result.summary.serving
+    # request 0 (warm-up) is 'ok'; measured requests 1..13 meet the 7 modes in turn
+    assert s.failures_by_cause == {"http_429": 2, "http_5xx": 2, "in_band": 2, "malformed": 2, "timeout": 2}
+    assert s.completed == 3  # one ok and two keepalive (comment lines ignored)
+    failed = [r for r in requests_of(result) if r["status"] != "ok"]
+    assert all(r["error"] for r in failed)
+    assert json.loads((result.run_dir / "summary.json").read_text())["serving"]["failed"] == 10
+
+
+def test_api_key_is_sent_but_never_written(tmp_path, fake_server, monkeypatch):
+    """The key authenticates (the server requires it) and appears in no file of the run."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-secret-1234")
+    url, _ = fake_server("--require-key", "sk-test-secret-1234")
+    result = run(serve_workload(url, requests=3), "openai", out=tmp_path)
+    assert result.ok and result.summary.serving.completed == 3
+    for path in result.run_dir.iterdir():
+        assert "sk-test-secret-1234" not in path.read_text(errors="replace"), path.name
+
+
+def test_engine_dying_mid_run_fails_the_rest_and_keeps_the_summary(tmp_path, fake_server):
+    """When the server goes away, in-flight and later requests are failures with a cause; the summary is written."""
+    url, _ = fake_server("--exit-after", "5")
+    result = run(serve_workload(url, requests=10, warmup_requests=0), "openai", out=tmp_path)
+    s = result.summary.serving
+    assert s.completed == 5 and s.failed == 5
+    assert set(s.failures_by_cause) <= {"connection", "engine_dead"}
+    assert (result.run_dir / "summary.json").is_file()
+
+
+def test_closed_loop_keeps_concurrency(tmp_path, fake_server):
+    """A closed loop never has more requests in flight than its concurrency."""
+    url, _ = fake_server("--first-ms", "20", "--token-ms", "2")
+    w = serve_workload(url, requests=12, arrival={"process": "closed", "concurrency": 3})
+    result = run(w, "openai", out=tmp_path)
+    assert result.ok
+    events = sorted([(r["sent_ns"], 1) for r in requests_of(result)] + [(r["end_ns"], -1) for r in requests_of(result)])
+    in_flight, most = 0, 0
+    for _, delta in events:
+        in_flight += delta
+        most = max(most, in_flight)
+    assert most == 3
+
+
+def test_openai_adapter_refuses_to_run_without_a_url(tmp_path):
+    from llmadapt import UnsupportedError
+
+    w = Workload.from_dict({"kind": "serve"})
+    with pytest.raises(UnsupportedError, match="adapter 'openai' cannot run serve.url=None: the openai adapter "
+                                               "attaches to a running server"):
+        run(w, "openai", out=tmp_path)
+
+
+def test_ctrl_c_leaves_a_valid_partial_trace(tmp_path, fake_server):
+    """SIGINT to `llmadapt run` mid-run: exit 130, the summary and every record so far are valid."""
+    url, _ = fake_server("--first-ms", "50", "--token-ms", "20")
+    path = tmp_path / "w.json"
+    w = serve_workload(url, requests=200, arrival={"process": "constant", "rate": 5.0})
+    path.write_text(json.dumps(w.to_dict()))
+    proc = subprocess.Popen([sys.executable, "-m", "llmadapt.cli", "run", str(path), "--adapter", "openai",
+                             "--out", str(tmp_path / "runs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(4)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err.decode()[-2000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert {f["cause"] for f in summary["failures"]} == {"interrupted"}
+    records = read_jsonl(run_dir / "rank-00000.jsonl")  # validates every record
+    assert any(r["type"] == "request" and r["status"] == "ok" for r in records)
