@@ -92,16 +92,52 @@ class Row:
     variant: str
     run_dir: str | None
     status: str
-    step_p50_s: float | None
-    step_p90_s: float | None
-    tokens_per_s: float | None
-    samples_per_s: float | None
-    peak_memory_bytes: int | None
-    first_loss: float | None
-    last_loss: float | None
-    parity_delta: float | None
-    """Max |loss - baseline loss| over steps, against the first row of the same problem."""
+    metrics: dict[str, float | int | str | None]
+    """TRAIN_COLUMNS or SERVE_COLUMNS keys, by the workload's kind."""
     note: str = ""
+
+
+# (key, heading, format) of the comparison table, per kind
+TRAIN_COLUMNS = [
+    ("step_p50_s", "step p50 s", ".4f"), ("step_p90_s", "step p90 s", ".4f"), ("tokens_per_s", "tokens/s", ",.0f"),
+    ("samples_per_s", "samples/s", ",.1f"), ("peak_memory_mib", "peak mem MiB", ",.0f"),
+    ("first_loss", "first loss", ".4f"), ("last_loss", "last loss", ".4f"), ("parity_delta", "parity delta", ".2e"),
+]
+SERVE_COLUMNS = [
+    ("request_throughput", "req/s", ".2f"), ("output_throughput", "out tok/s", ",.1f"),
+    ("ttft_p50_ms", "TTFT p50 ms", ".1f"), ("ttft_p99_ms", "TTFT p99 ms", ".1f"),
+    ("tpot_p50_ms", "TPOT p50 ms", ".1f"), ("tpot_p99_ms", "TPOT p99 ms", ".1f"),
+    ("itl_p50_ms", "ITL p50 ms", ".1f"), ("itl_p99_ms", "ITL p99 ms", ".1f"),
+    ("e2el_p50_ms", "E2EL p50 ms", ".1f"), ("e2el_p99_ms", "E2EL p99 ms", ".1f"),
+    ("goodput", "goodput req/s", ".2f"), ("failed", "failed", "d"), ("valid", "valid", ""),
+]
+
+
+def row_metrics(summary, baseline_losses: list[float | None] | None) -> dict[str, float | int | str | None]:
+    """The comparison columns of one run, from its summary."""
+    s = summary
+    if s.serving is not None:
+        v = s.serving
+        out: dict[str, float | int | str | None] = {
+            "request_throughput": v.request_throughput, "output_throughput": v.output_throughput,
+            "goodput": v.request_goodput, "failed": v.failed, "valid": "yes" if v.valid else "NO",
+            "failures_by_cause": ", ".join(f"{k}={n}" for k, n in sorted(v.failures_by_cause.items())) or None,
+        }
+        for metric in ("ttft", "tpot", "itl", "e2el"):
+            st = getattr(v, f"{metric}_ms")
+            out[f"{metric}_p50_ms"] = st.p50 if st else None
+            out[f"{metric}_p99_ms"] = st.p99 if st else None
+        return out
+    delta = loss_parity(baseline_losses, s.losses).max_abs_delta if s.losses and baseline_losses else None
+    return {
+        "step_p50_s": s.step_time_s.p50 if s.step_time_s else None,
+        "step_p90_s": s.step_time_s.p90 if s.step_time_s else None,
+        "tokens_per_s": s.tokens_per_s.mean if s.tokens_per_s else None,
+        "samples_per_s": s.samples_per_s.mean if s.samples_per_s else None,
+        "peak_memory_mib": s.peak_memory_bytes / 2**20 if s.peak_memory_bytes else None,
+        "first_loss": s.losses[0] if s.losses else None, "last_loss": s.losses[-1] if s.losses else None,
+        "parity_delta": delta,
+    }
 
 
 @attrs.frozen
@@ -109,11 +145,10 @@ class Comparison:
     rows: list[Row]
 
     def table(self) -> str:
-        head = ["run", "status", "step p50 s", "step p90 s", "tokens/s", "samples/s", "peak mem MiB",
-                "first loss", "last loss", "parity delta"]
-        body = [[r.label, r.status, _f(r.step_p50_s, 4), _f(r.step_p90_s, 4), _f(r.tokens_per_s, 0),
-                 _f(r.samples_per_s, 1), _f(r.peak_memory_bytes and r.peak_memory_bytes / 2**20, 0),
-                 _f(r.first_loss, 4), _f(r.last_loss, 4), _f(r.parity_delta, 2, sci=True)] for r in self.rows]
+        serve = any("request_throughput" in r.metrics for r in self.rows)
+        columns = SERVE_COLUMNS if serve else TRAIN_COLUMNS
+        head = ["run", "status"] + [title for _, title, _ in columns]
+        body = [[r.label, r.status] + [_f(r.metrics.get(key), fmt) for key, _, fmt in columns] for r in self.rows]
         widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
         lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body]]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -124,10 +159,10 @@ class Comparison:
         return {"rows": [attrs.asdict(r) for r in self.rows]}
 
 
-def _f(value: float | None, digits: int, sci: bool = False) -> str:
+def _f(value: Any, fmt: str) -> str:
     if value is None:
         return "-"
-    return f"{value:.{digits}e}" if sci else f"{value:,.{digits}f}"
+    return format(value, fmt) if fmt else str(value)
 
 
 def matrix_variants(workload: Workload, matrix: dict[str, list[Any]]) -> list[tuple[str, Workload]]:
@@ -183,18 +218,13 @@ def compare(workload: Workload | str | Path, adapters: list[str], *, matrix: dic
         result: RunResult = run(variant, name, **run_options)
         s = result.summary
         base = baselines.setdefault(s.problem_hash, s.losses)
-        delta = loss_parity(base, s.losses).max_abs_delta if s.losses else None
-        note = "; ".join(f"{f.cause}: {f.message}" for f in s.failures)[:300]
-        rows.append(Row(
-            label=title, adapter=name, variant=label, run_dir=str(result.run_dir), status=s.status,
-            step_p50_s=s.step_time_s.p50 if s.step_time_s else None,
-            step_p90_s=s.step_time_s.p90 if s.step_time_s else None,
-            tokens_per_s=s.tokens_per_s.mean if s.tokens_per_s else None,
-            samples_per_s=s.samples_per_s.mean if s.samples_per_s else None,
-            peak_memory_bytes=s.peak_memory_bytes,
-            first_loss=s.losses[0] if s.losses else None, last_loss=s.losses[-1] if s.losses else None,
-            parity_delta=delta, note=note,
-        ))
+        notes = [f"{f.cause}: {f.message}" for f in s.failures]
+        if s.serving is not None and s.serving.failures_by_cause:
+            notes.append("failed requests: " + ", ".join(f"{k}={n}" for k, n in sorted(s.serving.failures_by_cause.items())))
+        if s.serving is not None and not s.serving.valid:
+            notes.append(s.serving.validity)
+        rows.append(Row(label=title, adapter=name, variant=label, run_dir=str(result.run_dir), status=s.status,
+                        metrics=row_metrics(s, base), note="; ".join(notes)[:400]))
     return Comparison(rows=rows)
 
 
@@ -245,6 +275,20 @@ def render_summary(s: dict[str, Any]) -> str:
                      + ", ".join("-" if m is None else f"{m / 2**20:,.0f}" for m in s["peak_memory_per_rank"]))
     if s.get("losses"):
         lines.append(f"loss       {s['losses'][0]:.4f} -> {s['losses'][-1]:.4f}")
+    v = s.get("serving")
+    if v:
+        lines.append(f"requests   {v['completed']} completed, {v['failed']} failed "
+                     + (f"({', '.join(f'{k}={n}' for k, n in sorted(v['failures_by_cause'].items()))})"
+                        if v["failures_by_cause"] else "") + f" in {v['duration_s']:.2f} s")
+        lines.append(f"throughput {v['request_throughput']:.2f} req/s, {v['output_throughput']:,.1f} output tok/s"
+                     + (f", goodput {v['request_goodput']:.2f} req/s" if v["request_goodput"] is not None else ""))
+        for metric in ("ttft", "tpot", "itl", "e2el"):
+            st = v[f"{metric}_ms"]
+            if st:
+                lines.append(f"{metric.upper():<10} p50 {st['p50']:.1f} ms  p90 {st['p90']:.1f}  p99 {st['p99']:.1f}  "
+                             f"mean {st['mean']:.1f} (n={st['count']})")
+        lines.append(f"output     {'forced (ignore_eos)' if v['output_length_forced'] else 'not forced: lengths as the engine chose'}")
+        lines.append(f"validity   {v['validity']}")
     if s.get("mfu") is not None:
         lines.append(f"mfu        {s['mfu']:.1%}")
     for name, secs in s.get("phase_means_s", {}).items():
@@ -257,7 +301,7 @@ def render_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-EXPORT_FORMATS = ("json", "csv", "chrome-trace")
+EXPORT_FORMATS = ("json", "csv", "chrome-trace", "vllm-bench")
 
 
 def export(run_dir: str | Path, fmt: str) -> str:
@@ -268,6 +312,14 @@ def export(run_dir: str | Path, fmt: str) -> str:
     records = load_records(run_dir)
     if fmt == "json":
         return json.dumps({"summary": summary, "records": records}, indent=2)
+    if fmt == "vllm-bench":
+        if not summary.get("serving"):
+            raise LlmadaptError("vllm-bench export is for serving runs")
+        from .serving import vllm_bench_keys
+
+        return json.dumps(vllm_bench_keys(summary), indent=2)
+    if fmt == "csv" and summary.get("serving"):
+        return _requests_csv([r for r in records if r["type"] == "request"])
     steps = [r for r in records if r["type"] == "step"]
     if fmt == "csv":
         phase_names = sorted({f"{p['source']}:{p['name']}" for s in steps for p in s["phases"]})
@@ -283,6 +335,24 @@ def export(run_dir: str | Path, fmt: str) -> str:
                              peak, *[phases.get(n, "") for n in phase_names]])
         return buf.getvalue()
     return json.dumps(chrome_trace(records), indent=1)
+
+
+def _requests_csv(requests: list[dict[str, Any]]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["index", "warmup", "status", "error_cause", "input_tokens", "output_tokens", "send_lag_ms",
+                     "ttft_ms", "e2el_ms", "chunks", "finish_reason"])
+    for r in sorted(requests, key=lambda r: r["index"]):
+        sent = r["sent_ns"]
+
+        def ms(t):
+            return "" if t is None or sent is None else f"{(t - sent) / 1e6:.3f}"
+
+        lag = "" if sent is None else f"{(sent - r['scheduled_ns']) / 1e6:.3f}"
+        writer.writerow([r["index"], r["warmup"], r["status"], r["error_cause"] or "", r["input_tokens"],
+                         r["output_tokens"] if r["output_tokens"] is not None else "", lag, ms(r["first_token_ns"]),
+                         ms(r["end_ns"]), len(r["chunk_ns"]), r["finish_reason"] or ""])
+    return buf.getvalue()
 
 
 def chrome_trace(records: list[dict[str, Any]]) -> dict[str, Any]:

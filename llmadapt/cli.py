@@ -195,9 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("show", cmd_show, "show a run's summary")
     p.add_argument("run", help="run directory")
 
-    p = command("export", cmd_export, "export a run as JSON, CSV or a Chrome trace (Perfetto)")
+    p = command("export", cmd_export, "export a run as JSON, CSV, a Chrome trace (Perfetto) or vLLM-bench keys")
     p.add_argument("run", help="run directory")
-    p.add_argument("--format", required=True, choices=["json", "csv", "chrome-trace"])
+    p.add_argument("--format", required=True, choices=["json", "csv", "chrome-trace", "vllm-bench"],
+                   help="vllm-bench: a serving run's summary under `vllm bench serve`'s result keys")
     p.add_argument("-o", "--output", help="file to write (default: stdout)")
 
     command("adapters", cmd_adapters, "list registered adapters, what they support and their environments")

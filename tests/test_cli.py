@@ -96,7 +96,7 @@ def test_compare_matrix_gives_one_row_per_variant(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["rows"]
     assert [r["variant"] for r in rows] == ["micro_batch=1", "micro_batch=2"]
-    assert rows[1]["parity_delta"] < 1e-4
+    assert rows[1]["metrics"]["parity_delta"] < 1e-4
     text = cli("compare", EXAMPLE, *SMALL, "--out", tmp_path).stdout
     assert text.splitlines()[0].split()[:2] == ["run", "status"]
 

@@ -55,7 +55,7 @@ def serve_workload(url, **serve):
     base = {"url": url, "requests": 12, "warmup_requests": 1, "input_len": {"mean": 16}, "output_len": {"mean": 8},
             "arrival": {"process": "constant", "rate": 50.0}, "request_timeout_s": 5.0, "scrape_interval_s": 0.2}
     for key, value in serve.items():
-        base[key] = {**base[key], **value} if isinstance(value, dict) else value
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
     return Workload.from_dict({"kind": "serve", "model": {"preset": "tiny-llama"}, "serve": base})
 
 
@@ -191,3 +191,22 @@ def test_ctrl_c_leaves_a_valid_partial_trace(tmp_path, fake_server):
     assert {f["cause"] for f in summary["failures"]} == {"interrupted"}
     records = read_jsonl(run_dir / "rank-00000.jsonl")  # validates every record
     assert any(r["type"] == "request" and r["status"] == "ok" for r in records)
+
+
+def test_show_export_and_compare_for_serving(tmp_path, fake_server):
+    """Serving runs render, export as per-request CSV and vLLM-bench keys, and compare in one table."""
+    from llmadapt import compare
+    from llmadapt.analysis import export, render_summary, show
+
+    url, _ = fake_server("--first-ms", "5")
+    w = serve_workload(url, requests=4, slo={"ttft_ms": 10000.0})
+    table = compare(w, ["openai"], matrix={"serve.api": ["completions", "chat"]}, out=tmp_path)
+    assert [r.status for r in table.rows] == ["ok", "ok"]
+    assert table.table().splitlines()[0].split()[:4] == ["run", "status", "req/s", "out"]
+    run_dir = table.rows[1].run_dir
+    assert "TTFT" in render_summary(show(run_dir))
+    keys = json.loads(export(run_dir, "vllm-bench"))
+    assert keys["completed"] == 4 and keys["request_goodput"] > 0
+    assert {"mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "std_e2el_ms"} <= set(keys)
+    rows = export(run_dir, "csv").splitlines()
+    assert rows[0].startswith("index,warmup,status") and len(rows) == 1 + 5

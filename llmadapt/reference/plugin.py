@@ -18,6 +18,7 @@ REQUIREMENTS = (
     "uvicorn==0.54.0",
     "openai==3.57.0",
     "rich==15.0.0",
+    "requests==2.34.2",
 )
 
 TORCH_ENV = EnvironmentSpec(name="torch", requirements=REQUIREMENTS)

@@ -1,0 +1,64 @@
+"""The reference server `hf` (transformers serve, continuous batching) driven for real."""
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from llmadapt import Workload, run
+from llmadapt.contract import read_jsonl
+
+pytest.importorskip("aiohttp")
+
+
+def workload(**serve):
+    base = {"requests": 6, "warmup_requests": 1, "input_len": {"dist": "uniform", "low": 4, "high": 24},
+            "output_len": {"mean": 6}, "arrival": {"process": "closed", "concurrency": 2}, "request_timeout_s": 120.0}
+    base.update(serve)
+    return Workload.from_dict({"kind": "serve", "model": {"preset": "tiny-llama"}, "serve": base})
+
+
+def engine_pids() -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(c.endswith(b"/transformers") for c in cmd) and b"serve" in cmd:
+                pids.append(int(p.name))
+    return pids
+
+
+def test_hf_server_serves_the_canonical_model(tmp_path):
+    """Every request completes; the engine counts exactly the prompt tokens the generator built; no process is left."""
+    result = run(workload(), "hf", out=tmp_path, timeout=600)
+    assert result.ok, (result.summary.failures, (result.run_dir / "engine.log").read_text()[-2000:])
+    s = result.summary.serving
+    assert s.completed == 6 and s.failed == 0
+    assert not s.output_length_forced  # transformers serve has no ignore_eos: recorded, not faked
+    requests = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "request"]
+    assert all(r["server_input_tokens"] == r["input_tokens"] for r in requests)
+    assert all(1 <= r["output_tokens"] <= 6 for r in requests)
+    assert engine_pids() == []
+
+
+def test_engine_killed_mid_run_is_reported(tmp_path):
+    """The engine dies after a few requests: the rest fail as engine_dead, the run is failed, the summary written."""
+    killed = []
+
+    def progress(record):
+        if record.get("type") == "request" and not record["warmup"] and not killed:
+            for pid in engine_pids():
+                os.kill(pid, signal.SIGKILL)
+            killed.append(True)
+
+    w = workload(requests=8, arrival={"process": "constant", "rate": 2.0})
+    result = run(w, "hf", out=tmp_path, timeout=600, progress=progress)
+    s = result.summary.serving
+    assert killed and s.completed >= 1 and s.failed >= 1
+    assert "engine_dead" in s.failures_by_cause
+    assert result.summary.status == "failed"
+    assert any(f.cause == "crash" for f in result.summary.failures)
