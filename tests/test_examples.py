@@ -17,7 +17,8 @@ def test_workload_files_load(path):
     """Every example workload file is valid and passes the reference adapter's checks."""
     from llmadapt.plugins import check_supported, get_adapter
 
-    check_supported(get_adapter("torch"), Workload.from_file(path))
+    workload = Workload.from_file(path)
+    check_supported(get_adapter("hf" if workload.kind == "serve" else "torch"), workload)
 
 
 def test_python_example_runs(tmp_path):
