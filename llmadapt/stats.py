@@ -1,6 +1,7 @@
 """Statistics and cross-rank aggregation: how every number in a summary is computed.
 
-Rules: a step's time is the slowest rank's; tokens and samples are summed over ranks; memory
+Rules: a step's time is the slowest rank's; tokens and samples are summed over ranks (and divided
+by tp * pp, since the model-parallel ranks of one replica see the same tokens); memory
 is the max over ranks plus each rank's own; the loss is the global-batch loss (identical on
 every rank, taken from the lowest rank that reported it). Warm-up steps are excluded from
 statistics but kept in the loss trajectory.
@@ -51,6 +52,7 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
     if workload.kind == "serve":
         return _aggregate_serve(run_id, records, launch, workload, headers, failures)
     world = workload.world_size
+    model_parallel = workload.parallelism.tp * workload.parallelism.pp
     # A step counts as completed when every rank finished it.
     complete = sorted(i for i, by_rank in steps_by_index.items() if len(by_rank) == world)
     losses: list[float | None] = []
@@ -63,8 +65,9 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
         if by_rank[min(by_rank)]["warmup"]:
             continue
         seconds = max(s["seconds"] for s in by_rank.values())
-        tokens = sum(s["tokens"] for s in by_rank.values())
-        samples = sum(s["samples"] for s in by_rank.values())
+        # Every rank reports its data-parallel share; the tp*pp ranks of one replica share the same tokens.
+        tokens = sum(s["tokens"] for s in by_rank.values()) // model_parallel
+        samples = sum(s["samples"] for s in by_rank.values()) // model_parallel
         times.append(seconds)
         tokens_s.append(tokens / seconds)
         samples_s.append(samples / seconds)

@@ -111,3 +111,11 @@ def test_summary_round_trips_through_its_schema():
                                                                                            "warmup_steps": 0}}}
     summary = aggregate("r", [step()], launch)
     validate(json.loads(json.dumps(attrs.asdict(summary))))
+
+
+def test_model_parallel_ranks_do_not_multiply_tokens():
+    """With tp=2, both ranks of the one replica report the same tokens: they count once."""
+    launch = {"role": "train", "adapter": "x", "launcher": "torchrun",
+              "workload": {"parallelism": {"tp": 2}, "train": {"steps": 1, "warmup_steps": 0}}}
+    s = aggregate("r", [step(0, 0, tokens=128), step(1, 0, tokens=128)], launch)
+    assert s.tokens_per_step == 128

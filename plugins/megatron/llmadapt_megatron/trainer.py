@@ -1,0 +1,276 @@
+"""The ``megatron`` adapter's worker classes: megatron-core's GPTModel, DDP, optimizer and schedules.
+
+Imported only inside the adapter's environment, in the worker process.
+
+One global step = ``get_forward_backward_func()`` over this data-parallel rank's micro-batches
+(1F1B when pp > 1), megatron's ``finalize_model_grads`` (the data-parallel gradient reduction),
+then the megatron optimizer's step. Loss convention (the contract's, as in the reference
+adapter): sum of token cross-entropies over the global batch / ``batch.loss_tokens_global``.
+Megatron's schedule divides each micro-batch's loss by the number of micro-batches and its DDP
+averages gradients over the data-parallel ranks; the loss handed to the schedule is scaled by
+``num_microbatches * dp / loss_tokens_global`` so that the gradients equal the reference's.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from llmadapt.contract import Phase
+from llmadapt.interfaces import FineTuner, StepResult, Trainer
+
+from .cpu_compat import Compat
+from .convert import hf_to_megatron, load_into
+
+SOURCE = "megatron"
+
+
+class MegatronTrainer(Trainer):
+    def framework_version(self) -> str:
+        from importlib import metadata
+
+        return metadata.version("megatron-core")
+
+    def data_rank(self) -> tuple[int, int]:
+        return self._dp_rank, self._dp_size
+
+    # -- setup ----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        ctx, w = self.ctx, self.ctx.workload
+        if w.lora.rank:  # refused before launch by the declaration; never silently ignored
+            raise NotImplementedError("the megatron adapter does full fine-tuning only (lora.rank must be 0)")
+        p, o = w.parallelism, w.optimizations
+        self._owns_group = False
+        if not dist.is_initialized():  # one process: megatron still needs a default group
+            dist.init_process_group("nccl" if ctx.is_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                    device_id=ctx.device if ctx.is_cuda else None)
+            self._owns_group = True
+
+        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[w.precision]
+        self.use_distributed_optimizer = o.zero_stage == 1
+        self.compat = Compat(fake_type_strings=self.use_distributed_optimizer or w.precision == "bf16",
+                             moe=w.model.is_moe)
+        if not ctx.is_cuda:
+            self.patches += self.compat.install()
+
+        with self.compat.mode():
+            self._build()
+
+    def _build(self) -> None:
+        import torch
+        import torch.nn.functional as F
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.timers import Timers
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        from safetensors.torch import load_file
+
+        ctx, w = self.ctx, self.ctx.workload
+        m, p, o, t = w.model, w.parallelism, w.optimizations, w.train
+        ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+                                     expert_model_parallel_size=p.ep)
+        model_parallel_cuda_manual_seed(w.seed)
+        self._dp_rank, self._dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.tp, self.pp = p.tp, p.pp
+        self.timers = Timers(log_level=2, log_option="all")
+
+        recompute = {}
+        if o.recompute == "full":
+            recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        elif o.recompute == "selective":
+            recompute = dict(recompute_granularity="selective")  # megatron's default module: core_attn
+        moe = {}
+        if m.is_moe:
+            moe = dict(num_moe_experts=m.num_experts, moe_router_topk=m.experts_per_token,
+                       moe_token_dispatcher_type="allgather",  # alltoall creates a CUDA stream
+                       moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,  # HF: router_aux_loss_coef 0
+                       moe_router_score_function="softmax", moe_router_pre_softmax=False,  # = softmax, top-k, renorm
+                       moe_grouped_gemm=False)
+        self.config = TransformerConfig(
+            num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.intermediate_size,
+            num_attention_heads=m.num_heads, num_query_groups=m.num_kv_heads, kv_channels=m.head_dim,
+            normalization="RMSNorm", layernorm_epsilon=m.norm_eps, gated_linear_unit=True, activation_func=F.silu,
+            add_bias_linear=False, add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+            attention_softmax_in_fp32=True, apply_query_key_layer_scaling=False,
+            tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp, expert_model_parallel_size=p.ep,
+            sequence_parallel=False, use_cpu_initialization=True, perform_initialization=False,
+            params_dtype=self.dtype, bf16=self.dtype == torch.bfloat16, pipeline_dtype=self.dtype,
+            # Fusions that need apex/TE kernels or torch.jit on CUDA: off (their torch fallbacks compute the same).
+            bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+            apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+            timers=self.timers, **recompute, **moe,
+        )
+        spec = get_gpt_layer_local_spec(num_experts=m.num_experts or None, moe_grouped_gemm=False,
+                                        normalization="RMSNorm")
+        self.first_stage, self.last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        model = GPTModel(
+            config=self.config, transformer_layer_spec=spec, vocab_size=m.vocab_size,
+            max_sequence_length=m.max_position_embeddings, pre_process=self.first_stage,
+            post_process=self.last_stage, parallel_output=True, share_embeddings_and_output_weights=m.tie_embeddings,
+            position_embedding_type="rope", rotary_base=m.rope_theta,
+        )
+        hf = load_file(str(ctx.checkpoint / "model.safetensors"))
+        load_into(model, hf_to_megatron(
+            hf, m, tp=p.tp, tp_rank=ps.get_tensor_model_parallel_rank(), pp=p.pp,
+            pp_rank=ps.get_pipeline_model_parallel_rank(), ep=p.ep, ep_rank=ps.get_expert_model_parallel_rank(),
+            etp=ps.get_expert_tensor_parallel_world_size(), etp_rank=ps.get_expert_tensor_parallel_rank()))
+        del hf
+        model.to(ctx.device)
+
+        self.experts = _ExpertCounter(model, m) if m.is_moe else None
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.use_distributed_optimizer)
+        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=model)
+        opt = t.optimizer
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="sgd" if opt == "sgd" else "adam", lr=t.lr, min_lr=t.lr, weight_decay=t.weight_decay,
+                decoupled_weight_decay=opt == "adamw",  # adamw -> torch AdamW; adam -> torch Adam (L2 in the grad)
+                adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, sgd_momentum=0.0,  # torch's defaults, as the reference
+                clip_grad=0.0,  # the reference does not clip
+                bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+                use_distributed_optimizer=self.use_distributed_optimizer, timers=self.timers,
+            ),
+            [self.model],
+            config_overrides={},  # weight decay on every parameter, as the reference (megatron skips norms by default)
+        )
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.no_sync_func = self.model.no_sync
+        self.forward_backward = get_forward_backward_func()
+        self._scale = 1.0
+
+    # -- one step ------------------------------------------------------------------------------
+    def _forward_step(self, data_iterator, model):
+        import torch
+
+        input_ids, labels = next(data_iterator)
+        mask = labels != -100
+        targets = torch.where(mask, labels, torch.zeros_like(labels))  # megatron's CE has no ignore_index
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+        if self.experts:
+            self.experts.counting = True
+        try:
+            output = model(input_ids, positions, None, labels=targets)
+        finally:
+            if self.experts:
+                self.experts.counting = False
+        return output, partial(self._loss, mask)
+
+    def _loss(self, mask, token_losses):
+        # token_losses: [b, s] per-token cross-entropy (fp32), on the last pipeline stage.
+        token_sum = (token_losses.float() * mask.to(token_losses.device).float()).sum()
+        return token_sum * self._scale, {"token_loss_sum": token_sum.detach().clone()}
+
+    def step(self, batch) -> StepResult:
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        ctx = self.ctx
+        n = len(batch.micro_batches)
+        # The schedule divides by n and DDP averages over dp: undo both, normalise by the global token count.
+        self._scale = n * self._dp_size / batch.loss_tokens_global
+        data = iter([(mb.input_ids.to(ctx.device), mb.labels.to(ctx.device)) for mb in batch.micro_batches])
+        mb_size, seq = batch.micro_batches[0].input_ids.shape
+        if self.experts:
+            self.experts.start_step()
+        with self.compat.mode():
+            self.model.train()
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            losses = self.forward_backward(
+                forward_step_func=self._forward_step, data_iterator=data, model=[self.model], num_microbatches=n,
+                seq_length=seq, micro_batch_size=mb_size, decoder_seq_length=seq, forward_only=False)
+            self.timers("optimizer", log_level=0).start()
+            ok, _grad_norm, _zeros = self.optimizer.step()
+            self.timers("optimizer", log_level=0).stop()
+            if not ok:
+                raise RuntimeError("megatron's optimizer skipped the step (non-finite gradients)")
+
+            local = sum(float(d["token_loss_sum"]) for d in losses) if self.last_stage else 0.0
+            total = torch.tensor([local], dtype=torch.float64, device=ctx.device)
+            if dist.get_world_size() > 1:
+                # last stage: sum over data-parallel ranks; then hand it to every pipeline stage
+                dist.all_reduce(total, group=ps.get_data_parallel_group())
+                if self.pp > 1:
+                    dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+            expert_load = self.experts.global_counts(self.tp) if self.experts else None
+        return StepResult(loss=total.item() / batch.loss_tokens_global, phases=self._timer_phases(),
+                          expert_load=expert_load)
+
+    def _timer_phases(self) -> list[Phase]:
+        out = []
+        # Every timer megatron started (schedules: forward-compute, backward-compute, and with pp the p2p
+        # send/recv timers; finalize_model_grads: all-grads-sync; the optimizer's own), plus ours
+        # around optimizer.step, in seconds for this step.
+        for name, timer in self.timers._timers.items():
+            out.append(Phase(name, timer.elapsed(reset=True), SOURCE))
+        return out
+
+    def teardown(self) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.compat.uninstall()
+
+
+class MegatronFineTuner(MegatronTrainer, FineTuner):
+    """Full fine-tuning (prompt tokens carry label -100, masked out of the loss). LoRA is refused."""
+
+    role = "finetune"
+
+
+class _ExpertCounter:
+    """Per-layer, per-expert token counts from megatron's TopKRouter (forward hook on its routing_map).
+
+    Counts only while ``counting`` is set (the forward pass proper), so full recomputation in the
+    backward pass does not count twice. Layer index = the router's global layer number."""
+
+    def __init__(self, model, spec) -> None:
+        import torch
+
+        self.num_layers, self.num_experts = spec.num_layers, spec.num_experts
+        self.counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.long)
+        self.counting = False
+        found = 0
+        for layer in model.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                router.register_forward_hook(self._hook(layer.layer_number - 1))
+                found += 1
+        if not found:
+            raise RuntimeError("MoE model has no TopKRouter to count expert load from")
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            if self.counting:
+                _probs, routing_map = output
+                self.counts[index] += routing_map.sum(dim=0).to("cpu", dtype=self.counts.dtype)
+
+        return hook
+
+    def start_step(self) -> None:
+        self.counts.zero_()
+
+    def global_counts(self, tp: int) -> list[list[int]]:
+        import torch.distributed as dist
+
+        counts = self.counts.clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            if dist.get_backend() == "nccl":
+                counts = counts.cuda()
+            dist.all_reduce(counts)  # every stage's layers, every data-parallel rank's tokens
+            counts = counts.cpu() // tp  # tensor-parallel ranks route the same tokens
+        return counts.tolist()
