@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # Adapter packages installed next to the core, and the environments their workers run in.
-PLUGINS := examples/adapter-plain plugins/openai plugins/megatron
+PLUGINS := examples/adapter-plain plugins/openai plugins/tgi plugins/megatron
 ENVS    := torch plain megatron
 
 .PHONY: demo test envs setup

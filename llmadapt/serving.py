@@ -74,7 +74,7 @@ class ServeContext:
 
     @property
     def base_url(self) -> str:
-        return self.workload.serve.url or f"http://127.0.0.1:{self.port}"
+        return (self.workload.serve.url or f"http://127.0.0.1:{self.port}").rstrip("/")
 
 
 # -- the plan -----------------------------------------------------------------------------------
@@ -171,18 +171,17 @@ class LoadGenerator:
 
     async def run(self, session) -> None:
         s = self.w.serve
-        scraper = asyncio.create_task(self._scrape_loop(session))
+        # Stopped by an event, not cancel(): a cancel that lands as a scrape completes can be lost (3.11).
+        stop = asyncio.Event()
+        scraper = asyncio.create_task(self._scrape_loop(session, stop))
         try:
             if s.arrival.process == "closed":
                 await self._closed_loop(session)
             else:
                 await self._open_loop(session)
         finally:
-            scraper.cancel()
-            try:
-                await scraper
-            except (asyncio.CancelledError, Exception):
-                pass
+            stop.set()
+            await scraper
             await self._scrape_once(session)
 
     async def _open_loop(self, session) -> None:
@@ -289,14 +288,18 @@ class LoadGenerator:
     def server_forces(self) -> bool:
         return bool(getattr(self.server, "forces_output_length", False))
 
-    async def _scrape_loop(self, session) -> None:
+    async def _scrape_loop(self, session, stop: asyncio.Event) -> None:
         while True:
-            await asyncio.sleep(self.w.serve.scrape_interval_s)
-            await self._scrape_once(session)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.w.serve.scrape_interval_s)
+                return
+            except TimeoutError:
+                await self._scrape_once(session)
 
     async def _scrape_once(self, session) -> None:
         try:
-            values = await asyncio.wait_for(self.server.scrape(session), timeout=5)
+            async with asyncio.timeout(5):
+                values = await self.server.scrape(session)
         except Exception:
             return  # a metrics endpoint that fails is missing data, not a failed run
         if values:
