@@ -67,8 +67,9 @@ class Patch:
     framework: str
     name: str
     description: str
-    kind: Literal["cpu-equivalent", "shim"] = "cpu-equivalent"
-    """'cpu-equivalent' provides a real CPU implementation; 'shim' fakes something (e.g. a type string)."""
+    kind: Literal["cpu-equivalent", "shim", "fix"] = "cpu-equivalent"
+    """'cpu-equivalent' provides a real CPU implementation; 'shim' fakes something (e.g. a type string);
+    'fix' corrects a framework bug on every device."""
 
 
 @attrs.frozen
@@ -182,7 +183,9 @@ class Comm:
     """A framework's own record of one collective (e.g. DeepSpeed's comms logger), per rank.
 
     Bandwidths follow the nccl-tests conventions: algbw = message bytes / time, busbw = algbw x
-    the op's factor (all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; others 1).
+    the op's factor (all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; others 1),
+    in gigabits per second (10^9 bit/s, as DeepSpeed logs them; divide by 8 for nccl-tests' GB/s).
+    For all-gather and reduce-scatter, message_bytes is the gathered (total) size.
     """
 
     rank: int

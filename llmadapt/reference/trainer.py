@@ -51,6 +51,7 @@ class TorchTrainer(Trainer):
                 model = prepare_model_for_kbit_training(
                     model, use_gradient_checkpointing=w.optimizations.recompute == "full"
                 )
+            torch.manual_seed(w.seed)  # LoRA's A matrices start random: the same start on every stack
             model = get_peft_model(model, LoraConfig(
                 r=w.lora.rank, lora_alpha=w.lora.alpha, lora_dropout=w.lora.dropout,
                 target_modules=list(w.lora.target_modules), task_type="CAUSAL_LM",

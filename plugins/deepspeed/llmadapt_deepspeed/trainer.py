@@ -1,0 +1,358 @@
+"""The ``deepspeed`` adapter's worker classes: transformers' model driven by a DeepSpeed engine.
+
+Imported only inside the adapter's environment, in the worker process.
+
+The loss is the contract's (sum of token cross-entropies over the global batch / its
+loss-bearing tokens). DeepSpeed divides the loss handed to ``engine.backward`` by the
+gradient-accumulation steps and averages gradients over the data-parallel ranks, so each
+micro-batch's token-loss sum is handed over multiplied by ``gas * dp / loss_tokens_global``:
+the gradient then equals the reference's exactly (up to float rounding).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from contextlib import nullcontext
+from typing import Any
+
+from llmadapt.contract import Comm, Metric, Patch, Phase, Span
+from llmadapt.interfaces import FineTuner, StepResult, Trainer
+
+from .config import build_config, gradient_accumulation_steps
+from .plugin import FP16_ON_CPU
+
+SOURCE = "deepspeed"
+# DeepSpeed's global engine timers (summed over a step's micro-batches), in its own names.
+ENGINE_TIMERS = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
+# nccl-tests size convention: for these ops the bytes moved are the gathered/scattered whole,
+# n times the per-rank tensor DeepSpeed's comms logger records for all-gather.
+_GATHER_OPS = ("all_gather", "all_gather_into_tensor", "allgather_fn", "all_gather_base")
+_BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n, "all_reduce_coalesced": lambda n: 2 * (n - 1) / n,
+    "inference_all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n, "all_gather_into_tensor": lambda n: (n - 1) / n,
+    "allgather_fn": lambda n: (n - 1) / n, "all_gather_base": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n, "reduce_scatter_tensor": lambda n: (n - 1) / n,
+    "reduce_scatter_fn": lambda n: (n - 1) / n, "reduce_scatter_base": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n, "all_to_all_single": lambda n: (n - 1) / n,
+}
+
+PATCH_SHM = Patch(
+    framework="deepspeed",
+    name="skip-shm-comm-op",
+    description="deepspeed.comm.torch.build_shm_op returns None, so DeepSpeed's shared-memory collective op "
+                "(C++, JIT-compiled with gcc at every init_distributed, ~80 s on 2 cores) is not built; "
+                "DeepSpeed's collectives then run through torch.distributed over gloo, its own fallback.",
+    kind="cpu-equivalent",
+)
+PATCH_COMMS_TIMER = Patch(
+    framework="deepspeed",
+    name="comms-logger-per-op-latency",
+    description="deepspeed.comm's comms logger reads each op's timer with elapsed(reset=False), so the latency it "
+                "logs for the k-th call of an op is the sum of the first k calls; the timer is reset after each "
+                "logged op so every entry is that one op's latency (a bug fix, any device).",
+    kind="cpu-equivalent",
+)
+
+
+class DeepSpeedTrainer(Trainer):
+    """Pre-training; the fine-tuner differs only by what the workload asks (LoRA, instruction data)."""
+
+    def framework_version(self) -> str:
+        import deepspeed
+
+        return deepspeed.__version__
+
+    # -- setup ------------------------------------------------------------------------------
+    def setup(self) -> None:
+        import torch
+
+        ctx, w = self.ctx, self.ctx.workload
+        if w.precision == "fp16" and not ctx.is_cuda:
+            raise RuntimeError(f"{FP16_ON_CPU}: use fp32 or bf16")
+        self.config = build_config(w)
+        self.gas = gradient_accumulation_steps(w)
+        self._own_process_group = False
+        self._init_distributed()
+
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            str(ctx.checkpoint), dtype=torch.float32,  # DeepSpeed casts to bf16/fp16 and keeps fp32 master weights
+            attn_implementation="sdpa" if w.optimizations.flash_attention else "eager",
+        )
+        model.config.use_cache = False
+        recompute = w.optimizations.recompute
+        if recompute != "none":
+            deepspeed.checkpointing.configure(None, deepspeed_config=self.config)
+            if recompute == "full":
+                # transformers' per-layer hook, with DeepSpeed's checkpoint function instead of torch's.
+                model.gradient_checkpointing_enable()
+                model._set_gradient_checkpointing(enable=True,
+                                                  gradient_checkpointing_func=deepspeed.checkpointing.checkpoint)
+            else:
+                _checkpoint_attention(model, deepspeed.checkpointing.checkpoint)
+                model.enable_input_require_grads()  # reentrant recompute needs an input that requires grad
+        if w.lora.rank:
+            from peft import LoraConfig, get_peft_model
+
+            # LoRA's A matrices are random: draw them from the workload's seed, so every layout
+            # (ZeRO stage, dp, recompute) starts from the same adapter weights.
+            torch.manual_seed(w.seed)
+            model = get_peft_model(model, LoraConfig(
+                r=w.lora.rank, lora_alpha=w.lora.alpha, lora_dropout=w.lora.dropout,
+                target_modules=list(w.lora.target_modules), task_type="CAUSAL_LM",
+            ))
+        self.experts = None
+        if w.model.is_moe:
+            from llmadapt.moe import ExpertLoadCounter
+
+            self.experts = ExpertLoadCounter(model, w.model.num_experts)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params,
+                                                                 config=self.config)
+        self._flash = w.optimizations.flash_attention
+        # Collectives of initialisation (parameter broadcasts) belong to no step: start counting after them.
+        self._comms_seen: dict[tuple[str, int], int] = {}
+        self._step_comms()
+        self._flops: list[Metric] = []
+        # One profiled forward: the last warm-up step (excluded from statistics), else the first step.
+        # Not under ZeRO-3: there DeepSpeed swaps torch's F.linear for its memory-efficient linear,
+        # whose inner matmul the profiler counts on top of the F.linear it patches (linear FLOPs
+        # come out doubled), and partitioned parameters count as 0.
+        self._profile_step = max(w.train.warmup_steps - 1, 0) if w.optimizations.zero_stage < 3 else None
+
+    def _init_distributed(self) -> None:
+        import torch.distributed as dist
+
+        ctx = self.ctx
+        if not ctx.is_cuda:
+            module = sys.modules.get("deepspeed.comm.torch")
+            if module is None:
+                import deepspeed.comm  # noqa: F401  (loads deepspeed.comm.torch)
+
+                module = sys.modules["deepspeed.comm.torch"]
+            # `import deepspeed.comm.torch as m` would bind torch itself (deepspeed.comm re-exports
+            # a name `torch`): patch the module object DeepSpeed's TorchBackend reads its global from.
+            if not hasattr(module, "build_shm_op"):
+                raise RuntimeError("deepspeed.comm.torch has no build_shm_op: this DeepSpeed is not the one "
+                                   "the adapter was written for")
+            module.build_shm_op = lambda: None
+            self.patches.append(PATCH_SHM)
+        _fix_comms_logger_latency()
+        self.patches.append(PATCH_COMMS_TIMER)
+        if not dist.is_initialized():
+            # One rank: the core starts no process group, DeepSpeed needs one. A private in-memory
+            # store avoids a TCP rendezvous (no port to pick, nothing to collide with).
+            dist.init_process_group("nccl" if ctx.is_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+            self._own_process_group = True
+        # The engine reads its device index from LOCAL_RANK, which only launchers set.
+        os.environ.setdefault("LOCAL_RANK", str(ctx.local_rank))
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
+
+    # -- one step ---------------------------------------------------------------------------
+    def _attention_backend(self):
+        if not self._flash:
+            return nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+    def step(self, batch) -> StepResult:
+        import torch
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        ctx, engine = self.ctx, self.engine
+        if len(batch.micro_batches) != self.gas:
+            raise RuntimeError(f"got {len(batch.micro_batches)} micro-batches, DeepSpeed was configured for {self.gas}")
+        engine.train()
+        # DeepSpeed divides by gas and averages over the dp ranks: hand it the token-loss sum times both.
+        scale = self.gas * ctx.world_size / batch.loss_tokens_global
+        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        forward = backward = optimizer = 0.0
+        spans: list[Span] = []
+        if self.experts:
+            self.experts.start_step()
+        for i, mb in enumerate(batch.micro_batches):
+            input_ids, labels = mb.input_ids.to(ctx.device), mb.labels.to(ctx.device)
+            profiler = self._start_flops_profile(batch.step, i)
+            with self._attention_backend():
+                ctx.synchronize()
+                t0 = time.monotonic_ns()
+                if self.experts:
+                    self.experts.counting = True
+                logits = engine(input_ids=input_ids).logits
+                if self.experts:
+                    self.experts.counting = False
+                if profiler is not None:
+                    self._end_flops_profile(profiler, batch.step, input_ids.numel())
+                token_loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+                ctx.synchronize()
+                t1 = time.monotonic_ns()
+                engine.backward(token_loss * scale)
+                ctx.synchronize()
+                t2 = time.monotonic_ns()
+            engine.step()  # DeepSpeed's optimizer step runs at the accumulation boundary (the last micro-batch)
+            ctx.synchronize()
+            t3 = time.monotonic_ns()
+            forward += (t1 - t0) / 1e9
+            backward += (t2 - t1) / 1e9
+            optimizer += (t3 - t2) / 1e9
+            spans += [Span(f"forward {i}", t0, t1), Span(f"backward {i}", t1, t2),
+                      Span(f"engine.step {i}", t2, t3, SOURCE)]
+            loss_sum += token_loss.detach().double()
+        phases = [Phase("forward", forward, "llmadapt"), Phase("backward", backward, "llmadapt"),
+                  Phase("optimizer", optimizer, "llmadapt")]
+        timers = engine.get_wall_clock_timers()
+        phases += [Phase(name, timers[name] / 1000.0, SOURCE) for name in ENGINE_TIMERS if name in timers]
+        if ctx.world_size > 1:
+            dist.all_reduce(loss_sum)  # torch.distributed, not deepspeed.comm: not in DeepSpeed's comms log
+        expert_load = self.experts.global_counts() if self.experts else None
+        return StepResult(loss=loss_sum.item() / batch.loss_tokens_global, phases=phases, expert_load=expert_load,
+                          spans=spans, comms=self._step_comms())
+
+    # -- what DeepSpeed reports -------------------------------------------------------------
+    def _start_flops_profile(self, step: int, micro: int):
+        if step != self._profile_step or micro != 0:
+            return None
+        from deepspeed.profiling.flops_profiler import FlopsProfiler
+
+        profiler = FlopsProfiler(self.engine.module)
+        profiler.start_profile()
+        return profiler
+
+    def _end_flops_profile(self, profiler, step: int, tokens: int) -> None:
+        profiler.stop_profile()
+        flops, macs = float(profiler.get_total_flops()), float(profiler.get_total_macs())
+        rank = self.ctx.rank
+        self._flops = [
+            Metric(rank, "forward_flops", flops, "flop", SOURCE, step),
+            Metric(rank, "forward_macs", macs, "mac", SOURCE, step),
+            Metric(rank, "forward_flops_per_token", flops / tokens, "flop/token", SOURCE, step),
+            # DeepSpeed's own training estimate (its autotuner): backward = 2x forward.
+            Metric(rank, "train_flops_per_token", 3 * flops / tokens, "flop/token", SOURCE, step),
+            Metric(rank, "profiled_forward_seconds", float(profiler.get_total_duration()), "s", SOURCE, step),
+            Metric(rank, "params", float(profiler.get_total_params()), "param", SOURCE, step),
+        ]
+        profiler.end_profile()
+
+    def _step_comms(self) -> list[Comm]:
+        """This step's new entries in DeepSpeed's comms logger, one record per (op, message size)."""
+        from deepspeed.comm import comm as ds_comm
+
+        out = []
+        world = self.ctx.world_size
+        for op, sizes in ds_comm.comms_logger.get_raw_data().items():
+            for size, (count, latencies_ms, _, _) in sorted(sizes.items()):
+                seen = self._comms_seen.get((op, size), 0)
+                if count > seen:
+                    out.append(_comm(self.ctx.rank, op, size, count - seen, sum(latencies_ms[seen:count]) / 1000.0,
+                                     world, step=None))
+                    self._comms_seen[(op, size)] = count
+        return out
+
+    def final_records(self) -> list[Comm | Metric]:
+        import deepspeed.comm as ds_dist
+
+        records: list[Comm | Metric] = list(self._flops)
+        # Whole-run aggregate (initialisation included), as DeepSpeed summarises it; collective on all ranks.
+        summary = ds_dist.log_summary(return_dict=True) or {}
+        world = self.ctx.world_size
+        for op, sizes in (summary.get("summary") or {}).items():
+            if op == "log_summary_barrier":
+                continue  # the summary's own barrier, not training traffic
+            for size, entry in sorted(sizes.items()):
+                records.append(_comm(self.ctx.rank, op, int(size), int(entry["count"]),
+                                     entry["total_latency_ms"] / 1000.0, world, step=None))
+        # DeepSpeed's throughput timer: global-batch samples/s over the steps after its first two.
+        tput = self.engine.tput_timer
+        if tput.global_step_count > tput.start_step and tput.total_elapsed_time > 0:
+            records.append(Metric(self.ctx.rank, "throughput_samples_per_s", float(tput.avg_samples_per_sec()),
+                                  "sample/s", SOURCE))
+        return records
+
+    def teardown(self) -> None:
+        import torch.distributed as dist
+
+        self.engine.destroy()
+        if self._own_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class DeepSpeedFineTuner(DeepSpeedTrainer, FineTuner):
+    role = "finetune"
+
+
+# -- helpers --------------------------------------------------------------------------------
+def _comm(rank: int, op: str, size: int, count: int, seconds: float, world: int, step: int | None) -> Comm:
+    """One Comm record; sizes and bandwidths follow nccl-tests (algbw = bytes / time, busbw = algbw x factor)."""
+    message = size * world if op in _GATHER_OPS else size
+    algbw = busbw = None
+    if seconds > 0 and message > 0:
+        algbw = message * count * 8 / seconds / 1e9  # Gbit/s, as DeepSpeed's logger reports
+        busbw = algbw * _BUS_FACTOR.get(op, lambda n: 1.0)(world)
+    return Comm(rank=rank, op=op, message_bytes=int(message), count=int(count), total_seconds=float(seconds),
+                source=SOURCE, step=step, algbw_gbps=algbw, busbw_gbps=busbw)
+
+
+def _checkpoint_attention(model, checkpoint) -> int:
+    """Selective recomputation: each decoder layer's self-attention block runs under DeepSpeed's
+    activation checkpointing (the MLP keeps its activations).
+
+    The module's class is swapped for a subclass whose ``__call__`` goes through ``checkpoint``,
+    so the recompute in backward re-enters ``__call__`` with every module hook (ZeRO-3's
+    parameter gathering included). Tensor keyword arguments (transformers passes
+    ``hidden_states=``) take part in autograd: DeepSpeed's checkpoint passes them as inputs.
+    """
+    import torch
+
+    count = 0
+    for layer in model.modules():
+        attn = getattr(layer, "self_attn", None)
+        if not isinstance(attn, torch.nn.Module) or type(attn).__name__.startswith("DeepSpeedCheckpointed"):
+            continue
+        base = type(attn)
+
+        def __call__(self, *args, _base=base, **kwargs):
+            if self.training and torch.is_grad_enabled():
+                return checkpoint(functools.partial(_base.__call__, self), *args, **kwargs)
+            return _base.__call__(self, *args, **kwargs)
+
+        attn.__class__ = type(f"DeepSpeedCheckpointed{base.__name__}", (base,), {"__call__": __call__})
+        count += 1
+    if not count:
+        raise RuntimeError("recompute=selective: the model has no self_attn modules to checkpoint")
+    return count
+
+
+_COMMS_FIXED = False
+
+
+def _fix_comms_logger_latency() -> None:
+    """Make each comms-logger entry that op's own latency (see PATCH_COMMS_TIMER)."""
+    global _COMMS_FIXED
+    if _COMMS_FIXED:
+        return
+    from deepspeed.comm import comm as ds_comm
+
+    logger = ds_comm.comms_logger
+    original = logger.append
+
+    def append(raw_name: str, record_name: str, latency: float, msg_size: int, *args: Any, **kwargs: Any):
+        timer = ds_comm.timers(record_name)
+        records = getattr(timer, "elapsed_records", None) or []
+        if records:
+            latency = records[-1]  # this op alone, in ms (elapsed() just filled the list)
+        timer.reset()
+        return original(raw_name, record_name, latency, msg_size, *args, **kwargs)
+
+    logger.append = append
+    _COMMS_FIXED = True
