@@ -176,6 +176,10 @@ class Trainer(abc.ABC):
         """Installed version of the wrapped framework, for the trace header."""
         return ""
 
+    def rank_role(self) -> str:
+        """Where this rank sits in the framework's layout (e.g. 'pipeline stage 1/2'), named in its failure records."""
+        return ""
+
 
 class FineTuner(Trainer):
     """Fine-tuning from the canonical checkpoint: full, LoRA or QLoRA, per ``workload.lora`` and quantization."""

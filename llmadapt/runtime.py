@@ -260,6 +260,9 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
         else:
             cause, code = "error", 1
         message = str(exc) if cause in ("killed", "interrupted") else _short_trace(exc)
+        role = _safe_rank_role(trainer)
+        if role:
+            message = f"[{role}] {message}"
         writer.write(Failure(cause=cause, message=message, rank=place.rank, step=step_index, exit_code=code,
                              time=_now()))
         if cause not in ("killed", "interrupted"):
@@ -277,6 +280,13 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
                     dist.destroy_process_group()
             except Exception:
                 pass
+
+
+def _safe_rank_role(trainer: Trainer | None) -> str:
+    try:
+        return trainer.rank_role() if trainer is not None else ""
+    except Exception:  # the layout may not exist yet (failure during setup)
+        return ""
 
 
 def _short_trace(exc: BaseException) -> str:

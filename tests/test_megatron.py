@@ -172,3 +172,15 @@ def test_declaration():
     s = INFO.supports
     assert s.dp and s.tp and s.pp and s.ep and s.moe and not s.lora
     assert s.zero_stages == (0, 1) and set(s.recompute) == {"none", "selective", "full"}
+
+
+def test_pipeline_stage_failure_names_the_stage(tmp_path):
+    """A pipeline stage that dies: the other is stopped, earlier steps are kept, the failure names the stage."""
+    from llmadapt.testing import standard_workloads
+
+    w = standard_workloads()["train"].with_overrides(["parallelism.pp=2"])
+    result = run(w, "megatron", out=tmp_path, fault={"kind": "error", "step": 2, "rank": 1}, timeout=600)
+    assert not result.ok
+    assert result.summary.steps_completed == 2
+    failure = next(f for f in result.summary.failures if f.rank == 1)
+    assert failure.cause == "error" and failure.message.startswith("[pipeline stage 1/2, tensor rank 0/1")

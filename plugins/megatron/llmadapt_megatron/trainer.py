@@ -33,6 +33,10 @@ class MegatronTrainer(Trainer):
     def data_rank(self) -> tuple[int, int]:
         return self._dp_rank, self._dp_size
 
+    def rank_role(self) -> str:
+        p = self.ctx.workload.parallelism
+        return f"pipeline stage {self._pp_rank}/{p.pp}, tensor rank {self._tp_rank}/{p.tp}, data rank {self._dp_rank}/{p.dp}"
+
     # -- setup ----------------------------------------------------------------------------------
     def setup(self) -> None:
         import torch
@@ -79,6 +83,7 @@ class MegatronTrainer(Trainer):
                                      expert_model_parallel_size=p.ep)
         model_parallel_cuda_manual_seed(w.seed)
         self._dp_rank, self._dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self._pp_rank, self._tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
         self.tp, self.pp = p.tp, p.pp
         self.timers = Timers(log_level=2, log_option="all")
 
