@@ -181,8 +181,6 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
     # Inline runs may be called from any thread and must not take over the caller's signals.
     previous_handler = None if inline else signal.signal(signal.SIGTERM, on_term)
     try:
-        import torch
-
         workload = Workload.from_dict(launch["workload"])
         if not inline:
             _apply_thread_policy()

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from llmadapt import Workload, run
+from llmadapt import run
 from llmadapt.analysis import loss_parity
 from llmadapt.contract import read_jsonl
 from llmadapt.testing import standard_workloads

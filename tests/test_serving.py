@@ -1,15 +1,12 @@
 """The load generator and the serve path, against a local streaming server (tests/fake_openai.py)."""
 
 import json
-import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -18,37 +15,13 @@ from llmadapt.contract import read_jsonl
 from llmadapt.models import train_tokenizer
 from llmadapt.serving import arrival_offsets, plan_requests
 
-HERE = Path(__file__).parent
 pytest.importorskip("aiohttp")
 pytest.importorskip("llmadapt_openai", reason="the openai adapter package is not installed (pip install -e plugins/openai)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def fake_server():
-    procs = []
-
-    def start(*args):
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, str(HERE / "fake_openai.py"), str(port), *args])
-        procs.append(proc)
-        for _ in range(200):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-                return f"http://127.0.0.1:{port}", proc
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("fake server did not start")
-
-    yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait()
+def fake_server(local_server):
+    return lambda *args: local_server("fake_openai.py", *args)
 
 
 def serve_workload(url, **serve):

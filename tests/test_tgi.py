@@ -14,10 +14,6 @@ import asyncio
 import functools
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -43,34 +39,9 @@ needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"the TGI reference da
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def fake_tgi():
-    procs = []
-
-    def start(*args):
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, str(HERE / "fake_tgi.py"), str(port), *map(str, args)])
-        procs.append(proc)
-        for _ in range(400):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-                return f"http://127.0.0.1:{port}"
-            except OSError:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"fake_tgi.py exited with {proc.returncode}")
-                time.sleep(0.05)
-        raise RuntimeError("fake TGI server did not start")
-
-    yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait()
+def fake_tgi(local_server):
+    return lambda *args: local_server("fake_tgi.py", *args)[0]
 
 
 def serve_workload(url, **serve):
