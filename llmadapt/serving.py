@@ -464,7 +464,11 @@ def run_serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: st
                 failures.append(Failure(cause="timeout", message=f"the run exceeded its timeout of {timeout:g} s"))
 
     try:
-        server.start()
+        try:
+            server.start()
+        except Exception as exc:  # a failed start is a result of the run, with its trace and summary
+            failures.append(Failure(cause="error", message=f"the engine failed to start: {type(exc).__name__}: {exc}"))
+            return failures
         asyncio.run(main())
     finally:
         server.stop()

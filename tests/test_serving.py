@@ -231,3 +231,17 @@ def test_dataset_lengths_come_from_the_instruction_file():
                for line in INSTRUCTIONS.read_text().splitlines()}
     plan = plan_requests(w, tok)
     assert {p.input_tokens for p in plan} <= lengths
+
+
+def test_engine_that_fails_to_start_is_a_failed_run_with_a_summary(tmp_path, monkeypatch):
+    """An exception from Server.start() becomes a failure record; the run directory has its summary."""
+    from llmadapt_openai.server import OpenAIServer
+
+    def broken(self):
+        raise RuntimeError("no such engine")
+
+    monkeypatch.setattr(OpenAIServer, "start", broken)
+    result = run(serve_workload("http://127.0.0.1:9"), "openai", out=tmp_path)
+    assert result.summary.status == "failed"
+    assert "the engine failed to start: RuntimeError: no such engine" in result.summary.failures[0].message
+    assert (result.run_dir / "summary.json").is_file()
