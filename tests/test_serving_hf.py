@@ -47,13 +47,15 @@ def test_hf_server_serves_the_canonical_model(tmp_path):
 
 def test_engine_killed_mid_run_is_reported(tmp_path):
     """The engine dies after a few requests: the rest fail as engine_dead, the run is failed, the summary written."""
-    killed = []
+    killed, run_dirs = [], []
 
     def progress(record):
+        if record.get("type") == "start":
+            run_dirs.append(Path(record["run_dir"]))
         if record.get("type") == "request" and not record["warmup"] and not killed:
-            for pid in engine_pids():
-                os.kill(pid, signal.SIGKILL)
-            killed.append(True)
+            pid = int((run_dirs[0] / "engine.pid").read_text())
+            os.killpg(pid, signal.SIGKILL)  # the engine's whole process group
+            killed.append(pid)
 
     w = workload(requests=8, arrival={"process": "constant", "rate": 2.0})
     result = run(w, "hf", out=tmp_path, timeout=600, progress=progress)

@@ -30,6 +30,7 @@ class HFServer(OpenAICompatibleServer):
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
         self.log = open(ctx.run_dir / "engine.log", "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        (ctx.run_dir / "engine.pid").write_text(str(self.proc.pid))  # its own process group, for tools and tests
 
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
