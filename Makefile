@@ -3,21 +3,26 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # Adapter packages installed next to the core, and the environments their workers run in.
-PLUGINS := examples/adapter-plain plugins/openai plugins/tgi plugins/megatron plugins/deepspeed
-ENVS    := torch plain megatron deepspeed
+PLUGINS := examples/adapter-plain plugins/openai plugins/tgi plugins/megatron plugins/deepspeed plugins/vllm
+ENVS    := torch plain megatron deepspeed vllm
 
 .PHONY: demo test envs setup
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]' $(addprefix -e ,$(PLUGINS))
 	touch $@
 
 setup: $(BIN)/.installed
 
-# Each adapter's isolated environment: a pinned virtualenv in llmadapt's state folder.
+# Each adapter's isolated environment: a pinned virtualenv in llmadapt's state folder. Built a few
+# at a time: pip spends most of its time waiting on downloads and the disk.
+ENV_JOBS ?= 3
 envs: setup
-	for env in $(ENVS); do $(BIN)/llmadapt env create $$env || exit 1; done
+	$(MAKE) --no-print-directory -j$(ENV_JOBS) $(addprefix env-,$(ENVS))
+
+env-%: setup
+	$(BIN)/llmadapt env create $*
 
 demo: setup
 	$(BIN)/llmadapt env create torch

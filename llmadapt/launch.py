@@ -25,6 +25,7 @@ from .contract import Failure, JsonlWriter, Summary, read_jsonl, to_json
 from .environments import python_for
 from .errors import LlmadaptError
 from .plugins import check_supported, get_adapter
+from .prepare import ensure_checkpoint
 from .spec import Workload
 from .stats import aggregate
 
@@ -91,6 +92,8 @@ def run(
         raise LlmadaptError(f"launcher {launcher!r} runs one rank, but the workload needs world size {world}: "
                             "use --launcher torchrun (or auto)")
     python = None if launcher == "inline" else python_for(info.environment)  # fails before anything is written
+    if python is not None:
+        ensure_checkpoint(workload, info.environment)
 
     run_id = run_id or make_run_id(adapter, workload)
     run_dir = Path(out) / run_id

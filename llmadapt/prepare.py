@@ -1,14 +1,54 @@
-"""``python -m llmadapt.prepare MODEL_JSON SEED``: build (or find) the canonical checkpoint in this
-environment and print its path. The orchestrator uses it before starting a serving engine."""
+"""The canonical checkpoint, built before any worker starts.
+
+``python -m llmadapt.prepare MODEL_JSON SEED`` builds (or finds) it in the environment that runs
+the command and prints its path. The orchestrator (which has no torch) calls it with an
+environment's interpreter: the adapter's own, or the reference environment's when the adapter's
+transformers cannot build it (``EnvironmentSpec.builds_checkpoint``). Building it once, up front,
+keeps every adapter on identical weights and keeps ranks from racing to build it.
+"""
+
+from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from pathlib import Path
 
-from .models import canonical_checkpoint
-from .spec import ModelSpec
+import attrs
+
+from .environments import python_for, state_dir
+from .errors import LlmadaptError
+from .interfaces import EnvironmentSpec
+from .spec import ModelSpec, Workload
+
+
+def checkpoint_dir(workload: Workload) -> Path:
+    from .models import checkpoint_key
+
+    return state_dir() / "checkpoints" / checkpoint_key(workload.model, workload.seed)
+
+
+def ensure_checkpoint(workload: Workload, environment: EnvironmentSpec) -> Path:
+    """The canonical checkpoint of the workload, built with the right environment if missing."""
+    target = checkpoint_dir(workload)
+    if (target / "READY").is_file():
+        return target
+    if not environment.builds_checkpoint:
+        from .reference.plugin import TORCH_ENV
+
+        environment = TORCH_ENV
+    python = python_for(environment)
+    out = subprocess.run([str(python), "-m", "llmadapt.prepare", json.dumps(attrs.asdict(workload.model)),
+                          str(workload.seed)], capture_output=True, text=True, check=False)
+    if out.returncode:
+        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise LlmadaptError(f"building the canonical checkpoint in environment {environment.name!r} failed: {last}")
+    return Path(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
+    from .models import canonical_checkpoint
+
     model = ModelSpec(**json.loads(sys.argv[1]))
     print(canonical_checkpoint(model, int(sys.argv[2])))
 

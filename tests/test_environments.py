@@ -1,0 +1,102 @@
+"""Adapter environments: recipes, their states, the build steps and one builder at a time.
+
+The real builds (every adapter's environment, the --no-deps and uninstall steps of colossalai and
+vllm among them) run in `make test` before this suite; here the steps are checked without pip.
+"""
+
+import json
+import threading
+
+import pytest
+
+from llmadapt import environments
+from llmadapt.errors import EnvironmentNotReadyError
+from llmadapt.interfaces import EnvironmentSpec
+
+
+@pytest.fixture(autouse=True)
+def state(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMADAPT_HOME", str(tmp_path))
+    monkeypatch.delenv("LLMADAPT_PYTHON_DEMO", raising=False)
+    return tmp_path
+
+
+def spec(**kw) -> EnvironmentSpec:
+    return EnvironmentSpec(name="demo", requirements=("torch==2.13.0",), **kw)
+
+
+def test_optional_steps_join_the_recipe_only_when_used():
+    plain = environments.recipe(spec())
+    assert "no_deps_requirements" not in plain and "remove_after_install" not in plain
+    full = environments.recipe(spec(no_deps_requirements=("colossalai==0.5.0",), remove_after_install=("triton",)))
+    assert full["no_deps_requirements"] == ["colossalai==0.5.0"] and full["remove_after_install"] == ["triton"]
+    assert environments.recipe_hash(spec()) != environments.recipe_hash(spec(remove_after_install=("triton",)))
+    # Who builds the checkpoint is not an install step: it does not make a built environment stale.
+    assert environments.recipe_hash(spec()) == environments.recipe_hash(spec(builds_checkpoint=False))
+
+
+def test_states_and_the_error_that_says_what_to_run(monkeypatch, state):
+    s = spec()
+    assert environments.status(s) == "missing"
+    with pytest.raises(EnvironmentNotReadyError, match=r"'demo' has not been built: run `llmadapt env create demo`"):
+        environments.python_for(s)
+    marker = state / "envs" / "demo" / environments.MARKER
+    marker.parent.mkdir(parents=True)
+    marker.write_text(json.dumps({"recipe_hash": "0" * 16}))
+    assert environments.status(s) == "stale"
+    with pytest.raises(EnvironmentNotReadyError, match="built from an older recipe"):
+        environments.python_for(s)
+    marker.write_text(json.dumps({"recipe_hash": environments.recipe_hash(s)}))
+    assert environments.status(s) == "ready"
+    assert environments.python_for(s) == state / "envs" / "demo" / "bin" / "python"
+    monkeypatch.setenv("LLMADAPT_PYTHON_DEMO", "/opt/conda/bin/python")
+    assert environments.status(s) == "override" and str(environments.python_for(s)) == "/opt/conda/bin/python"
+
+
+def test_build_steps_in_order(monkeypatch, state):
+    calls = []
+
+    def check(args, what, stream=None, env=None):
+        calls.append((what, args))
+        if what == "venv creation":
+            (state / "envs" / "demo").mkdir(parents=True)
+
+    monkeypatch.setattr(environments, "_check", check)
+    s = spec(no_deps_requirements=("colossalai==0.5.0",), remove_after_install=("torchvision", "triton"),
+             install_env=(("DS_BUILD_OPS", "0"),))
+    python = environments.create(s, log=lambda line: None)
+    assert [what for what, _ in calls] == ["venv creation", "pip install", "pip install --no-deps", "pip uninstall"]
+    install, no_deps, uninstall = (args for _, args in calls[1:])
+    assert install[:5] == [str(python), "-m", "pip", "install", "--disable-pip-version-check"]
+    assert "torch==2.13.0" in install and "colossalai==0.5.0" not in install
+    assert no_deps[4:] == ["--disable-pip-version-check", "--no-deps", "colossalai==0.5.0"]
+    assert uninstall[-3:] == ["-y", "torchvision", "triton"]
+    assert environments.status(s) == "ready"
+
+
+def test_a_second_builder_waits_for_the_first_and_builds_nothing(monkeypatch):
+    started, release = threading.Event(), threading.Event()
+    builds, logs = [], []
+
+    def slow_build(spec, target, log):
+        builds.append(spec.name)
+        started.set()
+        release.wait(10)
+        target.mkdir(parents=True, exist_ok=True)
+        (target / environments.MARKER).write_text(json.dumps({"recipe_hash": environments.recipe_hash(spec)}))
+        return target / "bin" / "python"
+
+    monkeypatch.setattr(environments, "_build", slow_build)
+    first = threading.Thread(target=environments.create, args=(spec(),), kwargs={"log": logs.append})
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=environments.create, args=(spec(),), kwargs={"log": logs.append})
+    second.start()
+    second.join(0.5)
+    assert second.is_alive(), "the second builder must wait for the first"
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert builds == ["demo"]
+    assert any("being built by another process" in line for line in logs)
+    assert any("is ready at" in line for line in logs)
