@@ -27,7 +27,14 @@ def _run_options(args) -> dict[str, Any]:
 
 
 def _progress(record: dict[str, Any]) -> None:
-    if record.get("type") == "start":
+    if record.get("type") == "warning":
+        print(f"warning: {record['message']}", file=sys.stderr, flush=True)
+    elif record.get("type") == "node":
+        print(record["message"], file=sys.stderr, flush=True)
+    elif record.get("type") == "slurm":
+        reason = f" ({record['reason']})" if record.get("reason") not in (None, "", "None") else ""
+        print(f"  slurm job {record['job_id']}: {record['state'] or 'gone'}{reason}", file=sys.stderr, flush=True)
+    elif record.get("type") == "start":
         print(f"running {record['label']} on {record['adapter']} (world size {record['world_size']}, "
               f"{record['launcher']}) -> {record['run_dir']}", file=sys.stderr, flush=True)
     elif record.get("type") == "step":
@@ -44,11 +51,32 @@ def cmd_run(args) -> int:
     from .analysis import render_summary
     from .launch import run
 
-    result = run(_workload(args), args.adapter, **_run_options(args))
+    result = run(_workload(args), args.adapter, **_run_options(args), **_node_options(args))
     summary = attrs.asdict(result.summary)
+    nodes = json.loads((result.run_dir / "launch.json").read_text()).get("nodes", {}).get("seen")
+    where = "".join(f"\nnode {n['node_rank']:<6} {n['node']}, ranks {', '.join(map(str, n['ranks']))}"
+                    for n in nodes or [])
     _emit(args, {"run_dir": str(result.run_dir), "summary": summary},
-          render_summary(summary) + f"\ntrace      {result.run_dir}")
+          render_summary(summary) + where + f"\ntrace      {result.run_dir}")
     return 0 if result.ok else 1
+
+
+def _node_options(args) -> dict[str, Any]:
+    """Multi-node torchrun or Slurm settings from the `run` options; only what was given."""
+    if args.launcher == "slurm":
+        from .slurm import SlurmSettings
+
+        return {"slurm": SlurmSettings(
+            nnodes=args.nnodes, ntasks_per_node=args.nproc_per_node, partition=args.partition, time=args.time,
+            options=tuple(args.sbatch_option or ()), collect_addr=args.collect_addr, master_port=args.master_port)}
+    if args.nnodes == 1 and not (args.master_addr or args.rdzv_endpoint or args.nproc_per_node):
+        return {}
+    from .launch import NodeSettings
+
+    return {"nodes": NodeSettings(
+        nnodes=args.nnodes, node_rank=args.node_rank, nproc_per_node=args.nproc_per_node,
+        master_addr=args.master_addr, master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint,
+        local_addr=args.local_addr, ifname=args.ifname, collect_port=args.collect_port)}
 
 
 def cmd_compare(args) -> int:
@@ -172,13 +200,30 @@ def build_parser() -> argparse.ArgumentParser:
     def workload_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("workload", help="workload file (.toml, .yaml, .json)")
         p.add_argument("--set", action="append", metavar="PATH=VALUE", help="override a field, e.g. train.steps=5")
-        p.add_argument("--launcher", default="auto", choices=["auto", "inline", "subprocess", "torchrun"])
+        p.add_argument("--launcher", default="auto", choices=["auto", "inline", "subprocess", "torchrun", "slurm"])
         p.add_argument("--out", default="runs", help="folder for run directories (default: ./runs)")
         p.add_argument("--timeout", type=float, default=None, help="seconds before a run is stopped")
 
     p = command("run", cmd_run, "run a workload on one adapter")
     workload_args(p)
     p.add_argument("--adapter", default="torch", help="adapter name (default: torch)")
+    g = p.add_argument_group("several nodes (torchrun: the same command on every node, changing --node-rank; "
+                             "slurm: one command, one job); see docs/distributed.md")
+    g.add_argument("--nnodes", "--nodes", type=int, default=1, help="number of nodes (default: 1)")
+    g.add_argument("--nproc-per-node", "--ntasks-per-node", type=int, default=None,
+                   help="ranks per node (default: world size / nnodes)")
+    g.add_argument("--node-rank", type=int, default=0, help="torchrun: this node's rank; node 0 gathers the records")
+    g.add_argument("--master-addr", help="torchrun: node 0's address, reachable from every node (static rendezvous)")
+    g.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (default: 29500)")
+    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="torchrun: c10d rendezvous on node 0 instead")
+    g.add_argument("--local-addr", help="torchrun: this node's address as the others reach it")
+    g.add_argument("--ifname", help="torchrun: network interface for gloo/NCCL (GLOO_SOCKET_IFNAME)")
+    g.add_argument("--collect-port", type=int, help="torchrun: port on node 0 for records (default: rendezvous+1)")
+    g.add_argument("--partition", help="slurm: partition")
+    g.add_argument("--time", help="slurm: time limit, e.g. 30 or 1:00:00")
+    g.add_argument("--sbatch-option", action="append", metavar="OPTION",
+                   help="slurm: another sbatch option, e.g. --sbatch-option=--account=abc (repeat)")
+    g.add_argument("--collect-addr", help="slurm: this machine's address as the compute nodes reach it")
 
     p = command("compare", cmd_compare, "run a workload on several adapters and option variants; one table")
     workload_args(p)

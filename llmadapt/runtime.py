@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -23,32 +22,68 @@ from typing import Any, Iterator
 
 import attrs
 
+from .collect import StreamingWriter, node_name
 from .contract import Device, Failure, Header, JsonlWriter, Memory, Phase, Step
 from .data import StepBatch, TokenData
+from .errors import LlmadaptError
 from .interfaces import Trainer
 from .spec import Workload
 
 
 @attrs.frozen
 class Place:
-    """Where this process sits: from torchrun's variables, else Slurm's, else a single process."""
+    """Where this process sits: from torchrun's variables, else Slurm's, else a single process.
+
+    torchrun's win under ``srun torchrun`` (Slurm then counts agents, not ranks).
+    """
 
     rank: int
     local_rank: int
     world_size: int
     node_rank: int
     source: str
+    nnodes: int = 1
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Place:
         env = os.environ if env is None else env
         if "RANK" in env and "WORLD_SIZE" in env:
-            return cls(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
-                       int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))), "torchrun")
+            world = int(env["WORLD_SIZE"])
+            per_node = int(env.get("LOCAL_WORLD_SIZE", world))
+            return cls(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), world,
+                       int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))), "torchrun",
+                       int(env.get("GROUP_WORLD_SIZE", max(1, world // max(1, per_node)))))
         if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
             return cls(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"]),
-                       int(env.get("SLURM_NODEID", 0)), "slurm")
+                       int(env.get("SLURM_NODEID", 0)), "slurm", int(env.get("SLURM_NNODES", 1)))
         return cls(0, 0, 1, 0, "single")
+
+
+def _launch_record(run_dir: Path) -> dict[str, Any]:
+    """The run's launch.json; a Slurm job carries it in LLMADAPT_LAUNCH (nodes need not share a disk)."""
+    path = run_dir / "launch.json"
+    if not path.is_file() and os.environ.get("LLMADAPT_LAUNCH"):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".launch-{os.getpid()}.json")  # several ranks of one node may race here
+        tmp.write_text(os.environ["LLMADAPT_LAUNCH"])
+        os.replace(tmp, path)
+    return json.loads(path.read_text())
+
+
+def _open_records(run_dir: Path, place: Place, run_id: str):
+    """This rank's record file; with LLMADAPT_COLLECT=host:port each record is also sent to the orchestrator."""
+    path = run_dir / f"rank-{place.rank:05d}.jsonl"
+    address = os.environ.get("LLMADAPT_COLLECT")
+    if not address:
+        return JsonlWriter(path)
+    try:
+        return StreamingWriter(path, address, {"run_id": run_id, "rank": place.rank, "node_rank": place.node_rank,
+                                               "node": node_name()})
+    except LlmadaptError as exc:  # the orchestrator is unreachable: say so here, on the node, and stop
+        with JsonlWriter(path) as writer:
+            writer.write(Failure(cause="error", message=str(exc), rank=place.rank, exit_code=1, time=_now()))
+        print(f"llmadapt worker: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 @attrs.define
@@ -165,10 +200,10 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
     ``place`` is given by the inline launcher (one rank, whatever the caller's environment says).
     """
     run_dir = Path(run_dir)
-    launch = json.loads((run_dir / "launch.json").read_text())
+    launch = _launch_record(run_dir)
     inline = place is not None
     place = place or Place.from_env()
-    writer = JsonlWriter(run_dir / f"rank-{place.rank:05d}.jsonl")
+    writer = _open_records(run_dir, place, launch["run_id"])
     step_index: int | None = None
     trainer: Trainer | None = None
     ctx: WorkerContext | None = None
@@ -189,7 +224,9 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
             import torch.distributed as dist
 
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+            # Rank and size given explicitly: under srun there are no RANK/WORLD_SIZE variables.
+            dist.init_process_group(backend=backend, rank=place.rank, world_size=place.world_size,
+                                    device_id=device if device.type == "cuda" else None)
             dist_started = True
 
         from .models import canonical_checkpoint, recorded_weights_hash
@@ -216,7 +253,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
         wall, mono = time.time_ns(), time.monotonic_ns()
         writer.write(Header(
             run_id=launch["run_id"], rank=place.rank, local_rank=place.local_rank, world_size=place.world_size,
-            node=socket.gethostname(), role=workload.kind, adapter=info.name, adapter_version=info.version,
+            node=node_name(), role=workload.kind, adapter=info.name, adapter_version=info.version,
             framework=info.framework, framework_version=trainer.framework_version(), launcher=launch["launcher"],
             workload_hash=workload.content_hash, problem_hash=workload.problem_hash, workload=workload.to_dict(),
             checkpoint_hash=recorded_weights_hash(checkpoint), device=describe_device(device),
@@ -263,6 +300,8 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
         role = _safe_rank_role(trainer)
         if role:
             message = f"[{role}] {message}"
+        if place.nnodes > 1:
+            message = f"[node {place.node_rank} {node_name()}] {message}"
         writer.write(Failure(cause=cause, message=message, rank=place.rank, step=step_index, exit_code=code,
                              time=_now()))
         if cause not in ("killed", "interrupted"):

@@ -1,0 +1,256 @@
+"""The Slurm launcher, for real: a two-node Slurm on one host (slurm-wlm + munge, started and stopped here).
+
+Both fake nodes run on this machine (slurmd -N n1, slurmd -N n2), but each worker writes its
+records to its own node-local folder under /tmp and streams them to the orchestrator: nothing
+relies on the run directory being visible to the nodes.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import pytest
+
+from llmadapt import LlmadaptError, run
+from llmadapt.analysis import loss_parity
+from llmadapt.contract import read_jsonl
+from llmadapt.slurm import SlurmSettings
+from llmadapt.testing import standard_workloads
+from test_multinode import single_node  # the same one-node run, once per session
+
+pytest.importorskip("torch")
+
+WORKLOAD = standard_workloads()["train-dp2"]
+
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to start slurmctld, slurmd and munged"
+    missing = [tool for tool in ("munged", "slurmctld", "slurmd", "sbatch") if not shutil.which(tool)
+               and not Path("/usr/sbin", tool).exists()]
+    if missing:
+        return f"needs Debian's slurm-wlm and munge ({', '.join(missing)} missing): .ci/run installs them"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SLURM_CONF = """\
+ClusterName=llmadapt-test
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SwitchType=switch/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+ReturnToService=2
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool-%n
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd-%n.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd-%n.log
+NodeName=n1 NodeHostname={host} NodeAddr=127.0.0.1 Port={port1} CPUs=1 RealMemory=4000
+NodeName=n2 NodeHostname={host} NodeAddr=127.0.0.1 Port={port2} CPUs=1 RealMemory=4000
+PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A controller and two slurmd "nodes" on this host; SLURM_CONF points every client at them."""
+    if why := _why_not():
+        pytest.skip(why)
+    folder = tmp_path_factory.mktemp("slurm")
+    (folder / "state").mkdir()
+    conf = folder / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(host=socket.gethostname(), dir=folder, ctld_port=_free_port(),
+                                      port1=_free_port(), port2=_free_port()))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    started_munge = _start_munge()
+    daemons = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for cmd in (
+        ["slurmctld", "-D", "-i", "-f", str(conf)],
+        ["slurmd", "-D", "-f", str(conf), "-N", "n1"],
+        ["slurmd", "-D", "-f", str(conf), "-N", "n2"],
+    )]
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(conf)
+    try:
+        for _ in range(120):
+            idle = subprocess.run(["sinfo", "-h", "-t", "idle", "-o", "%D"], capture_output=True, text=True)
+            if idle.stdout.strip() == "2":
+                break
+            if any(d.poll() is not None for d in daemons):
+                break
+            time.sleep(0.25)
+        else:
+            idle = None
+        if idle is None or idle.stdout.strip() != "2":
+            log = (folder / "slurmctld.log").read_text()[-2000:] if (folder / "slurmctld.log").exists() else ""
+            pytest.fail(f"the two-node Slurm did not come up: {log}")
+        yield folder
+    finally:
+        subprocess.run(["scontrol", "shutdown"], capture_output=True, timeout=30)
+        for d in daemons:
+            try:
+                d.wait(15)
+            except subprocess.TimeoutExpired:
+                d.kill()
+                d.wait()
+        if started_munge:
+            started_munge.send_signal(signal.SIGTERM)
+            started_munge.wait(10)
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+
+
+def _start_munge():
+    """munged, unless one already answers; returns the process we started (None if we reused one)."""
+    if subprocess.run(["munge", "-n"], capture_output=True).returncode == 0:
+        return None
+    Path("/run/munge").mkdir(parents=True, exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    proc = subprocess.Popen(["runuser", "-u", "munge", "--", "/usr/sbin/munged", "--foreground"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(40):
+        if subprocess.run(["munge", "-n"], capture_output=True).returncode == 0:
+            return proc
+        time.sleep(0.25)
+    proc.kill()
+    pytest.fail("munged did not start")
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    """Two nodes, one rank each; each node's own folder (its copy of the records, the job output) under tmp_path."""
+    (tmp_path / "nodes").mkdir()
+    return SlurmSettings(nnodes=2, ntasks_per_node=1, collect_addr="127.0.0.1", node_dir=str(tmp_path / "nodes"))
+
+
+def test_two_node_slurm_run_matches_one_node(slurm, two_nodes, tmp_path, tmp_path_factory):
+    """sbatch over two nodes: every rank's records reach the run directory, losses equal one node's."""
+    events = []
+    result = run(WORKLOAD, "torch", launcher="slurm", slurm=two_nodes, out=tmp_path, timeout=300,
+                 progress=events.append)
+    assert result.ok, (result.summary.failures, (result.run_dir / "slurm.out").read_text())
+    report = loss_parity(single_node(WORKLOAD, "torch", tmp_path_factory).losses, result.losses)
+    assert report.ok, report.describe(("one node", "slurm, two nodes"))
+    headers = [r for p in sorted(result.run_dir.glob("rank-*.jsonl")) for r in read_jsonl(p) if r["type"] == "header"]
+    assert sorted(h["node"] for h in headers) == ["n1", "n2"]
+    launch = json.loads((result.run_dir / "launch.json").read_text())
+    assert [(n["node"], n["ranks"]) for n in launch["nodes"]["seen"]] == [("n1", [0]), ("n2", [1])]
+    # The batch script is in the run directory, readable and resubmittable; the nodes kept their own copies.
+    script = (result.run_dir / "job.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in script and "srun" in script
+    node_dir = Path(launch["slurm"]["node_dir"])
+    assert sorted(p.name for p in node_dir.glob("rank-*.jsonl")) == ["rank-00000.jsonl", "rank-00001.jsonl"]
+    assert any(e.get("type") == "slurm" and e["state"] == "RUNNING" for e in events)
+
+
+def test_a_rank_killed_on_one_node_stops_the_job_and_keeps_the_records(slurm, two_nodes, tmp_path):
+    """Rank 1 (node n2) is SIGKILLed at step 2: both ranks' steps 0-1 are kept, the failure names node and rank."""
+    result = run(WORKLOAD, "torch", launcher="slurm", slurm=two_nodes, out=tmp_path, timeout=300,
+                 fault={"kind": "kill", "step": 2, "rank": 1})
+    assert not result.ok
+    assert result.summary.steps_completed == 2
+    messages = [f.message for f in result.summary.failures]
+    assert any(f.rank == 1 and "[node 1 n2]" in f.message for f in result.summary.failures), messages
+    assert any(m.startswith("Slurm job") and "FAILED" in m for m in messages), messages
+
+
+def test_a_job_that_fails_to_start_is_reported_with_slurms_reason(slurm, two_nodes, tmp_path, monkeypatch):
+    """An interpreter missing on the nodes: the job fails at once and the failure carries Slurm's state."""
+    monkeypatch.setenv("LLMADAPT_PYTHON_TORCH", "/nonexistent/python")
+    # The checkpoint is built before submission with that same interpreter: skip that step here.
+    monkeypatch.setattr("llmadapt.launch.ensure_checkpoint", lambda *a: None, raising=False)
+    result = run(WORKLOAD, "torch", launcher="slurm", slurm=two_nodes, out=tmp_path, timeout=120)
+    assert not result.ok
+    (failure,) = [f for f in result.summary.failures if f.rank is None]
+    assert failure.message.startswith("Slurm job") and "FAILED (reason: NonZeroExitCode" in failure.message
+
+
+def test_a_cancelled_job_is_reported_with_slurms_state_and_reason(slurm, two_nodes, tmp_path):
+    """A job held in the queue and cancelled from outside: the run ends failed, naming CANCELLED and the reason."""
+    def progress(event):
+        if event.get("type") == "slurm" and event["state"] == "PENDING":
+            subprocess.run(["scancel", event["job_id"]], check=True)
+
+    held = attrs.evolve(two_nodes, options=("--hold",))
+    result = run(WORKLOAD, "torch", launcher="slurm", slurm=held, out=tmp_path, timeout=120, progress=progress)
+    assert not result.ok
+    (failure,) = result.summary.failures
+    assert failure.cause == "killed"
+    assert re.match(r"Slurm job \d+ ended CANCELLED \(reason: JobHeldUser", failure.message), failure.message
+
+
+def test_interrupting_the_orchestrator_cancels_the_job(slurm, two_nodes, tmp_path):
+    """Ctrl-C in `llmadapt run --launcher slurm`: the job is cancelled and the run says it was interrupted."""
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps(WORKLOAD.to_dict()))
+    cmd = [sys.executable, "-m", "llmadapt.cli", "run", str(workload), "--launcher", "slurm", "--nnodes", "2",
+           "--collect-addr", "127.0.0.1", "--out", str(tmp_path / "runs"), "--sbatch-option=--hold"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    for line in proc.stderr:
+        if "PENDING" in line:
+            job_id = line.split()[2].rstrip(":")
+            break
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130, err
+    assert slurm_state(job_id) == "CANCELLED"
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [f["cause"] for f in summary["failures"]] == ["interrupted"]
+
+
+def slurm_state(job_id: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    return re.search(r"JobState=(\S+)", out).group(1)
+
+
+def test_bad_input_is_one_line_before_anything_is_submitted(slurm, two_nodes, tmp_path):
+    """A layout that does not fit the workload, or an option Slurm rejects: one error, nothing written."""
+    with pytest.raises(LlmadaptError, match=r"2 nodes x 2 tasks per node = 4 ranks, but the workload's world size "
+                                            r"is 2"):
+        run(WORKLOAD, "torch", launcher="slurm", slurm=SlurmSettings(nnodes=2, ntasks_per_node=2),
+            out=tmp_path / "runs")
+    with pytest.raises(LlmadaptError, match=r"^Slurm rejected the job: .*Invalid partition name"):
+        run(WORKLOAD, "torch", launcher="slurm", out=tmp_path / "runs",
+            slurm=SlurmSettings(nnodes=2, partition="nosuch", collect_addr="127.0.0.1"))
+    with pytest.raises(LlmadaptError, match=r"^Slurm rejected the job: .*unrecognized option"):
+        run(WORKLOAD, "torch", launcher="slurm", out=tmp_path / "runs",
+            slurm=SlurmSettings(nnodes=2, options=("--no-such-option",), collect_addr="127.0.0.1"))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_no_slurm_on_the_machine_is_one_line(two_nodes, tmp_path, monkeypatch):
+    """Without sbatch on PATH, the slurm launcher says so before doing anything."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(LlmadaptError, match=r"^launcher 'slurm' needs Slurm's sbatch"):
+        run(WORKLOAD, "torch", launcher="slurm", slurm=two_nodes, out=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()
