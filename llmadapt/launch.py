@@ -97,9 +97,11 @@ class NodeSettings:
 
 
 def worker_command(launcher: str, python: Path | str, worker_dir: Path | str, *, per_node: int = 1,
-                   nodes: NodeSettings | None = None) -> list[str]:
-    """The command that starts one node's workers: the one place that maps a launcher to a command line."""
-    worker = ["-m", "llmadapt.worker", str(worker_dir)]
+                   nodes: NodeSettings | None = None, module: str = "llmadapt.worker") -> list[str]:
+    """The command that starts one node's workers: the one place that maps a launcher to a command line.
+
+    ``module`` is what each rank runs: the worker, or the micro-benchmarks (llmadapt.microbench)."""
+    worker = ["-m", module, str(worker_dir)]
     if launcher == "subprocess":
         return [str(python), *worker]
     nodes = nodes or NodeSettings()

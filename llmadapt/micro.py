@@ -221,7 +221,7 @@ def _torch_python() -> Path:
 
 def _start(suite: str, spec: dict[str, Any], out: str | Path, world: int = 1, timeout: float | None = None,
            progress: Callable[[dict[str, Any]], None] | None = None) -> MicroResult:
-    from .launch import _supervise, free_port  # the same supervision (timeouts, process groups) as runs
+    from .launch import _supervise, _worker_env, worker_command  # the same launch and supervision as runs
 
     python = _torch_python()  # fails before anything is written
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-micro-{suite}-{secrets.token_hex(2)}"
@@ -233,14 +233,12 @@ def _start(suite: str, spec: dict[str, Any], out: str | Path, world: int = 1, ti
     (run_dir / "launch.json").write_text(json.dumps(launch, indent=2))
     if progress:
         progress({"type": "start", "run_dir": str(run_dir), "suite": suite, "world_size": world})
-    cmd = [str(python), "-m", "llmadapt.microbench", str(run_dir)]
-    if world > 1:
-        cmd = [str(python), "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={world}",
-               "--rdzv-backend=static", "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-               "--max-restarts=0", "-m", "llmadapt.microbench", str(run_dir)]
+    cmd = worker_command(launcher, python, run_dir, per_node=world, module="llmadapt.microbench")
     failures: list[Failure] = []
     try:
-        failures = _supervise(cmd, run_dir, world, timeout, None, progress)
+        failures = _supervise(cmd, env=_worker_env(world), log=run_dir / "worker.log",
+                              tail=run_dir / "rank-00000.jsonl", timeout=timeout, memory_limit_bytes=None,
+                              progress=progress)
     except KeyboardInterrupt:
         failures = [Failure(cause="interrupted", message="interrupted (Ctrl-C) in the orchestrator")]
         _write_launcher_failures(run_dir, failures)
