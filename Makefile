@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # Adapter packages installed next to the core, and the environments their workers run in.
-PLUGINS := examples/adapter-plain plugins/openai plugins/tgi plugins/megatron plugins/deepspeed plugins/vllm
-ENVS    := torch plain megatron deepspeed vllm
+PLUGINS := examples/adapter-plain plugins/openai plugins/tgi plugins/megatron plugins/deepspeed plugins/vllm plugins/colossalai
+ENVS    := torch plain megatron deepspeed vllm colossalai
 
 .PHONY: demo test envs setup
 

@@ -58,6 +58,8 @@ class AdapterConformance:
     adapter: str = ""
     reference: str = "torch"
     run_options: dict[str, Any] = {}
+    startup_timeout_s: float = 40.0
+    """The hang test's timeout: start-up and one step must fit in it. Raise it for slow framework imports."""
 
     # -- helpers ------------------------------------------------------------------------
     @pytest.fixture(scope="class")
@@ -177,7 +179,7 @@ class AdapterConformance:
 
     def test_hang_times_out_and_leaves_no_process(self, out):
         """A hung worker is stopped at the timeout: failure 'timeout', records kept, process group gone."""
-        result = self._run("train", out, fault={"kind": "hang", "step": 1}, timeout=40)
+        result = self._run("train", out, fault={"kind": "hang", "step": 1}, timeout=self.startup_timeout_s)
         assert not result.ok
         causes = {f.cause for f in result.summary.failures}
         assert "timeout" in causes
