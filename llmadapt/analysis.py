@@ -166,14 +166,32 @@ def _f(value: Any, fmt: str) -> str:
 
 
 def matrix_variants(workload: Workload, matrix: dict[str, list[Any]]) -> list[tuple[str, Workload]]:
-    """Every combination of the matrix values, applied as overrides; labels like 'dp=2,recompute=full'."""
+    """Every combination of the matrix values, applied as overrides; labels like 'dp=2,recompute=full'.
+
+    A key naming several comma-separated paths is one axis whose values are tuples, one value per
+    path, taken together (zipped, not crossed): {"optimizations.zero_stage,optimizations.offload":
+    [(0, "none"), (2, "optimizer")]} is two variants. That names configurations a cross product
+    cannot, because some combinations are invalid (offload without ZeRO).
+    """
     if not matrix:
         return [("", workload)]
-    keys = list(matrix)
+    axes = []
+    for key, values in matrix.items():
+        paths = [p.strip() for p in key.split(",")]
+        if not values:
+            raise LlmadaptError(f"matrix {key!r}: no values")
+        options = []
+        for v in values:
+            v = tuple(v) if len(paths) > 1 and isinstance(v, (list, tuple)) else (v,)
+            if len(v) != len(paths):
+                raise LlmadaptError(f"matrix {key!r}: value {v!r} needs {len(paths)} parts, one per path")
+            options.append(list(zip(paths, v)))
+        axes.append(options)
     out = []
-    for values in itertools.product(*(matrix[k] for k in keys)):
-        sets = [f"{k}={_yaml_scalar(v)}" for k, v in zip(keys, values)]
-        label = ",".join(f"{k.split('.')[-1]}={_yaml_scalar(v)}" for k, v in zip(keys, values))
+    for combination in itertools.product(*axes):
+        pairs = [pair for option in combination for pair in option]
+        sets = [f"{k}={_yaml_scalar(v)}" for k, v in pairs]
+        label = ",".join(f"{k.split('.')[-1]}={_yaml_scalar(v)}" for k, v in pairs)
         out.append((label, workload.with_overrides(sets)))
     return out
 
@@ -183,15 +201,32 @@ def _yaml_scalar(v: Any) -> str:
 
 
 def parse_matrix(items: list[str]) -> dict[str, list[Any]]:
-    """['optimizations.recompute=none,full', 'parallelism.dp=1,2'] -> {path: [values]}."""
+    """['optimizations.recompute=none,full', 'parallelism.dp=1,2'] -> {path: [values]}.
+
+    Several paths zip into one axis: 'optimizations.zero_stage,optimizations.offload=0,none;2,optimizer'
+    -> {"optimizations.zero_stage,optimizations.offload": [(0, "none"), (2, "optimizer")]} (values of
+    one variant separated by ',', variants by ';').
+    """
     import yaml
 
     matrix: dict[str, list[Any]] = {}
     for item in items:
         key, sep, values = item.partition("=")
         if not sep or not values:
-            raise LlmadaptError(f"--matrix {item!r}: use path=v1,v2 (e.g. parallelism.dp=1,2)")
-        matrix[key.strip()] = [yaml.safe_load(v) for v in values.split(",")]
+            raise LlmadaptError(f"--matrix {item!r}: use path=v1,v2 (e.g. parallelism.dp=1,2), or "
+                                "path1,path2=a1,a2;b1,b2 for variants that set several fields together")
+        paths = [p.strip() for p in key.split(",")]
+        if len(paths) == 1:
+            matrix[key.strip()] = [yaml.safe_load(v) for v in values.split(",")]
+            continue
+        variants = []
+        for variant in values.split(";"):
+            parts = [yaml.safe_load(v) for v in variant.split(",")]
+            if len(parts) != len(paths):
+                raise LlmadaptError(f"--matrix {item!r}: variant {variant!r} has {len(parts)} values for "
+                                    f"{len(paths)} paths ({', '.join(paths)})")
+            variants.append(tuple(parts))
+        matrix[",".join(paths)] = variants
     return matrix
 
 

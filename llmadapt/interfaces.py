@@ -64,6 +64,7 @@ class Supports:
     quantization: tuple[str, ...] = ("none",)
     lora: bool = False
     moe: bool = False
+    optimizer_impls: tuple[str, ...] = ("torch",)
 
     def problems(self, workload: Workload) -> list[tuple[str, Any, str]]:
         """(field, value, what is allowed) for everything in the workload this adapter cannot do."""
@@ -87,6 +88,8 @@ class Supports:
         need(not o.flash_attention or self.flash_attention, "optimizations.flash_attention", True, "supported: false")
         need(o.quantization in self.quantization, "optimizations.quantization", o.quantization,
              f"supported: {', '.join(self.quantization)}")
+        need(workload.train.optimizer_impl in self.optimizer_impls, "train.optimizer_impl",
+             workload.train.optimizer_impl, f"supported: {', '.join(self.optimizer_impls)}")
         need(not workload.lora.rank or self.lora, "lora.rank", workload.lora.rank, "supported: 0 (no LoRA)")
         need(not workload.model.is_moe or self.moe, "model.num_experts", workload.model.num_experts,
              "supported: 0 (dense models only)")
@@ -107,6 +110,7 @@ class Supports:
             parts.append("lora")
         if self.moe:
             parts.append("moe")
+        parts += [i for i in self.optimizer_impls if i != "torch"]
         return " ".join(parts)
 
 

@@ -28,6 +28,7 @@ OFFLOADS = ("none", "optimizer", "optimizer+params")
 RECOMPUTES = ("none", "selective", "full")
 QUANTIZATIONS = ("none", "int8", "nf4")
 OPTIMIZERS = ("adamw", "adam", "sgd")
+OPTIMIZER_IMPLS = ("torch", "cpu_adam")
 DATA_SOURCES = ("synthetic", "jsonl")
 FAMILIES = ("llama", "mixtral")
 
@@ -141,6 +142,10 @@ class TrainSpec:
     optimizer: str = attrs.field(default="adamw", validator=_choice(OPTIMIZERS))
     lr: float = attrs.field(default=1e-3, validator=_at_least(0.0))
     weight_decay: float = attrs.field(default=0.0, validator=_at_least(0.0))
+    optimizer_impl: str = attrs.field(default="torch", validator=_choice(OPTIMIZER_IMPLS))
+    """Which implementation runs the optimizer's update: 'torch' (torch.optim, every adapter) or 'cpu_adam'
+    (the framework's C++ CPU Adam, e.g. DeepSpeedCPUAdam, compiled at first use). The same update in exact
+    arithmetic: a layout choice, not part of the problem hash."""
 
     @property
     def total_steps(self) -> int:
@@ -248,7 +253,7 @@ class ServeSpec:
 # Runs whose workloads differ only here share a problem hash, so their losses can be compared.
 _LAYOUT_FIELDS = {
     "parallelism": None,
-    "train": ("micro_batch",),
+    "train": ("micro_batch", "optimizer_impl"),
     "optimizations": ("zero_stage", "offload", "recompute", "flash_attention"),
 }
 
@@ -418,6 +423,8 @@ def _check_workload(w: Workload) -> None:
             raise WorkloadError("parallelism.ep", p.ep, f"must divide model.num_experts={w.model.num_experts}")
         if (p.dp * p.tp) % p.ep:
             raise WorkloadError("parallelism.ep", p.ep, f"must divide dp*tp={p.dp * p.tp}")
+    if t.optimizer_impl == "cpu_adam" and t.optimizer == "sgd":
+        raise WorkloadError("train.optimizer_impl", t.optimizer_impl, "cpu_adam needs train.optimizer adam or adamw")
     if o.offload == "optimizer" and o.zero_stage == 0:
         raise WorkloadError("optimizations.offload", o.offload, "optimizer offload needs optimizations.zero_stage >= 1")
     if o.offload == "optimizer+params" and o.zero_stage != 3:

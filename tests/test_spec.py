@@ -35,7 +35,8 @@ def test_hash_is_stable_and_ignores_labels():
 def test_problem_hash_ignores_layout_but_not_math():
     """Parallel layout and memory techniques keep the problem hash; precision or LoRA change it."""
     w = Workload()
-    same = w.with_overrides(["parallelism.dp=2", "train.micro_batch=2", "optimizations.recompute=full"])
+    same = w.with_overrides(["parallelism.dp=2", "train.micro_batch=2", "optimizations.recompute=full",
+                              "train.optimizer_impl=cpu_adam"])
     assert same.problem_hash == w.problem_hash and same.content_hash != w.content_hash
     assert w.with_overrides(["precision=bf16"]).problem_hash != w.problem_hash
 
@@ -80,7 +81,7 @@ def test_overrides_parse_values():
         (["model.preset=llama3"], "workload field 'model.preset': got 'llama3'; known presets: llama2-7b, "
                                   "llama2-13b, llama2-70b, mixtral-8x7b, tiny-llama, tiny-mixtral"),
         (["train.stepz=3"], "workload field 'train.stepz': got 3; unknown field; known here: global_batch, lr, "
-                            "micro_batch, optimizer, seq_len, steps, warmup_steps, weight_decay"),
+                            "micro_batch, optimizer, optimizer_impl, seq_len, steps, warmup_steps, weight_decay"),
         (["precision=fp8"], "workload field 'precision': got 'fp8'; allowed: fp32, bf16, fp16"),
         (["train.steps=many"], "workload field 'train.steps': got 'many'; must be an integer"),
         (["parallelism.tp=4"], "workload field 'parallelism.tp': got 4; must divide model.num_heads=4 and "
@@ -88,6 +89,8 @@ def test_overrides_parse_values():
         (["optimizations.offload=optimizer+params", "optimizations.zero_stage=2"],
          "workload field 'optimizations.offload': got 'optimizer+params'; parameter offload needs "
          "optimizations.zero_stage = 3"),
+        (["train.optimizer_impl=cpu_adam", "train.optimizer=sgd"],
+         "workload field 'train.optimizer_impl': got 'cpu_adam'; cpu_adam needs train.optimizer adam or adamw"),
         (["optimizations.quantization=nf4"], "workload field 'optimizations.quantization': got 'nf4'; quantized "
                                              "base weights do not train: set lora.rank > 0 (QLoRA)"),
         (["data.source=jsonl", "data.path=/nonexistent.jsonl"],
