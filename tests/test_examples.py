@@ -28,3 +28,50 @@ def test_python_example_runs(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "recompute=full,micro_batch=4" in out.stdout
     assert (tmp_path / "runs" / "first-run.csv").read_text().startswith("rank,step,warmup")
+
+
+def test_deepspeed_techniques_command_expands_to_study_a_grid():
+    """examples/deepspeed-techniques.toml documents one `llmadapt compare` command; its --matrix expands to
+    study A's cells (baseline, Z2, Z3, Z2O, Z3O, each without and with R), every one a valid workload, and the
+    DeepSpeed adapter (when installed) accepts each."""
+    import shlex
+
+    from llmadapt.analysis import matrix_variants, parse_matrix
+    from llmadapt.cli import build_parser
+    from llmadapt.plugins import adapters, check_supported, get_adapter
+
+    path = ROOT / "examples" / "deepspeed-techniques.toml"
+    (line,) = [x[2:] for x in path.read_text().splitlines() if x.startswith("# llmadapt compare ")]
+    args = build_parser().parse_args(shlex.split(line)[1:])
+    assert (args.command, args.adapters) == ("compare", "deepspeed")
+    assert args.workload == "examples/deepspeed-techniques.toml"
+    variants = matrix_variants(Workload.from_file(path), parse_matrix(args.matrix))
+    cells = {(w.optimizations.zero_stage, w.optimizations.offload, w.optimizations.recompute, w.train.optimizer_impl)
+             for _, w in variants}
+    expected = {(0, "none"), (2, "none"), (3, "none"), (2, "optimizer"), (3, "optimizer+params")}
+    assert cells == {(z, o, r, "cpu_adam" if o != "none" else "torch") for z, o in expected for r in ("none", "full")}
+    assert len(variants) == 10 and len({label for label, _ in variants}) == 10
+    assert variants[0][0] == "zero_stage=0,offload=none,optimizer_impl=torch,recompute=none"
+    assert len({w.problem_hash for _, w in variants}) == 1  # one problem: the parity column compares every cell
+    if "deepspeed" in adapters():
+        for _, w in variants:
+            check_supported(get_adapter("deepspeed"), w)
+
+
+def test_zipped_matrix_axes():
+    """--matrix 'a,b=1,x;2,y' sets several fields together per variant (zipped), crossed with other axes;
+    a variant with the wrong number of values is one clear error."""
+    from llmadapt.analysis import matrix_variants, parse_matrix
+    from llmadapt.errors import LlmadaptError
+
+    matrix = parse_matrix(["optimizations.zero_stage,optimizations.offload=1,optimizer;3,optimizer+params",
+                           "parallelism.dp=1,2"])
+    assert matrix == {"optimizations.zero_stage,optimizations.offload": [(1, "optimizer"), (3, "optimizer+params")],
+                      "parallelism.dp": [1, 2]}
+    variants = matrix_variants(Workload(), matrix)
+    assert [label for label, _ in variants] == [
+        "zero_stage=1,offload=optimizer,dp=1", "zero_stage=1,offload=optimizer,dp=2",
+        "zero_stage=3,offload=optimizer+params,dp=1", "zero_stage=3,offload=optimizer+params,dp=2"]
+    assert variants[2][1].optimizations.offload == "optimizer+params" and variants[3][1].parallelism.dp == 2
+    with pytest.raises(LlmadaptError, match=r"variant '3' has 1 values for 2 paths"):
+        parse_matrix(["optimizations.zero_stage,optimizations.offload=1,optimizer;3"])

@@ -20,20 +20,45 @@ def gradient_accumulation_steps(workload) -> int:
     return workload.per_rank_batch // workload.micro_batch
 
 
-def optimizer_config(workload) -> dict[str, Any]:
-    """The workload's optimizer, built by DeepSpeed from torch.optim (nothing JIT-compiles).
+def client_cpu_adam(workload) -> bool:
+    """Whether the adapter builds DeepSpeedCPUAdam itself and hands it to ``deepspeed.initialize``.
 
-    ``torch_adam`` makes DeepSpeed use torch.optim.Adam/AdamW instead of FusedAdam (a CUDA/C++
-    op) or DeepSpeedCPUAdam (a C++ op compiled at first use, minutes on a small machine).
+    DeepSpeed's config builds DeepSpeedCPUAdam only for an offloaded optimizer; without offload it
+    would build FusedAdam. With ``optimizer_impl = "cpu_adam"`` and no offload (parameters in host
+    memory: the CPU device) the adapter passes DeepSpeedCPUAdam as the client optimizer instead.
+    """
+    return workload.train.optimizer_impl == "cpu_adam" and workload.optimizations.offload == "none"
+
+
+def optimizer_config(workload) -> dict[str, Any] | None:
+    """The workload's optimizer, as DeepSpeed's config names it; None when the adapter builds it (client).
+
+    ``optimizer_impl = "torch"`` (the default): ``torch_adam`` makes DeepSpeed use
+    torch.optim.Adam/AdamW instead of FusedAdam (a CUDA/C++ op) or DeepSpeedCPUAdam (a C++ op
+    compiled at first use, minutes on a small machine): nothing JIT-compiles.
+    ``optimizer_impl = "cpu_adam"`` with offload: no ``torch_adam``, so DeepSpeed builds
+    DeepSpeedCPUAdam for the offloaded states, its own ZeRO-Offload path.
     DeepSpeed's "Adam" means AdamW unless ``adam_w_mode`` is false: say so explicitly.
     """
     t = workload.train
+    if client_cpu_adam(workload):
+        return None
     if t.optimizer in ("adam", "adamw"):
         params = {"lr": t.lr, "betas": list(ADAM_BETAS), "eps": ADAM_EPS, "weight_decay": t.weight_decay,
-                  "torch_adam": True, "adam_w_mode": t.optimizer == "adamw"}
+                  "adam_w_mode": t.optimizer == "adamw"}
+        if t.optimizer_impl == "torch":
+            params["torch_adam"] = True
         return {"type": "AdamW" if t.optimizer == "adamw" else "Adam", "params": params}
     # Not a DeepSpeed optimizer name: DeepSpeed takes it from torch.optim by that name.
     return {"type": "SGD", "params": {"lr": t.lr, "weight_decay": t.weight_decay}}
+
+
+def expected_optimizer(workload) -> str:
+    """The class name of the optimizer DeepSpeed must end up with (checked after initialisation)."""
+    t = workload.train
+    if t.optimizer_impl == "cpu_adam":
+        return "DeepSpeedCPUAdam"
+    return {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[t.optimizer]
 
 
 def zero_config(workload) -> dict[str, Any]:
@@ -60,7 +85,6 @@ def build_config(workload) -> dict[str, Any]:
         "gradient_accumulation_steps": gradient_accumulation_steps(w),
         "steps_per_print": STEPS_PER_PRINT,
         "gradient_clipping": 0.0,
-        "optimizer": optimizer_config(w),
         "zero_optimization": zero_config(w),
         "bf16": {"enabled": w.precision == "bf16"},
         "fp16": {"enabled": w.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
@@ -68,9 +92,12 @@ def build_config(workload) -> dict[str, Any]:
         "wall_clock_breakdown": True,
         "comms_logger": {"enabled": True, "verbose": False, "prof_all": True, "debug": False},
     }
+    optimizer = optimizer_config(w)
+    if optimizer is not None:
+        config["optimizer"] = optimizer
     if w.train.optimizer == "sgd" and o.zero_stage > 0:
         config["zero_allow_untested_optimizer"] = True  # torch.optim.SGD under ZeRO
-    if o.offload != "none":
+    if o.offload != "none" and w.train.optimizer_impl == "torch":
         # Keep the torch optimizer with offload too (DeepSpeed would force DeepSpeedCPUAdam).
         config["zero_force_ds_cpu_optimizer"] = False
     if o.recompute != "none":

@@ -44,6 +44,8 @@ ENVIRONMENT = EnvironmentSpec(
 )
 
 FP16_ON_CPU = "fp16 is not supported by DeepSpeed on CPU"
+CPU_ADAM_ON_CUDA = ("DeepSpeedCPUAdam updates parameters held in host memory: on a CUDA device it needs "
+                    "optimizations.offload = optimizer or optimizer+params")
 
 
 def cuda_visible(environ: dict[str, str] | None = None) -> bool:
@@ -67,11 +69,16 @@ def check(workload) -> list[tuple[str, Any, str]]:
 
     The offload rules DeepSpeed has (optimizer offload needs ZeRO >= 1, parameter offload
     ZeRO-3) are the workload's own and refused when it is built; every other combination of
-    ZeRO stage, offload, recomputation, LoRA, MoE and dp was run on CPU (README).
+    ZeRO stage, offload, recomputation, LoRA, QLoRA (nf4), MoE, dp and optimizer implementation was
+    run on CPU (README). DeepSpeedCPUAdam without offload is CPU-only: on a GPU DeepSpeed's
+    optimizer would hold device parameters that CPU Adam cannot update.
     """
     out: list[tuple[str, Any, str]] = []
     if workload.precision == "fp16" and not cuda_visible():
         out.append(("precision", "fp16", f"{FP16_ON_CPU}; use fp32 or bf16 (no CUDA device is visible here)"))
+    if (workload.train.optimizer_impl == "cpu_adam" and workload.optimizations.offload == "none"
+            and cuda_visible()):
+        out.append(("train.optimizer_impl", "cpu_adam", CPU_ADAM_ON_CUDA))
     return out
 
 
@@ -84,8 +91,13 @@ SUPPORTS = Supports(
     # selective: only each layer's self-attention block (README: "Recomputation").
     recompute=("none", "selective", "full"),
     flash_attention=True,
+    # QLoRA: bitsandbytes nf4 base weights under the engine, as the reference loads them. (LLM.int8 base
+    # weights ran too, by hand, but no test exercises them: not declared.)
+    quantization=("none", "nf4"),
     lora=True,
     moe=True,
+    # torch.optim (default, nothing compiles) or DeepSpeedCPUAdam (C++, JIT-compiled once per machine).
+    optimizer_impls=("torch", "cpu_adam"),
 )
 
 
@@ -101,6 +113,6 @@ def llmadapt_register_adapters(register):
         supports=SUPPORTS,
         check=check,
         description="DeepSpeed engine on transformers' model: ZeRO 0-3, CPU offload of optimizer and parameters, "
-                    "DeepSpeed activation checkpointing, peft LoRA, HF Mixtral MoE; wall-clock timers, comms logger "
-                    "and FLOPs profiler reported as records.",
+                    "DeepSpeedCPUAdam, DeepSpeed activation checkpointing, peft LoRA and QLoRA, HF Mixtral MoE; "
+                    "wall-clock timers, comms logger and FLOPs profiler reported as records.",
     ))

@@ -21,8 +21,8 @@ from typing import Any
 from llmadapt.contract import Comm, Metric, Patch, Phase, Span
 from llmadapt.interfaces import FineTuner, StepResult, Trainer
 
-from .config import build_config, gradient_accumulation_steps
-from .plugin import FP16_ON_CPU
+from .config import ADAM_BETAS, ADAM_EPS, build_config, client_cpu_adam, expected_optimizer, gradient_accumulation_steps
+from .plugin import CPU_ADAM_ON_CUDA, FP16_ON_CPU
 
 SOURCE = "deepspeed"
 # DeepSpeed's global engine timers (summed over a step's micro-batches), in its own names.
@@ -54,7 +54,7 @@ PATCH_COMMS_TIMER = Patch(
     description="deepspeed.comm's comms logger reads each op's timer with elapsed(reset=False), so the latency it "
                 "logs for the k-th call of an op is the sum of the first k calls; the timer is reset after each "
                 "logged op so every entry is that one op's latency (a bug fix, any device).",
-    kind="cpu-equivalent",
+    kind="fix",
 )
 
 
@@ -73,19 +73,42 @@ class DeepSpeedTrainer(Trainer):
         ctx, w = self.ctx, self.ctx.workload
         if w.precision == "fp16" and not ctx.is_cuda:
             raise RuntimeError(f"{FP16_ON_CPU}: use fp32 or bf16")
+        if client_cpu_adam(w) and ctx.is_cuda:
+            raise RuntimeError(CPU_ADAM_ON_CUDA)
         self.config = build_config(w)
         self.gas = gradient_accumulation_steps(w)
         self._own_process_group = False
+        _set_extensions_dir()
         self._init_distributed()
 
         import deepspeed
         from transformers import AutoModelForCausalLM
 
+        self._metrics: list[Metric] = []
+        if w.train.optimizer_impl == "cpu_adam":
+            self._load_cpu_adam()
+        quant = w.optimizations.quantization
+        kwargs: dict[str, Any] = {}
+        if quant != "none":
+            # QLoRA as the reference adapter does it: bitsandbytes base weights (nf4 4-bit or LLM.int8),
+            # loaded on this rank's device; compute in fp32 (DeepSpeed's bf16 mode casts the rest).
+            from transformers import BitsAndBytesConfig
+
+            kwargs["quantization_config"] = (
+                BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+                if quant == "nf4" else BitsAndBytesConfig(load_in_8bit=True))
+            kwargs["device_map"] = {"": ctx.device}
         model = AutoModelForCausalLM.from_pretrained(
             str(ctx.checkpoint), dtype=torch.float32,  # DeepSpeed casts to bf16/fp16 and keeps fp32 master weights
-            attn_implementation="sdpa" if w.optimizations.flash_attention else "eager",
+            attn_implementation="sdpa" if w.optimizations.flash_attention else "eager", **kwargs,
         )
         model.config.use_cache = False
+        if quant != "none":
+            from peft import prepare_model_for_kbit_training
+
+            # Freezes the base and casts its non-quantized weights (norms, embeddings) to fp32; recomputation
+            # is set up below with DeepSpeed's checkpoint function, not peft's.
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         recompute = w.optimizations.recompute
         if recompute != "none":
             deepspeed.checkpointing.configure(None, deepspeed_config=self.config)
@@ -101,7 +124,7 @@ class DeepSpeedTrainer(Trainer):
             from peft import LoraConfig, get_peft_model
 
             # LoRA's A matrices are random: draw them from the workload's seed, so every layout
-            # (ZeRO stage, dp, recompute) starts from the same adapter weights.
+            # (ZeRO stage, dp, recompute) starts from the same adapter weights (as the reference does).
             torch.manual_seed(w.seed)
             model = get_peft_model(model, LoraConfig(
                 r=w.lora.rank, lora_alpha=w.lora.alpha, lora_dropout=w.lora.dropout,
@@ -113,8 +136,17 @@ class DeepSpeedTrainer(Trainer):
 
             self.experts = ExpertLoadCounter(model, w.model.num_experts)
         params = [p for p in model.parameters() if p.requires_grad]
+        client = None
+        if client_cpu_adam(w):
+            # DeepSpeed's config would build FusedAdam without offload: hand it DeepSpeedCPUAdam (parameters
+            # are in host memory on the CPU device, which is what DeepSpeedCPUAdam updates).
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            client = DeepSpeedCPUAdam(params, lr=w.train.lr, betas=ADAM_BETAS, eps=ADAM_EPS,
+                                      weight_decay=w.train.weight_decay, adamw_mode=w.train.optimizer == "adamw")
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params,
-                                                                 config=self.config)
+                                                                 optimizer=client, config=self.config)
+        self._record_optimizer(expected_optimizer(w))
         self._flash = w.optimizations.flash_attention
         # Collectives of initialisation (parameter broadcasts) belong to no step: start counting after them.
         self._comms_seen: dict[tuple[str, int], int] = {}
@@ -125,6 +157,30 @@ class DeepSpeedTrainer(Trainer):
         # whose inner matmul the profiler counts on top of the F.linear it patches (linear FLOPs
         # come out doubled), and partitioned parameters count as 0.
         self._profile_step = max(w.train.warmup_steps - 1, 0) if w.optimizations.zero_stage < 3 else None
+
+    def _load_cpu_adam(self) -> None:
+        """Build (first use: gcc, minutes) or load DeepSpeed's C++ CPU Adam op, timed: the trace says what it cost."""
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        start = time.perf_counter()
+        CPUAdamBuilder().load()
+        self._metrics.append(Metric(self.ctx.rank, "cpu_adam_op_load_seconds", time.perf_counter() - start, "s",
+                                    SOURCE))
+
+    def _record_optimizer(self, expected: str) -> None:
+        """Check DeepSpeed built the optimizer the workload asked for, and say which one in the trace.
+
+        The metric's name carries the optimizer's class (``optimizer:deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam``),
+        its value the parameter elements that optimizer updates on this rank (its ZeRO partition).
+        """
+        basic = self.engine.basic_optimizer
+        cls = type(basic)
+        if cls.__name__ != expected:
+            raise RuntimeError(f"DeepSpeed built the optimizer {cls.__module__}.{cls.__name__}, but the workload asks "
+                               f"for {expected} (train.optimizer_impl={self.ctx.workload.train.optimizer_impl!r})")
+        elements = sum(p.numel() for group in basic.param_groups for p in group["params"])
+        self._metrics.append(Metric(self.ctx.rank, f"optimizer:{cls.__module__}.{cls.__name__}", float(elements),
+                                    "param", SOURCE))
 
     def _init_distributed(self) -> None:
         import torch.distributed as dist
@@ -216,8 +272,11 @@ class DeepSpeedTrainer(Trainer):
         if ctx.world_size > 1:
             dist.all_reduce(loss_sum)  # torch.distributed, not deepspeed.comm: not in DeepSpeed's comms log
         expert_load = self.experts.global_counts() if self.experts else None
+        # What setup found (the optimizer built, the op load time) goes out with the first step, not at the end:
+        # a run that fails later keeps it.
+        metrics, self._metrics = self._metrics, []
         return StepResult(loss=loss_sum.item() / batch.loss_tokens_global, phases=phases, expert_load=expert_load,
-                          spans=spans, comms=self._step_comms())
+                          spans=spans, comms=self._step_comms(), metrics=metrics)
 
     # -- what DeepSpeed reports -------------------------------------------------------------
     def _start_flops_profile(self, step: int, micro: int):
@@ -331,6 +390,21 @@ def _checkpoint_attention(model, checkpoint) -> int:
     if not count:
         raise RuntimeError("recompute=selective: the model has no self_attn modules to checkpoint")
     return count
+
+
+def _set_extensions_dir() -> None:
+    """JIT-compiled DeepSpeed ops (DeepSpeedCPUAdam) go to llmadapt's state folder, one folder per DeepSpeed,
+    torch and Python version: compiled once per machine (or CI cache), never mixed across ABIs. A
+    ``TORCH_EXTENSIONS_DIR`` set by the user wins."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return
+    from importlib import metadata
+
+    from llmadapt.environments import state_dir
+
+    tag = (f"deepspeed-{metadata.version('deepspeed')}-torch-{metadata.version('torch')}-"
+           f"py{sys.version_info.major}.{sys.version_info.minor}")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(state_dir() / "torch-extensions" / tag)
 
 
 _COMMS_FIXED = False
