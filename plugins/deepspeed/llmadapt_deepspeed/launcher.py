@@ -36,11 +36,12 @@ HOSTFILE = "hostfile"
 
 
 def deepspeed_launch_command(python: str | Path, run_dir: str | Path, world: int, port: int, *,
-                             cpu: bool = True) -> list[str]:
-    """The command that starts ``world`` ranks of ``python -m llmadapt.worker run_dir`` through DeepSpeed's launcher.
+                             cpu: bool = True, module: str = "llmadapt.worker") -> list[str]:
+    """The command that starts ``world`` ranks of ``python -m MODULE run_dir`` through DeepSpeed's launcher.
 
     Writes ``run_dir/hostfile`` (``localhost slots=world``), which the command names. ``cpu``: pin the
     runner and the workers to CPU (see the module docstring); pass ``cpu=not cuda_visible()``.
+    ``module``: what each rank runs (llmadapt's worker; launch.worker_command's ``module``).
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
@@ -49,7 +50,7 @@ def deepspeed_launch_command(python: str | Path, run_dir: str | Path, world: int
     hostfile.write_text(f"localhost slots={world}\n")
     cmd = [str(python), "-m", "deepspeed.launcher.runner", f"--hostfile={hostfile}", "--no_ssh_check",
            "--master_addr=127.0.0.1", f"--master_port={port}", "--no_local_rank", "--module",
-           "llmadapt.worker", str(run_dir)]
+           module, str(run_dir)]
     if cpu:
         cmd = ["env", "LLMADAPT_DEVICE=cpu", "DS_ACCELERATOR=cpu", *cmd]
     return cmd
