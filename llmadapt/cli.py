@@ -200,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     def workload_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("workload", help="workload file (.toml, .yaml, .json)")
         p.add_argument("--set", action="append", metavar="PATH=VALUE", help="override a field, e.g. train.steps=5")
-        p.add_argument("--launcher", default="auto", choices=["auto", "inline", "subprocess", "torchrun", "slurm"])
+        p.add_argument("--launcher", default="auto", metavar="LAUNCHER",
+                       help="auto (default), inline, subprocess, torchrun, slurm, or one an adapter brings "
+                            "(deepspeed)")
         p.add_argument("--out", default="runs", help="folder for run directories (default: ./runs)")
         p.add_argument("--timeout", type=float, default=None, help="seconds before a run is stopped")
 

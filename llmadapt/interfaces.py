@@ -130,6 +130,11 @@ class AdapterInfo:
     description: str = ""
     check: Callable[[Workload], list[tuple[str, Any, str]]] | None = None
     """Extra adapter-specific rules: returns (field, value, allowed) problems. Must not import the framework."""
+    launchers: dict[str, Callable[..., list[str]]] = attrs.Factory(dict)
+    """Launchers the framework brings besides llmadapt's (DeepSpeed's runner): name -> function
+    ``(python, run_dir, world, port) -> command`` that starts ``world`` ranks of
+    ``python -m llmadapt.worker RUN_DIR`` on this machine, rendezvous on ``port``. Runs in the
+    orchestrator: must not import the framework."""
 
     def __attrs_post_init__(self) -> None:
         unknown = set(self.roles) - set(ROLES)

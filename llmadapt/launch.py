@@ -182,8 +182,9 @@ def run(
         workload = Workload.from_file(workload)
     info = get_adapter(adapter)
     check_supported(info, workload)
-    if launcher not in LAUNCHERS:
-        raise LlmadaptError(f"unknown launcher {launcher!r}; known: {', '.join(LAUNCHERS)}")
+    if launcher not in LAUNCHERS and launcher not in info.launchers:
+        known = ", ".join([*LAUNCHERS, *info.launchers])
+        raise LlmadaptError(f"unknown launcher {launcher!r} for adapter {adapter!r}; known: {known}")
     world = workload.world_size
     if workload.kind == "serve":
         return _run_serve(workload, info, out, run_id, timeout, progress)
@@ -234,6 +235,10 @@ def run(
 
     run_dir = Path(out) / run_id
     run_dir.mkdir(parents=True, exist_ok=False)
+    adapter_cmd = None
+    if launcher in info.launchers:  # the adapter's own launcher; its command goes into the trace
+        adapter_cmd = info.launchers[launcher](python, run_dir, world, free_port())
+        launch["command"] = adapter_cmd
     (run_dir / "launch.json").write_text(json.dumps(launch, indent=2))
     if progress:
         progress({"type": "start", "run_dir": str(run_dir), "adapter": adapter, "label": workload.label,
@@ -255,7 +260,7 @@ def run(
             failures += _run_node_zero(python, nodes, per_node, run_dir, collector, timeout, memory_limit_bytes,
                                        progress)
         else:
-            cmd = worker_command(launcher, python, run_dir, per_node=world)
+            cmd = adapter_cmd or worker_command(launcher, python, run_dir, per_node=world)
             failures += _supervise(cmd, env=_worker_env(world), log=run_dir / "worker.log",
                                    tail=run_dir / "rank-00000.jsonl", timeout=timeout,
                                    memory_limit_bytes=memory_limit_bytes, progress=progress)

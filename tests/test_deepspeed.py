@@ -21,20 +21,17 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from llmadapt import UnsupportedError
-from llmadapt import launch as core_launch
 from llmadapt.analysis import loss_parity
-from llmadapt.contract import Failure, read_jsonl
-from llmadapt.launch import RunResult, run, summarise
-from llmadapt.plugins import adapters, check_supported, get_adapter
+from llmadapt.contract import read_jsonl
+from llmadapt.launch import RunResult, run
+from llmadapt.plugins import adapters, get_adapter
 from llmadapt.testing import AdapterConformance, standard_workloads
 
 if "deepspeed" not in adapters():
@@ -78,10 +75,7 @@ def shared_run(workload, out, adapter="deepspeed", launcher="auto") -> RunResult
     """One run per (adapter, workload content, launcher), shared by every test that reads it; must succeed."""
     key = (adapter, workload.content_hash, launcher)
     if key not in _runs:
-        if launcher == "deepspeed":
-            result = run_with_deepspeed_launcher(workload, out)
-        else:
-            result = run(workload, adapter, out=out, timeout=1200)
+        result = run(workload, adapter, out=out, timeout=1200, launcher=launcher)
         assert result.ok, result.summary.failures
         _runs[key] = result
     return _runs[key]
@@ -327,49 +321,6 @@ def test_moe_matches_the_reference_with_expert_load(out):
 
 
 # -- DeepSpeed's own launcher -------------------------------------------------------------------------
-def run_with_deepspeed_launcher(workload, out, timeout=1200) -> RunResult:
-    """What llmadapt's run() does, with DeepSpeed's launcher command instead of torchrun's, until launch.py
-    wires it (then this is run(..., launcher="deepspeed"))."""
-    if "deepspeed" in core_launch.LAUNCHERS:
-        return run(workload, "deepspeed", out=out, launcher="deepspeed", timeout=timeout)
-    from llmadapt.environments import python_for
-
-    info = get_adapter("deepspeed")
-    check_supported(info, workload)
-    python = python_for(info.environment)
-    run_id = core_launch.make_run_id("deepspeed", workload)
-    run_dir = Path(out) / run_id
-    run_dir.mkdir(parents=True)
-    cmd = deepspeed_launch_command(python, run_dir, workload.world_size, core_launch.free_port(),
-                                   cpu=not cuda_visible())
-    (run_dir / "launch.json").write_text(json.dumps({
-        "run_id": run_id, "adapter": "deepspeed", "framework": info.framework, "role": workload.kind,
-        "launcher": "deepspeed", "world_size": workload.world_size, "workload": workload.to_dict(),
-        "workload_hash": workload.content_hash, "fault": None, "memory_limit_bytes": None, "python": str(python),
-        "created": time.time(), "command": cmd}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    failures = []
-    with open(run_dir / "worker.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            failures.append(Failure(cause="timeout", message=f"the run exceeded its timeout of {timeout} s"))
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the runner, DeepSpeed's launch and every rank: one group
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    if proc.returncode and not failures:
-        failures.append(Failure(cause="crash", message=f"deepspeed launcher exited with {proc.returncode}",
-                                exit_code=proc.returncode))
-    return RunResult(run_dir=run_dir, summary=summarise(run_dir, failures))
-
-
 def test_deepspeed_launcher_matches_torchrun(out):
     """Two ranks started by DeepSpeed's launcher (`deepspeed.launcher.runner` with a localhost hostfile, no
     ssh, no --local_rank) give the torchrun run's losses; each rank found its place from the launcher's
@@ -383,11 +334,19 @@ def test_deepspeed_launcher_matches_torchrun(out):
     assert [(h["rank"], h["local_rank"], h["world_size"]) for h in headers] == [(0, 0, 2), (1, 1, 2)]
     assert {h["launcher"] for h in headers} == {"deepspeed"} and launched.summary.launcher == "deepspeed"
     assert (launched.run_dir / "hostfile").read_text() == "localhost slots=2\n"
-    if "deepspeed" not in core_launch.LAUNCHERS:  # the command, CPU pinning included, is in the trace's launch.json
-        assert json.loads((launched.run_dir / "launch.json").read_text())["command"][:3] == [
-            "env", "LLMADAPT_DEVICE=cpu", "DS_ACCELERATOR=cpu"]
+    # The command, CPU pinning included, is in the trace's launch.json.
+    assert json.loads((launched.run_dir / "launch.json").read_text())["command"][:3] == [
+        "env", "LLMADAPT_DEVICE=cpu", "DS_ACCELERATOR=cpu"]
     log = (launched.run_dir / "worker.log").read_text(errors="replace")
     assert "deepspeed.launcher.launch" in log and "--local_rank" not in log
+
+
+def test_the_deepspeed_launcher_belongs_to_the_adapter(tmp_path):
+    """`--launcher deepspeed` is the adapter's: other adapters refuse it before anything is written."""
+    assert "deepspeed" in get_adapter("deepspeed").launchers
+    with pytest.raises(Exception, match=r"unknown launcher 'deepspeed' for adapter 'torch'"):
+        run(TRAIN, "torch", out=tmp_path, launcher="deepspeed")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_deepspeed_launch_command_shape(tmp_path):

@@ -48,6 +48,13 @@ CPU_ADAM_ON_CUDA = ("DeepSpeedCPUAdam updates parameters held in host memory: on
                     "optimizations.offload = optimizer or optimizer+params")
 
 
+def _deepspeed_launcher(python, run_dir, world: int, port: int) -> list[str]:
+    """DeepSpeed's runner as llmadapt's launcher ``deepspeed`` (see launcher.py), pinned to CPU without a GPU."""
+    from .launcher import deepspeed_launch_command
+
+    return deepspeed_launch_command(python, run_dir, world, port, cpu=not cuda_visible())
+
+
 def cuda_visible(environ: dict[str, str] | None = None) -> bool:
     """Whether a worker started from here would run on a CUDA device, decided without importing torch.
 
@@ -112,6 +119,7 @@ def llmadapt_register_adapters(register):
         environment=ENVIRONMENT,
         supports=SUPPORTS,
         check=check,
+        launchers={"deepspeed": _deepspeed_launcher},
         description="DeepSpeed engine on transformers' model: ZeRO 0-3, CPU offload of optimizer and parameters, "
                     "DeepSpeedCPUAdam, DeepSpeed activation checkpointing, peft LoRA and QLoRA, HF Mixtral MoE; "
                     "wall-clock timers, comms logger and FLOPs profiler reported as records.",
