@@ -13,6 +13,8 @@ import asyncio
 import json
 import math
 import random
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -428,9 +430,18 @@ def run_serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: st
     writer = JsonlWriter(run_dir / "rank-00000.jsonl")
     failures: list = []
 
+    interrupted = threading.Event()
+
     async def main() -> None:
         import aiohttp
 
+        # Ctrl-C: our own handler, not asyncio.run's, which only says "interrupted" when the cancellation
+        # surfaces as such; a wait_for that completes as it is cancelled swallows it (Python 3.11).
+        task = asyncio.current_task()
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, lambda: (interrupted.set(), task.cancel()))
+        except (RuntimeError, ValueError):  # not the main thread (embedded): Ctrl-C is the caller's
+            pass
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
         client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
         async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session:
@@ -445,6 +456,8 @@ def run_serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: st
                     failures.append(Failure(cause="timeout", message=f"the engine was not ready within {limit:g} s"))
                     return
                 await asyncio.sleep(0.5)
+            if interrupted.is_set():
+                raise asyncio.CancelledError
             wall, mono = time.time_ns(), time.monotonic_ns()
             writer.write(Header(
                 run_id=run_id, rank=0, local_rank=0, world_size=1, node=socket.gethostname(), role="serve",
@@ -469,7 +482,13 @@ def run_serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: st
         except Exception as exc:  # a failed start is a result of the run, with its trace and summary
             failures.append(Failure(cause="error", message=f"the engine failed to start: {type(exc).__name__}: {exc}"))
             return failures
-        asyncio.run(main())
+        try:
+            asyncio.run(main())
+        except asyncio.CancelledError:
+            if not interrupted.is_set():
+                raise
+        if interrupted.is_set():
+            raise KeyboardInterrupt
     finally:
         server.stop()
         writer.close()
