@@ -23,10 +23,21 @@ import pytest
 
 from .analysis import loss_parity
 from .contract import read_jsonl
-from .errors import UnsupportedError
+from .environments import python_for
+from .errors import EnvironmentNotReadyError, UnknownAdapterError, UnsupportedError
 from .launch import RunResult, run
 from .plugins import get_adapter
 from .spec import Workload
+
+
+def environments_unready(*adapters: str) -> str | None:
+    """Why these adapters cannot run here (not registered, environment not built), or None: a skip reason."""
+    for name in adapters:
+        try:
+            python_for(get_adapter(name).environment)
+        except (UnknownAdapterError, EnvironmentNotReadyError) as exc:
+            return str(exc)
+    return None
 
 INSTRUCTIONS = Path(__file__).parent / "resources" / "tiny-instructions.jsonl"
 

@@ -22,11 +22,10 @@ import pytest
 
 from llmadapt.analysis import loss_parity
 from llmadapt.contract import read_jsonl
-from llmadapt.environments import status
 from llmadapt.errors import UnknownAdapterError, UnsupportedError
 from llmadapt.launch import run
 from llmadapt.plugins import get_adapter
-from llmadapt.testing import AdapterConformance, standard_workloads
+from llmadapt.testing import AdapterConformance, environments_unready, standard_workloads
 
 try:
     INFO = get_adapter("colossalai")
@@ -43,17 +42,7 @@ DP2 = ["parallelism.dp=2", "train.micro_batch=1"]  # two ranks, two micro-batche
 SGD = ["train.optimizer=sgd", "train.lr=2.0"]  # Adam hides a constant gradient scale; SGD does not
 
 
-def _not_ready() -> str:
-    """Why the runs cannot happen here, or '' when both environments are built."""
-    for name, spec in (("colossalai", INFO.environment), ("torch", get_adapter("torch").environment)):
-        state = status(spec)
-        if state not in ("ready", "override"):
-            return (f"environment {name!r} is {state}: build it with `llmadapt env create {name}` "
-                    "(`make envs` builds every environment)")
-    return ""
-
-
-NOT_READY = _not_ready()
+NOT_READY = environments_unready("colossalai", "torch") or ""
 needs_env = pytest.mark.skipif(bool(NOT_READY), reason=NOT_READY)
 
 

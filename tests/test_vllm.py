@@ -19,26 +19,16 @@ from llmadapt.contract import read_jsonl
 pytest.importorskip("aiohttp")
 pytest.importorskip("llmadapt_vllm", reason="the vllm adapter package is not installed (pip install -e plugins/vllm)")
 
-from llmadapt.environments import python_for, status  # noqa: E402
+from llmadapt.environments import python_for  # noqa: E402
+from llmadapt.testing import environments_unready  # noqa: E402
 from llmadapt_vllm.server import environment_problem  # noqa: E402
 
 MODEL = {"preset": "tiny-llama", "hidden_size": 128}
 
 
-def environment_ready(name: str) -> str | None:
-    """None when the adapter's environment can run, else why not."""
-    info = adapters().get(name)
-    if info is None:
-        return f"adapter {name!r} is not registered"
-    state = status(info.environment)
-    if state not in ("ready", "override"):
-        return f"environment {info.environment.name!r} is {state}: run `llmadapt env create {info.environment.name}`"
-    return None
-
-
 @pytest.fixture(scope="module")
 def vllm_env():
-    why = environment_ready("vllm")
+    why = environments_unready("vllm")
     if why is None:
         why, _ = environment_problem(python_for(adapters()["vllm"].environment))
     if why:
@@ -82,7 +72,7 @@ def value(sample: dict, name: str) -> float:
 def test_hf_and_vllm_on_the_same_workload(vllm_env, tmp_path):
     """The reference server and vLLM get the same request stream and count every prompt the same way; vLLM gives
     every request exactly the tokens asked for, and its own counters agree with the client's records."""
-    why = environment_ready("hf")
+    why = environments_unready("hf")
     if why:
         pytest.skip(why)
     comparison = compare(workload(), ["hf", "vllm"], out=tmp_path, timeout=900)
