@@ -488,13 +488,18 @@ def _run_serve(workload: Workload, info, out, run_id, timeout, progress) -> RunR
     return RunResult(run_dir=run_dir, summary=summarise(run_dir, failures))
 
 
+def write_launcher_failures(run_dir: Path, failures: list[Failure]) -> None:
+    """Append what the orchestrator saw go wrong (timeout, interrupt, exit codes) to launcher.jsonl."""
+    if failures:
+        with JsonlWriter(run_dir / "launcher.jsonl") as w:
+            for f in failures:
+                w.write(f)
+
+
 def summarise(run_dir: Path, launcher_failures: list[Failure] = ()) -> Summary:
     """(Re)build summary.json from the records on disk; launcher failures are appended to launcher.jsonl."""
     launch = json.loads((run_dir / "launch.json").read_text())
-    if launcher_failures:
-        with JsonlWriter(run_dir / "launcher.jsonl") as w:
-            for f in launcher_failures:
-                w.write(f)
+    write_launcher_failures(run_dir, launcher_failures)
     records = load_records(run_dir)
     worker_failed = any(r["type"] == "failure" and r["rank"] is not None for r in records)
     if worker_failed:

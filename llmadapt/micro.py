@@ -221,7 +221,7 @@ def _torch_python() -> Path:
 
 def _start(suite: str, spec: dict[str, Any], out: str | Path, world: int = 1, timeout: float | None = None,
            progress: Callable[[dict[str, Any]], None] | None = None) -> MicroResult:
-    from .launch import _supervise, _worker_env, worker_command  # the same launch and supervision as runs
+    from .launch import _supervise, _worker_env, worker_command, write_launcher_failures  # as runs do
 
     python = _torch_python()  # fails before anything is written
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-micro-{suite}-{secrets.token_hex(2)}"
@@ -241,21 +241,12 @@ def _start(suite: str, spec: dict[str, Any], out: str | Path, world: int = 1, ti
                               progress=progress)
     except KeyboardInterrupt:
         failures = [Failure(cause="interrupted", message="interrupted (Ctrl-C) in the orchestrator")]
-        _write_launcher_failures(run_dir, failures)
+        write_launcher_failures(run_dir, failures)
         raise
-    _write_launcher_failures(run_dir, failures)
+    write_launcher_failures(run_dir, failures)
     result = read_micro(run_dir)
     (run_dir / "micro.json").write_text(json.dumps(result.to_dict(), indent=2))
     return result
-
-
-def _write_launcher_failures(run_dir: Path, failures: list[Failure]) -> None:
-    from .contract import JsonlWriter
-
-    if failures:
-        with JsonlWriter(run_dir / "launcher.jsonl") as w:
-            for f in failures:
-                w.write(f)
 
 
 def read_micro(run_dir: str | Path) -> MicroResult:
