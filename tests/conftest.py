@@ -8,13 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from llmadapt.launch import free_port
+
 HERE = Path(__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ import pytest
 from llmadapt import LlmadaptError, run
 from llmadapt.analysis import loss_parity
 from llmadapt.contract import read_jsonl
+from llmadapt.launch import free_port
 from llmadapt.slurm import SlurmSettings
 from llmadapt.testing import standard_workloads
 from test_multinode import single_node  # the same one-node run, once per session
@@ -40,12 +41,6 @@ def _why_not() -> str | None:
     if missing:
         return f"needs Debian's slurm-wlm and munge ({', '.join(missing)} missing): .ci/run installs them"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SLURM_CONF = """\
@@ -87,8 +82,8 @@ def slurm(tmp_path_factory):
     folder = tmp_path_factory.mktemp("slurm")
     (folder / "state").mkdir()
     conf = folder / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(host=socket.gethostname(), dir=folder, ctld_port=_free_port(),
-                                      port1=_free_port(), port2=_free_port()))
+    conf.write_text(SLURM_CONF.format(host=socket.gethostname(), dir=folder, ctld_port=free_port(),
+                                      port1=free_port(), port2=free_port()))
     env = {**os.environ, "SLURM_CONF": str(conf)}
     started_munge = _start_munge()
     daemons = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for cmd in (
