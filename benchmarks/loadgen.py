@@ -1,8 +1,8 @@
 """The load generator's own limits, against a minimal local streaming server (tests/fake_openai.py),
 side by side with `vllm bench serve`'s client when vLLM's environment is built.
 
-    python benchmarks/loadgen.py [--rate 200] [--requests 2000] [--concurrency 64] [--rounds 4] [--no-vllm]
-                                 [--json] [--save FILE]
+    python benchmarks/loadgen.py [--rate 200] [--requests 2000] [--concurrency 64] [--rounds 4] [--spin-ms 5]
+                                 [--no-vllm] [--json] [--save FILE]
 
 One fake server (answers at once: no first-token or inter-token delay) serves every pass. Per round:
 
@@ -70,7 +70,7 @@ def cpu_seconds(pid: int) -> float:
 
 def serve(url: str, args, **serve) -> llmadapt.Workload:
     return llmadapt.Workload.from_dict({"kind": "serve", "model": MODEL, "serve": {
-        "url": url, "warmup_requests": 10, "input_len": {"mean": args.input_len},
+        "url": url, "warmup_requests": 10, "input_len": {"mean": args.input_len}, "send_spin_ms": args.spin_ms,
         "output_len": {"mean": args.output_len}, "scrape_interval_s": 5.0, **serve}})
 
 
@@ -137,7 +137,7 @@ def timer_floor(args) -> dict:
         start, lags = time.monotonic_ns() + int(LEAD_S * 1e9), []
         for off in offsets:
             due = start + int(off * 1e9)
-            await _sleep_until(due)
+            await _sleep_until(due, int(args.spin_ms * 1e6))
             lags.append((time.monotonic_ns() - due) / 1e6)
         return lags
 
@@ -176,6 +176,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=4)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--spin-ms", type=float, default=llmadapt.spec.ServeSpec().send_spin_ms,
+                   help="the workload's serve.send_spin_ms, for llmadapt's open loop and the timer-only pass")
     p.add_argument("--no-vllm", action="store_true", help="llmadapt alone, even when vLLM's environment is built")
     p.add_argument("--json", action="store_true", help="print every figure as JSON instead of the report")
     p.add_argument("--save", type=Path, default=None, help="also write every figure as JSON to this file")

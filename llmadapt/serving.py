@@ -26,9 +26,6 @@ from .errors import LlmadaptError
 from .spec import LengthSpec, Workload
 
 LEAD_S = 0.05  # the schedule starts this long after planning, so the first requests are not born late
-# sleep until this close to a send time, then yield-spin: the timer alone wakes >1.5 ms late for ~1 % of
-# sends on an idle VM; 5 ms of spin made that p99 0.05 ms (benchmarks/loadgen.py's timer-only pass)
-SPIN_NS = 5_000_000
 LAG_P99_LIMIT_MS = 10.0  # a run whose p99 send lag exceeds this did not deliver its arrival process
 
 
@@ -192,6 +189,7 @@ class LoadGenerator:
     async def _open_loop(self, session) -> None:
         s = self.w.serve
         sem = asyncio.Semaphore(s.max_concurrency) if s.max_concurrency else None
+        spin_ns = int(s.send_spin_ms * 1e6)
         start = time.monotonic_ns() + int(LEAD_S * 1e9)
         deadline = start + int(s.duration_s * 1e9) if s.duration_s else None
         tasks = []
@@ -202,7 +200,7 @@ class LoadGenerator:
                     break
                 # wake a little early and let the request's own task spin to its send time: it then sends in
                 # the step that finds it due, instead of queueing behind that step's other callbacks
-                await _nap_until(due - SPIN_NS)
+                await _nap_until(due - spin_ns)
                 tasks.append(asyncio.create_task(self._one(session, req, due, sem)))
             await asyncio.gather(*tasks)
         except asyncio.CancelledError:
@@ -315,8 +313,8 @@ class LoadGenerator:
                                            values=values))
 
 
-async def _sleep_until(due_ns: int) -> None:
-    await _nap_until(due_ns - SPIN_NS)
+async def _sleep_until(due_ns: int, spin_ns: int) -> None:
+    await _nap_until(due_ns - spin_ns)
     await _spin_until(due_ns)
 
 

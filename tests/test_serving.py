@@ -69,10 +69,12 @@ def test_constant_and_closed_arrivals():
     assert arrival_offsets(closed, 3, random.Random(0)) == [None, None, None]
 
 
-def test_every_request_is_recorded_with_client_side_timings(tmp_path, fake_server):
-    """TTFT, ITL, TPOT, E2EL come from the generator's clock; warm-up is excluded; the engine's metrics are sampled."""
+@pytest.mark.parametrize("spin", [{}, {"send_spin_ms": 0.0}], ids=["spin", "timer-only"])
+def test_every_request_is_recorded_with_client_side_timings(tmp_path, fake_server, spin):
+    """TTFT, ITL, TPOT, E2EL come from the generator's clock; warm-up is excluded; the engine's metrics are sampled.
+    No request is sent before its time, with or without the pre-send spin."""
     url, _ = fake_server("--first-ms", "20", "--token-ms", "5")
-    result = run(serve_workload(url), "openai", out=tmp_path)
+    result = run(serve_workload(url, **spin), "openai", out=tmp_path)
     assert result.ok, result.summary.failures
     s = result.summary.serving
     assert (s.completed, s.failed) == (12, 0)
@@ -215,6 +217,8 @@ def test_concurrency_cap_and_duration_bound_an_open_loop(tmp_path, fake_server):
         in_flight += delta
         most = max(most, in_flight)
     assert most <= 2
+    by_send = sorted(records, key=lambda r: r["sent_ns"])
+    assert [r["index"] for r in by_send] == sorted(r["index"] for r in records)  # slots go in schedule order
     # waiting for a slot delays the send: the verdict says the arrival process was not delivered
     assert not result.summary.serving.valid and "fell behind" in result.summary.serving.validity
 

@@ -95,6 +95,7 @@ def test_overrides_parse_values():
                                              "base weights do not train: set lora.rank > 0 (QLoRA)"),
         (["data.source=jsonl", "data.path=/nonexistent.jsonl"],
          "workload field 'data.path': got '/nonexistent.jsonl'; no such file"),
+        (["serve.send_spin_ms=-1"], "workload field 'serve.send_spin_ms': got -1.0; must be >= 0"),
     ],
 )
 def test_bad_input_names_field_value_and_allowed(sets, message):
