@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from typing import Any
@@ -183,6 +184,14 @@ def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
+def add_command(subparsers, name: str, func, help: str) -> argparse.ArgumentParser:
+    """A (sub)command with its help, a --json switch and the function that runs it."""
+    p = subparsers.add_parser(name, help=help, description=help)
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=func)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -190,12 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "compare the traces.")
     parser.add_argument("--version", action="version", version=f"llmadapt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def command(name: str, func, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
-        p.add_argument("--json", action="store_true", help="print JSON instead of text")
-        p.set_defaults(func=func)
-        return p
+    command = functools.partial(add_command, sub)
 
     def workload_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("workload", help="workload file (.toml, .yaml, .json)")

@@ -8,11 +8,13 @@ contract record (estimate, fit, validation) to a JSONL file.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from .cli import add_command
 from .errors import LlmadaptError
 
 
@@ -358,12 +360,7 @@ def register(sub, command) -> None:
     micro = sub.add_parser("micro", help="micro-benchmarks: operators, device peaks, collectives",
                            description="micro-benchmarks in the reference adapter's environment")
     msub = micro.add_subparsers(dest="micro_command", required=True, metavar="SUITE")
-
-    def micro_cmd(name: str, func, help: str) -> argparse.ArgumentParser:
-        p = msub.add_parser(name, help=help, description=help)
-        p.add_argument("--json", action="store_true", help="print JSON instead of text")
-        p.set_defaults(func=func)
-        return p
+    micro_cmd = functools.partial(add_command, msub)
 
     p = micro_cmd("ops", cmd_micro_ops, "operators with a workload's shapes, forward and backward, on the measured "
                                         "roofline")
@@ -453,12 +450,7 @@ def register(sub, command) -> None:
     studyb = sub.add_parser("studyb", help="Study B's model: Eq. 1 (max batch), Eq. 2 (throughput), cost",
                             description="Study B (arXiv 2408.04693): fit Eq. 1 and Eq. 2, cost a fine-tuning job")
     ssub = studyb.add_subparsers(dest="studyb_command", required=True, metavar="ACTION")
-
-    def studyb_cmd(name: str, func, help: str) -> argparse.ArgumentParser:
-        p = ssub.add_parser(name, help=help, description=help)
-        p.add_argument("--json", action="store_true", help="print JSON instead of text")
-        p.set_defaults(func=func)
-        return p
+    studyb_cmd = functools.partial(add_command, ssub)
 
     p = studyb_cmd("fit-throughput", cmd_studyb_fit_throughput, "fit Eq. 2 (C4, C2; C3 fixed) to a batch-size sweep")
     p.add_argument("inputs", nargs="*", help="run directories, or CSV/JSON files with batch,sparsity,throughput")
