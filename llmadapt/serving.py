@@ -313,11 +313,6 @@ class LoadGenerator:
                                            values=values))
 
 
-async def _sleep_until(due_ns: int, spin_ns: int) -> None:
-    await _nap_until(due_ns - spin_ns)
-    await _spin_until(due_ns)
-
-
 async def _nap_until(when_ns: int) -> None:
     """The event loop's timer: cheap, but it can wake a millisecond or more late (an idle vCPU's wake-up)."""
     remaining = (when_ns - time.monotonic_ns()) / 1e9
