@@ -14,6 +14,8 @@ from pathlib import Path
 from llmadapt.sse import OpenAICompatibleServer
 
 STOP_GRACE_S = 30.0
+CB_NUM_BLOCKS = 64  # blocks of 256 tokens: 16384 tokens of KV cache
+CB_MAX_BATCH_TOKENS = 2048
 
 
 class HFServer(OpenAICompatibleServer):
@@ -26,7 +28,10 @@ class HFServer(OpenAICompatibleServer):
             return
         cli = Path(ctx.python).parent / "transformers"
         cmd = [str(cli), "serve", str(ctx.checkpoint), "--continuous-batching", "--device", "auto",
-               "--host", "127.0.0.1", "--port", str(ctx.port), "--log-level", "warning"]
+               "--host", "127.0.0.1", "--port", str(ctx.port), "--log-level", "warning",
+               # a sized KV cache: unsized, transformers sizes it (and its batch) from the device's free memory,
+               # which on CPU is the machine's RAM: 17 GB resident on a 23 GB machine, OOM-killed in CI
+               "--cb-num-blocks", str(CB_NUM_BLOCKS), "--cb-max-batch-tokens", str(CB_MAX_BATCH_TOKENS)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
         self.log = open(ctx.run_dir / "engine.log", "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
