@@ -66,11 +66,77 @@ def loss_parity(reference: list[float | None], candidate: list[float | None], *,
                         reference=list(reference), candidate=list(candidate))
 
 
+@attrs.frozen
+class ExpertLoadReport:
+    """Two runs' expert loads, step by step and layer by layer.
+
+    Exact where the routers' choices are clear; where a layer had near-ties (tokens whose k-th and
+    (k+1)-th logits were within fp noise, llmadapt.moe), at most that many tokens may have moved
+    between experts: moved = sum |a - b| / 2 (each moved token leaves one expert for another).
+    """
+
+    ok: bool
+    steps: int
+    first_mismatch: tuple[int, int] | None
+    """(step, layer) of the first disagreement beyond the near-ties; None when all agree."""
+    moved: int
+    """At that (step, layer), the tokens that went elsewhere; 0 when all agree."""
+    allowed: int
+    """At that (step, layer), the near-ties (the larger of the two runs' counts)."""
+    near_ties: int
+    """Near-ties over all steps and layers (the larger run's, per layer)."""
+
+    def describe(self, names: tuple[str, str] = ("reference", "candidate")) -> str:
+        if self.ok:
+            return (f"expert load ok: {names[1]} routes as {names[0]} at all {self.steps} steps "
+                    f"({self.near_ties} near-tie tokens allowed to move)")
+        if self.first_mismatch is None:
+            return f"expert load failed: {names[0]} and {names[1]} report different steps or layers"
+        step, layer = self.first_mismatch
+        return (f"expert load failed at step {step}, layer {layer}: {self.moved} tokens routed differently, "
+                f"{self.allowed} near-ties")
+
+
+def expert_load_parity(reference: list[dict[str, Any]], candidate: list[dict[str, Any]]) -> ExpertLoadReport:
+    """Compare the step records (rank 0's, which carry the global counts) of two MoE runs."""
+
+    def by_step(records):
+        return {r["step"]: r for r in records if r.get("type") == "step" and r.get("expert_load") is not None}
+
+    a, b = by_step(reference), by_step(candidate)
+    total_ties = 0
+    if not a or a.keys() != b.keys():
+        return ExpertLoadReport(False, min(len(a), len(b)), None, 0, 0, 0)
+    for step in sorted(a):
+        la, lb = a[step]["expert_load"], b[step]["expert_load"]
+        ta = a[step].get("expert_near_ties") or [0] * len(la)
+        tb = b[step].get("expert_near_ties") or [0] * len(lb)
+        if len(la) != len(lb) or any(len(x) != len(y) for x, y in zip(la, lb)):
+            return ExpertLoadReport(False, len(a), None, 0, 0, total_ties)
+        for layer, (x, y) in enumerate(zip(la, lb)):
+            moved = sum(abs(i - j) for i, j in zip(x, y)) // 2
+            allowed = max(ta[layer], tb[layer])
+            total_ties += allowed
+            if moved > allowed or sum(x) != sum(y):
+                return ExpertLoadReport(False, len(a), (step, layer), moved, allowed, total_ties)
+    return ExpertLoadReport(True, len(a), None, 0, 0, total_ties)
+
+
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
+    """The run's summary.json; for a run whose orchestrator never wrote one (killed, disk full), the summary
+    the records on disk give, with a warning saying so."""
     path = Path(run_dir) / "summary.json"
-    if not path.is_file():
-        raise LlmadaptError(f"{run_dir} is not a run directory (no summary.json)")
-    return json.loads(path.read_text())
+    if path.is_file():
+        return json.loads(path.read_text())
+    if not (Path(run_dir) / "launch.json").is_file():
+        raise LlmadaptError(f"{run_dir} is not a run directory (no summary.json, no launch.json)")
+    from .contract import to_json
+    from .launch import summarise
+
+    summary = to_json(summarise(run_dir, write=False))
+    summary["warnings"] = [f"incomplete run: no summary.json (its orchestrator did not finish); this summary is "
+                           f"built from the records on disk", *summary.get("warnings", [])]
+    return summary
 
 
 def parity_of_runs(reference: str | Path, candidate: str | Path, *, rtol: float = PARITY_RTOL,
@@ -253,7 +319,7 @@ def compare(workload: Workload | str | Path, adapters: list[str], *, matrix: dic
         result: RunResult = run(variant, name, **run_options)
         s = result.summary
         base = baselines.setdefault(s.problem_hash, s.losses)
-        notes = [f"{f.cause}: {f.message}" for f in s.failures]
+        notes = [f"{f.cause}: {f.message}" for f in s.failures] + [f"warning: {w}" for w in s.warnings]
         if s.serving is not None and s.serving.failures_by_cause:
             notes.append("failed requests: " + ", ".join(f"{k}={n}" for k, n in sorted(s.serving.failures_by_cause.items())))
         if s.serving is not None and not s.serving.valid:
@@ -326,6 +392,11 @@ def render_summary(s: dict[str, Any]) -> str:
         lines.append(f"validity   {v['validity']}")
     if s.get("mfu") is not None:
         lines.append(f"mfu        {s['mfu']:.1%}")
+    for failure in s.get("failures", []):
+        where = f"rank {failure['rank']}" if failure.get("rank") is not None else "launcher"
+        lines.append(f"failure    {failure['cause']} ({where}): {failure['message'][:300]}")
+    for warning in s.get("warnings", []):
+        lines.append(f"warning    {warning}")
     for name, secs in s.get("phase_means_s", {}).items():
         lines.append(f"phase      {name:<24} {secs:.4f} s")
     for p in s.get("patches", []):

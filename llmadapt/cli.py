@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import signal
 import sys
 from typing import Any
 
-from .errors import LlmadaptError
+from .errors import LlmadaptError, Terminated
 
 
 def _workload(args):
@@ -279,15 +280,28 @@ def main(argv: list[str] | None = None) -> None:
 
         args.rtol = PARITY_RTOL if args.rtol is None else args.rtol
         args.atol = PARITY_ATOL if args.atol is None else args.atol
+    # SIGTERM (a scheduler's cancel, `kill`) unwinds like Ctrl-C: workers and engines stopped, partial summary kept.
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         code = args.func(args)
     except LlmadaptError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = 2
-    except KeyboardInterrupt:
-        print("interrupted: the partial trace was kept", file=sys.stderr)
-        code = 130
+    except KeyboardInterrupt as exc:
+        print(f"{'terminated (SIGTERM)' if isinstance(exc, Terminated) else 'interrupted'}: the partial trace "
+              "was kept", file=sys.stderr)
+        code = getattr(exc, "exit_code", 130)
     raise SystemExit(code)
+
+
+def _terminated(signum, frame) -> None:
+    if _terminated.seen:  # one is enough: a second must not cut the unwinding (and its summary) short
+        return
+    _terminated.seen = True
+    raise Terminated("terminated by SIGTERM")
+
+
+_terminated.seen = False
 
 
 if __name__ == "__main__":

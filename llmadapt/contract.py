@@ -21,7 +21,7 @@ import attrs
 
 from .errors import ContractError
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: end records, summary warnings
 
 FAILURE_CAUSES = ("error", "crash", "killed", "timeout", "oom", "interrupted", "unsupported")
 
@@ -132,6 +132,9 @@ class Step:
     expert_load: list[list[int]] | None = None
     """MoE: tokens routed to each expert, per layer ([layer][expert]), over the global batch."""
     spans: list[Span] = attrs.Factory(list)
+    expert_near_ties: list[int] | None = None
+    """MoE: per layer, tokens whose k-th and (k+1)-th router logits were within fp noise (llmadapt.moe):
+    another stack may route these differently and be equally right."""
     type: Literal["step"] = "step"
 
 
@@ -229,6 +232,18 @@ class Failure:
 
 
 @attrs.frozen
+class End:
+    """A rank's last record: everything it measured was written before it.
+
+    A run in which every rank wrote one is complete, whatever happens in the teardown after it (a rank
+    that then dies is a warning in the summary, not a failed run)."""
+
+    rank: int
+    time: str
+    type: Literal["end"] = "end"
+
+
+@attrs.frozen
 class Stats:
     """Statistics over the measured values of one metric."""
 
@@ -307,6 +322,8 @@ class Summary:
     failures: list[Failure]
     serving: ServingStats | None = None
     """Serving runs only: client-side latency, throughput and goodput."""
+    warnings: list[str] = attrs.field(factory=list)
+    """What cost no measurement but a reader must know, e.g. a rank that died in teardown after its last record."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["summary"] = "summary"
 
@@ -512,7 +529,7 @@ class MaxBatch:
 
 RECORD_TYPES: dict[str, type] = {
     "header": Header, "step": Step, "request": Request, "server_sample": ServerSample, "comm": Comm,
-    "metric": Metric, "failure": Failure, "summary": Summary,
+    "metric": Metric, "failure": Failure, "end": End, "summary": Summary,
     "op_bench": OpBench, "estimate": Estimate, "fit": Fit, "validation": Validation, "probe": Probe,
     "maxbatch": MaxBatch,
 }

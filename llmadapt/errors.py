@@ -33,3 +33,9 @@ class ContractError(LlmadaptError, ValueError):
 
 class TraceMismatchError(LlmadaptError):
     """Traces of different workloads were compared without being told to."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to the orchestrator (a scheduler's cancel): handled like Ctrl-C, with the signal named."""
+
+    exit_code = 143

@@ -150,6 +150,8 @@ class StepResult:
     """Global-batch loss: sum of token losses over every rank / batch.loss_tokens_global."""
     phases: list[Phase] = attrs.Factory(list)
     expert_load: list[list[int]] | None = None
+    expert_near_ties: list[int] | None = None
+    """Per MoE layer, tokens routed by a near-tie (see llmadapt.moe)."""
     spans: list[Span] = attrs.Factory(list)
     comms: list[Comm] = attrs.Factory(list)
     """The framework's own collective records for this step (written as 'comm' records)."""

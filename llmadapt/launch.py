@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import secrets
 import signal
 import socket
@@ -27,11 +28,12 @@ from typing import Any, Callable
 
 import attrs
 
+from . import lifecycle
 from . import slurm as slurm_
 from .collect import AgentLink, Collector, local_hostname_is_loopback, node_name, parse_address
 from .contract import Failure, JsonlWriter, Summary, read_jsonl, to_json
 from .environments import python_for
-from .errors import LlmadaptError
+from .errors import LlmadaptError, Terminated
 from .plugins import check_supported, get_adapter
 from .prepare import ensure_checkpoint
 from .slurm import SlurmSettings
@@ -237,9 +239,9 @@ def run(
     if multinode and nodes.node_rank > 0:
         return _run_node_agent(workload, python, nodes, per_node, out, timeout, memory_limit_bytes, progress)
 
-    run_id = run_id or make_run_id(adapter, workload)
     launch = {
-        "run_id": run_id, "adapter": adapter, "framework": info.framework, "role": workload.kind,
+        "run_id": run_id or make_run_id(adapter, workload), "adapter": adapter, "framework": info.framework,
+        "role": workload.kind,
         "launcher": launcher, "world_size": world, "workload": workload.to_dict(),
         "workload_hash": workload.content_hash, "fault": fault, "memory_limit_bytes": memory_limit_bytes,
         "python": str(python) if python else None, "created": time.time(),
@@ -252,25 +254,35 @@ def run(
         collector = Collector(("0.0.0.0", nodes.collect_address()[1]))
         launch["nodes"] = {"nnodes": nodes.nnodes, "nproc_per_node": per_node,
                            "rendezvous": "c10d" if nodes.rdzv_endpoint else "static"}
-    try:
-        job = _slurm_job(slurm, launch, python, per_node, collector, progress) if launcher == "slurm" else None
-    except BaseException:
-        collector.close()
-        raise
+    try:  # the collector's socket is closed on every way out, an early error included
+        return _run_launched(workload, info, launcher, launch, python, per_node, nodes, collector, out, timeout,
+                             memory_limit_bytes, progress, slurm)
+    finally:
+        if collector:
+            collector.close()
 
+
+def _run_launched(workload, info, launcher, launch, python, per_node, nodes, collector, out, timeout,
+                  memory_limit_bytes, progress, slurm) -> RunResult:
+    """From the checked request to the summary: the run directory, the workers, their supervision."""
+    world, multinode, run_id = workload.world_size, collector is not None and launcher == "torchrun", launch["run_id"]
+    job = _slurm_job(slurm, launch, python, per_node, collector, progress) if launcher == "slurm" else None
     run_dir = Path(out) / run_id
-    run_dir.mkdir(parents=True, exist_ok=False)
     adapter_cmd = None
-    if launcher in info.launchers:  # the adapter's own launcher; its command goes into the trace
-        adapter_cmd = info.launchers[launcher](python, run_dir, world, free_port())
-        launch["command"] = adapter_cmd
-    (run_dir / "launch.json").write_text(json.dumps(launch, indent=2))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=False)
+        if launcher in info.launchers:  # the adapter's own launcher; its command goes into the trace
+            adapter_cmd = info.launchers[launcher](python, run_dir, world, free_port())
+            launch["command"] = adapter_cmd
+        (run_dir / "launch.json").write_text(json.dumps(launch, indent=2))
+    except OSError as exc:  # before any worker: nothing measured yet, nothing lost
+        raise LlmadaptError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}") from None
     if progress:
-        progress({"type": "start", "run_dir": str(run_dir), "adapter": adapter, "label": workload.label,
+        progress({"type": "start", "run_dir": str(run_dir), "adapter": info.name, "label": workload.label,
                   "world_size": world, "launcher": launcher})
 
     failures: list[Failure] = []
-    interrupted = False
+    interrupted: KeyboardInterrupt | None = None
     if collector:
         collector.start(run_dir, launch, nodes.nnodes if multinode else 1)
     try:
@@ -278,7 +290,8 @@ def run(
             from .runtime import Place, run_worker  # imports torch: only on this path
 
             # The worker records its own failures; an interrupt is re-raised once the summary is written.
-            interrupted = run_worker(run_dir, Place(0, 0, 1, 0, "inline")) == 130
+            if run_worker(run_dir, Place(0, 0, 1, 0, "inline")) == 130:
+                interrupted = KeyboardInterrupt()
         elif launcher == "slurm":
             failures += _run_slurm_job(job, run_dir, timeout, memory_limit_bytes, progress)
         elif multinode:
@@ -289,20 +302,24 @@ def run(
             failures += _supervise(cmd, env=_worker_env(world), log=run_dir / "worker.log",
                                    tail=run_dir / "rank-00000.jsonl", timeout=timeout,
                                    memory_limit_bytes=memory_limit_bytes, progress=progress)
-    except KeyboardInterrupt:
-        interrupted = True
-        failures.append(Failure(cause="interrupted", message="interrupted (Ctrl-C) in the orchestrator"))
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM from a scheduler (llmadapt.errors.Terminated)
+        interrupted = exc
+        failures.append(Failure(cause="interrupted", message=f"{interrupt_text(exc)} in the orchestrator"))
     finally:
         if collector:
             _gather(collector, run_dir, failures, progress)
 
     summary = summarise(run_dir, failures)
     if collector:
-        collector.send_summary(json.loads((run_dir / "summary.json").read_text()))
-        collector.close()
-    if interrupted:
-        raise KeyboardInterrupt
+        collector.send_summary(to_json(summary))
+    if interrupted is not None:
+        raise interrupted
     return RunResult(run_dir=run_dir, summary=summary)
+
+
+def interrupt_text(exc: BaseException) -> str:
+    """How an interrupt is named in failure records: which signal stopped the orchestrator."""
+    return str(exc) if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
 
 
 def _warn_loopback(nodes: NodeSettings, progress) -> None:
@@ -379,9 +396,9 @@ def _run_node_agent(workload: Workload, python, nodes: NodeSettings, per_node: i
                               env=_node_env(per_node, nodes, f"{host}:{port}"), log=node_dir / "worker.log",
                               tail=None, timeout=timeout, memory_limit_bytes=memory_limit_bytes, progress=progress,
                               should_stop=stopped)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         interrupted = True
-        failures.append(Failure(cause="interrupted", message=f"node {nodes.node_rank}: interrupted (Ctrl-C)"))
+        failures.append(Failure(cause="interrupted", message=f"node {nodes.node_rank}: {interrupt_text(exc)}"))
     link.report(1 if failures else 0, failures)
     # Node 0 may still be finishing its own ranks: wait for its summary, or for its connection to drop.
     link.done.wait(timeout)
@@ -507,8 +524,8 @@ def _run_serve(workload: Workload, info, out, run_id, timeout, progress) -> RunR
     failures: list[Failure] = []
     try:
         failures = run_serve(workload, info, run_id, run_dir, launcher, python, timeout, progress)
-    except KeyboardInterrupt:
-        summarise(run_dir, [Failure(cause="interrupted", message="interrupted (Ctrl-C) in the orchestrator")])
+    except KeyboardInterrupt as exc:
+        summarise(run_dir, [Failure(cause="interrupted", message=f"{interrupt_text(exc)} in the orchestrator")])
         raise
     return RunResult(run_dir=run_dir, summary=summarise(run_dir, failures))
 
@@ -521,29 +538,50 @@ def write_launcher_failures(run_dir: Path, failures: list[Failure]) -> None:
                 w.write(f)
 
 
-def summarise(run_dir: Path, launcher_failures: list[Failure] = ()) -> Summary:
-    """(Re)build summary.json from the records on disk; launcher failures are appended to launcher.jsonl."""
+def summarise(run_dir: str | Path, launcher_failures: list[Failure] = (), *, write: bool = True) -> Summary:
+    """(Re)build the run's summary from the records on disk plus ``launcher_failures``.
+
+    ``write``: append the launcher failures to launcher.jsonl and write summary.json. A disk that
+    refuses them (full, read-only) is one clear error; every record already written stays readable.
+    """
+    run_dir = Path(run_dir)
     launch = json.loads((run_dir / "launch.json").read_text())
-    write_launcher_failures(run_dir, launcher_failures)
-    records = load_records(run_dir)
-    worker_failed = any(r["type"] == "failure" and r["rank"] is not None for r in records)
-    if worker_failed:
-        # Keep the launcher's view only where it adds something (timeout, interrupt, which node, Slurm's reason):
-        # a bare "worker exited / killed" says less than the ranks' own failure records.
-        records = [r for r in records if not (r["type"] == "failure" and r["rank"] is None
-                                                 and r["cause"] in ("crash", "killed")
-                                                 and r["message"].startswith(_EXIT_PREFIXES))]
-    summary = aggregate(launch["run_id"], records, launch)
-    (run_dir / "summary.json").write_text(json.dumps(to_json(summary), indent=2))
+    rank_records, launcher_records = load_records(run_dir, split=True)
+    launcher_records += [to_json(f) for f in launcher_failures]
+    summary = aggregate(launch["run_id"], rank_records + _launcher_view(rank_records, launcher_records), launch)
+    if write:
+        target = run_dir / "launcher.jsonl"
+        try:
+            write_launcher_failures(run_dir, list(launcher_failures))
+            target = run_dir / "summary.json"
+            target.write_text(json.dumps(to_json(summary), indent=2))
+        except OSError as exc:
+            raise LlmadaptError(f"could not write {target}: {exc.strerror or exc}; every record written before is "
+                                f"kept in {run_dir} (`llmadapt show {run_dir}` reads them)") from None
     return summary
 
 
-def load_records(run_dir: Path) -> list[dict[str, Any]]:
-    records: list[dict[str, Any]] = []
-    for path in sorted(run_dir.glob("rank-*.jsonl")) + [run_dir / "launcher.jsonl"]:
-        if path.is_file():
-            records += read_jsonl(path)
-    return records
+def _launcher_view(rank_records: list[dict[str, Any]], launcher_records: list[dict[str, Any]]) -> list[dict]:
+    """The launcher's failures that add something to what the ranks recorded themselves.
+
+    A rank's own failure record says more than torchrun's "rank 1 exited with code 1", and a bare
+    "worker exited / killed" says less than either; a timeout, an interrupt, a node or Slurm's reason stay.
+    """
+    failed_ranks = {r["rank"] for r in rank_records if r["type"] == "failure"}
+    return [r for r in launcher_records
+            if not (r["type"] == "failure" and (r["rank"] in failed_ranks or (
+                failed_ranks and r["rank"] is None and r["cause"] in ("crash", "killed")
+                and r["message"].startswith(_EXIT_PREFIXES))))]
+
+
+def load_records(run_dir: Path, *, split: bool = False):
+    """Every record of the run: the ranks' files, then launcher.jsonl (``split``: as two lists)."""
+    ranks: list[dict[str, Any]] = []
+    for path in sorted(Path(run_dir).glob("rank-*.jsonl")):
+        ranks += read_jsonl(path)
+    path = Path(run_dir) / "launcher.jsonl"
+    launcher = read_jsonl(path) if path.is_file() else []
+    return (ranks, launcher) if split else ranks + launcher
 
 
 def _worker_env(world: int) -> dict[str, str]:
@@ -554,6 +592,7 @@ def _worker_env(world: int) -> dict[str, str]:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LLMADAPT_COLLECT",
                 "LLMADAPT_LAUNCH"):
         env.pop(var, None)  # an orchestrator running under torchrun must not leak its own place
+    env.update(lifecycle.orchestrator_env(node_name()))  # workers end themselves if this process dies
     return env
 
 
@@ -567,6 +606,8 @@ def _supervise(cmd, *, env, log: Path, tail: Path | None, timeout, memory_limit_
 
             resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
 
+    token = secrets.token_hex(8)
+    env = {**env, lifecycle.RUN_TOKEN_VAR: token}
     log_file = open(log, "wb")
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True, preexec_fn=preexec)
@@ -590,26 +631,57 @@ def _supervise(cmd, *, env, log: Path, tail: Path | None, timeout, memory_limit_
         raise
     finally:
         _kill_group(proc)
+        kill_tagged(token)
         log_file.close()
     tailer.poll()
     code = proc.returncode
     if code and not failures:
-        failures.append(_exit_failure(code, log))
+        failures += _exit_failures(code, log)
     return failures
 
 
 _EXIT_PREFIXES = ("worker killed by", "worker exited with code")
+# torchrun's report of each failed rank (torch.distributed.elastic's ChildFailedError, the same since 1.9).
+_TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)",
+                            re.MULTILINE)
 
 
-def _exit_failure(code: int, log: Path) -> Failure:
+def _exit_failures(code: int, log: Path) -> list[Failure]:
+    """What a non-zero exit of the launched process says: per rank where torchrun names them, else one line."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    ranks: dict[int, Failure] = {}
+    for rank, exit_code, pid in _TORCHRUN_RANK.findall(text):
+        rank, exit_code = int(rank), int(exit_code)
+        if rank in ranks:
+            continue
+        if exit_code < 0:
+            ranks[rank] = Failure(cause="killed", rank=rank, exit_code=exit_code,
+                                  message=f"rank {rank} (pid {pid}) was killed by {_signal_name(-exit_code)}"
+                                          f"{_kill_hint(-exit_code)}, without a failure record")
+        else:
+            ranks[rank] = Failure(cause="crash", rank=rank, exit_code=exit_code,
+                                  message=f"rank {rank} (pid {pid}) exited with code {exit_code} without a "
+                                          "failure record")
+    if ranks:
+        return [ranks[r] for r in sorted(ranks)]
     if code < 0:
-        name = signal.Signals(-code).name
-        hint = " (SIGKILL: the kernel's out-of-memory killer or an external kill)" if name == "SIGKILL" else ""
-        return Failure(cause="killed", message=f"worker killed by {name}{hint}", exit_code=code)
-    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        return [Failure(cause="killed", message=f"worker killed by {_signal_name(-code)}{_kill_hint(-code)}",
+                        exit_code=code)]
+    lines = [line for line in text.splitlines() if line.strip()]
     last = lines[-1][:300] if lines else "no output"
-    return Failure(cause="crash", message=f"worker exited with code {code} without a failure record; "
-                                          f"last output: {last}", exit_code=code)
+    return [Failure(cause="crash", message=f"worker exited with code {code} without a failure record; "
+                                           f"last output: {last}", exit_code=code)]
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _kill_hint(number: int) -> str:
+    return " (the kernel's out-of-memory killer or an external kill)" if number == signal.SIGKILL else ""
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
@@ -630,6 +702,37 @@ def _kill_group(proc: subprocess.Popen) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+
+
+def kill_tagged(token: str) -> int:
+    """SIGKILL every process whose environment carries this launch's token; returns how many were found.
+
+    The process group is not enough: torchrun starts each rank in a session of its own, so a rank that
+    outlives torchrun (stopped with SIGSTOP, or deaf to SIGTERM inside a collective) is in no group of
+    ours. Every process a launch starts inherits the token, whatever its session or parent.
+    """
+    needle = f"{lifecycle.RUN_TOKEN_VAR}={token}".encode() + b"\0"
+    found = 0
+    for _ in range(5):  # a process may fork while we look: look again until nothing is left
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                if needle in (entry / "environ").read_bytes() + b"\0":
+                    pids.append(int(entry.name))
+            except OSError:  # gone, or not ours to read
+                continue
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        found += len(pids)
+        time.sleep(0.05)
+    return found
 
 
 class _Tail:

@@ -13,7 +13,6 @@ times can calibrate the analytical model of the reference adapter.
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import sys
 import time
@@ -21,7 +20,9 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from .contract import Comm, Failure, Header, JsonlWriter, Metric, OpBench
+from . import lifecycle
+from .collect import node_name
+from .contract import Comm, End, Failure, Header, JsonlWriter, Metric, OpBench
 from .stats import describe
 
 BUSBW_FACTOR = {  # nccl-tests conventions
@@ -29,10 +30,6 @@ BUSBW_FACTOR = {  # nccl-tests conventions
     "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
 }
 SDPA_BACKENDS = ("math", "flash", "efficient", "cudnn")
-
-
-class _Stopped(BaseException):
-    pass
 
 
 def _torch_dtype(name: str):
@@ -390,12 +387,9 @@ def main(argv: list[str] | None = None) -> int:
 
     place = Place.from_env()
     writer = JsonlWriter(run_dir / f"rank-{place.rank:05d}.jsonl")
-
-    def on_term(signum, frame):
-        raise _Stopped(f"stopped by signal {signal.Signals(signum).name}")
-
-    signal.signal(signal.SIGTERM, on_term)
-    dist_started = False
+    lifecycle.install_stop_handler()
+    lifecycle.watch_orchestrator(node_name())
+    dist_started = completed = False
     try:
         import torch
 
@@ -426,26 +420,25 @@ def main(argv: list[str] | None = None) -> int:
             run_ops(launch, device, writer, timer)
         elif suite == "comm":
             run_comm(launch, device, writer, place.rank, place.world_size)
-        return 0
+        writer.write(End(rank=place.rank, time=_now()))
+        completed, code = True, 0
     except BaseException as exc:
         from .runtime import is_oom
 
-        cause = "killed" if isinstance(exc, _Stopped) else "interrupted" if isinstance(exc, KeyboardInterrupt) \
-            else "oom" if is_oom(exc) else "error"
+        cause = "killed" if isinstance(exc, lifecycle.Stopped) else "interrupted" \
+            if isinstance(exc, KeyboardInterrupt) else "oom" if is_oom(exc) else "error"
         writer.write(Failure(cause=cause, message=_one_line(exc), rank=place.rank, exit_code=1))
         if cause == "error":
             traceback.print_exc()
-        return 143 if cause == "killed" else 1
+        code = 143 if cause == "killed" else 1
     finally:
         writer.close()
-        if dist_started:
-            try:
-                import torch.distributed as dist
-
-                dist.destroy_process_group()
-            except Exception:
-                pass
+    if dist_started and (problem := lifecycle.end_distributed(completed)):
+        print(f"llmadapt micro-benchmark rank {place.rank}: teardown after the last record failed: {problem}",
+              file=sys.stderr)
+        code = code or 1
+    return code
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    lifecycle.exit_process(main())  # no finalisers racing gloo's threads: see llmadapt.lifecycle

@@ -22,8 +22,9 @@ from typing import Any, Iterator
 
 import attrs
 
+from . import lifecycle
 from .collect import StreamingWriter, node_name
-from .contract import Device, Failure, Header, JsonlWriter, Memory, Phase, Step
+from .contract import Device, End, Failure, Header, JsonlWriter, Memory, Phase, Step
 from .data import StepBatch, TokenData
 from .errors import LlmadaptError
 from .interfaces import Trainer
@@ -190,14 +191,12 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat()
 
 
-class _Stopped(BaseException):
-    """Raised from the SIGTERM handler so the loop unwinds and records why it stopped."""
-
-
 def run_worker(run_dir: Path, place: Place | None = None) -> int:
     """Worker entry point: returns the process exit code. Every outcome leaves a record.
 
     ``place`` is given by the inline launcher (one rank, whatever the caller's environment says).
+    A rank that finished writes an ``End`` record last; what happens after it (synchronising the
+    ranks, the adapter's teardown) can no longer fail the run, only warn (see llmadapt.lifecycle).
     """
     run_dir = Path(run_dir)
     launch = _launch_record(run_dir)
@@ -207,14 +206,13 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
     step_index: int | None = None
     trainer: Trainer | None = None
     ctx: WorkerContext | None = None
-    dist_started = False
-
-    def on_term(signum, frame):
-        raise _Stopped(f"stopped by signal {signal.Signals(signum).name} "
-                       "(the launcher stopped this rank: another rank failed, a timeout, or an interrupt)")
+    dist_started = completed = False
 
     # Inline runs may be called from any thread and must not take over the caller's signals.
-    previous_handler = None if inline else signal.signal(signal.SIGTERM, on_term)
+    previous_handler = None
+    if not inline:
+        previous_handler = lifecycle.install_stop_handler()
+        lifecycle.watch_orchestrator(node_name())
     try:
         workload = Workload.from_dict(launch["workload"])
         if not inline:
@@ -279,16 +277,18 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
                 samples=batch.samples, loss=float(result.loss),
                 phases=[Phase("data", data_seconds, "llmadapt"), *result.phases],
                 memory=memory_snapshot(ctx), expert_load=result.expert_load, spans=list(result.spans),
+                expert_near_ties=result.expert_near_ties,
             ))
             for extra in (*result.comms, *result.metrics):
                 writer.write(attrs.evolve(extra, step=step_index))
         step_index = None
         for extra in trainer.final_records():
             writer.write(extra)
-        trainer.teardown()
-        return 0
+        writer.write(End(rank=place.rank, time=_now()))
+        completed = True
+        code = 0
     except BaseException as exc:  # every way out leaves a failure record
-        if isinstance(exc, _Stopped):
+        if isinstance(exc, lifecycle.Stopped):
             cause, code = "killed", 143
         elif isinstance(exc, KeyboardInterrupt):
             cause, code = "interrupted", 130
@@ -302,23 +302,45 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
             message = f"[{role}] {message}"
         if place.nnodes > 1:
             message = f"[node {place.node_rank} {node_name()}] {message}"
-        writer.write(Failure(cause=cause, message=message, rank=place.rank, step=step_index, exit_code=code,
-                             time=_now()))
+        try:
+            writer.write(Failure(cause=cause, message=message, rank=place.rank, step=step_index, exit_code=code,
+                                 time=_now()))
+        except OSError as write_error:  # the disk is full: say so where the launcher's log keeps it
+            print(f"llmadapt worker rank {place.rank}: could not write the failure record: {write_error}",
+                  file=sys.stderr)
         if cause not in ("killed", "interrupted"):
             traceback.print_exc()
-        return code
     finally:
-        if previous_handler is not None:
-            signal.signal(signal.SIGTERM, previous_handler)
-        writer.close()
-        if dist_started:
-            try:
-                import torch.distributed as dist
+        try:
+            writer.close()
+        except OSError:  # nothing more could be flushed (disk full): what was written stays readable
+            pass
+    problem = _teardown(trainer if completed else None, dist_started, completed, launch.get("fault"))
+    if previous_handler is not None:
+        signal.signal(signal.SIGTERM, previous_handler)
+    if problem:  # every record is written: the launcher reports this as a teardown warning
+        print(f"llmadapt worker rank {place.rank}: teardown after the last record failed: {problem}",
+              file=sys.stderr)
+        return code or 1
+    return code
 
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-            except Exception:
-                pass
+
+def _teardown(trainer: Trainer | None, dist_started: bool, completed: bool, fault) -> str | None:
+    """After the last record: wait for every rank, let the adapter release its framework, leave the group."""
+    problem = None
+    try:
+        if completed and dist_started:
+            import torch.distributed as dist
+
+            dist.barrier()  # no rank destroys a group its peers still use (see llmadapt.lifecycle)
+        if trainer is not None:
+            _maybe_fault(fault, trainer.ctx.rank, "teardown")
+            trainer.teardown()
+    except BaseException as exc:  # noqa: BLE001 - a stop signal here ends only the teardown
+        problem = f"{type(exc).__name__}: {exc}"
+    if dist_started:
+        problem = lifecycle.end_distributed(completed=False) or problem
+    return problem
 
 
 def _safe_rank_role(trainer: Trainer | None) -> str:
@@ -364,8 +386,10 @@ def _software() -> dict[str, str]:
     return out
 
 
-def _maybe_fault(fault: dict[str, Any] | None, rank: int, step: int) -> None:
-    """Fault injection for testing failure handling: {'kind': ..., 'step': N, 'rank': R}."""
+def _maybe_fault(fault: dict[str, Any] | None, rank: int, step: int | str) -> None:
+    """Fault injection for testing failure handling: {'kind': ..., 'step': N, 'rank': R}.
+
+    ``step`` "teardown": after the rank's last record (the run is complete; the launcher must say so)."""
     if not fault or fault.get("step") != step or fault.get("rank", 0) != rank:
         return
     kind = fault["kind"]
@@ -377,6 +401,8 @@ def _maybe_fault(fault: dict[str, Any] | None, rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "hang":
         time.sleep(10**6)
+    if kind == "stop":  # frozen (SIGSTOP): deaf to every signal but SIGKILL
+        os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "oom":
         hog = []
         while True:  # allocate until the address-space cap (set by the launcher) refuses
@@ -389,4 +415,4 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) != 1:
         print("usage: python -m llmadapt.worker RUN_DIR", file=sys.stderr)
         raise SystemExit(2)
-    raise SystemExit(run_worker(Path(argv[0])))
+    lifecycle.exit_process(run_worker(Path(argv[0])))  # no finalisers: see llmadapt.lifecycle

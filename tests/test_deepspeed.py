@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from llmadapt import UnsupportedError
-from llmadapt.analysis import loss_parity
+from llmadapt.analysis import expert_load_parity, loss_parity
 from llmadapt.contract import read_jsonl
 from llmadapt.launch import RunResult, run
 from llmadapt.plugins import adapters, get_adapter
@@ -315,8 +315,8 @@ def test_moe_matches_the_reference_with_expert_load(out):
     report = loss_parity(reference.losses, result.losses)
     assert report.ok, report.describe(("torch moe", "deepspeed moe zero=3 dp=2"))
     mine = [s["expert_load"] for s in records(result) if s["type"] == "step"]
-    theirs = [s["expert_load"] for s in records(reference) if s["type"] == "step"]
-    assert mine[0] == theirs[0]  # same weights, same tokens: the same routing (later steps may differ by a tie)
+    loads = expert_load_parity(records(reference), records(result))  # exact but for near-ties (llmadapt.moe)
+    assert loads.ok, loads.describe(("torch moe", "deepspeed moe zero=3 dp=2"))
     assert mine == [s["expert_load"] for s in records(result, rank=1) if s["type"] == "step"]  # global on every rank
 
 

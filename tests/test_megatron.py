@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmadapt.analysis import loss_parity
+from llmadapt.analysis import expert_load_parity, loss_parity
 from llmadapt.contract import read_jsonl
 from llmadapt.errors import UnknownAdapterError, UnsupportedError
 from llmadapt.launch import run
@@ -122,10 +122,10 @@ def test_moe_expert_parallel_matches_reference(workdir):
     report = loss_parity(reference.losses, result.losses)
     assert report.ok, report.describe(("torch", "megatron ep=2"))
 
-    def loads(r):
-        return [s["expert_load"] for s in read_jsonl(r.run_dir / "rank-00000.jsonl") if s["type"] == "step"]
-
-    assert loads(result) == loads(reference)
+    # Exact where the routers' choices are clear; near-ties (logits within fp32 noise) may go either way.
+    loads = expert_load_parity(read_jsonl(reference.run_dir / "rank-00000.jsonl"),
+                               read_jsonl(result.run_dir / "rank-00000.jsonl"))
+    assert loads.ok, loads.describe(("torch", "megatron ep=2"))
     assert "moe-te-gemm-none" in {p.name for p in result.summary.patches}
 
 

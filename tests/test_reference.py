@@ -5,7 +5,7 @@ import json
 import pytest
 
 from llmadapt import run
-from llmadapt.analysis import loss_parity
+from llmadapt.analysis import expert_load_parity, loss_parity
 from llmadapt.contract import read_jsonl
 from llmadapt.testing import standard_workloads
 
@@ -78,9 +78,8 @@ def test_moe_data_parallel_reports_global_expert_load(tmp_path):
     one = run(w, "torch", out=tmp_path)
     two = run(w.with_overrides(["parallelism.dp=2"]), "torch", out=tmp_path)
     assert one.ok and two.ok, (one.summary.failures, two.summary.failures)
-    loads = [[r["expert_load"] for r in read_jsonl(x.run_dir / "rank-00000.jsonl") if r["type"] == "step"]
-             for x in (one, two)]
-    assert loads[0] == loads[1]
+    loads = expert_load_parity(*(read_jsonl(x.run_dir / "rank-00000.jsonl") for x in (one, two)))
+    assert loads.ok, loads.describe(("dp=1", "dp=2"))  # exact but for near-ties (llmadapt.moe)
     assert loss_parity(one.losses, two.losses).ok
 
 

@@ -126,8 +126,9 @@ class TorchTrainer(Trainer):
             import torch.distributed as dist
 
             dist.all_reduce(loss_sum)
-        expert_load = self.experts.global_counts() if self.experts else None
+        expert_load, ties = self.experts.global_counts_and_ties() if self.experts else (None, None)
         return StepResult(loss=loss_sum.item() / batch.loss_tokens_global, phases=phases, expert_load=expert_load,
+                          expert_near_ties=ties,
                           spans=spans)
 
 

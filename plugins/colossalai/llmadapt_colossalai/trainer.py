@@ -222,8 +222,9 @@ class ColossalAITrainer(Trainer):
                 dist.all_reduce(loss_sum)
             elif self._dp_size > 1:  # tensor-parallel ranks hold the same loss: sum over data parallel only
                 dist.all_reduce(loss_sum, group=self.dp_group)
-        expert_load = self.experts.global_counts() if self.experts else None
+        expert_load, ties = self.experts.global_counts_and_ties() if self.experts else (None, None)
         return StepResult(loss=loss_sum.item() / batch.loss_tokens_global, phases=phases, expert_load=expert_load,
+                          expert_near_ties=ties,
                           spans=spans)
 
     def _plain_step(self, batch, loss_sum, spans) -> list[Phase]:

@@ -271,11 +271,12 @@ class DeepSpeedTrainer(Trainer):
         phases += [Phase(name, timers[name] / 1000.0, SOURCE) for name in ENGINE_TIMERS if name in timers]
         if ctx.world_size > 1:
             dist.all_reduce(loss_sum)  # torch.distributed, not deepspeed.comm: not in DeepSpeed's comms log
-        expert_load = self.experts.global_counts() if self.experts else None
+        expert_load, ties = self.experts.global_counts_and_ties() if self.experts else (None, None)
         # What setup found (the optimizer built, the op load time) goes out with the first step, not at the end:
         # a run that fails later keeps it.
         metrics, self._metrics = self._metrics, []
         return StepResult(loss=loss_sum.item() / batch.loss_tokens_global, phases=phases, expert_load=expert_load,
+                          expert_near_ties=ties,
                           spans=spans, comms=self._step_comms(), metrics=metrics)
 
     # -- what DeepSpeed reports -------------------------------------------------------------

@@ -208,9 +208,9 @@ class MegatronTrainer(Trainer):
                 dist.all_reduce(total, group=ps.get_data_parallel_group())
                 if self.pp > 1:
                     dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
-            expert_load = self.experts.global_counts(self.tp) if self.experts else None
+            expert_load, ties = self.experts.global_counts_and_ties(self.tp) if self.experts else (None, None)
         return StepResult(loss=total.item() / batch.loss_tokens_global, phases=self._timer_phases(),
-                          expert_load=expert_load)
+                          expert_load=expert_load, expert_near_ties=ties)
 
     def _timer_phases(self) -> list[Phase]:
         out = []
@@ -248,12 +248,14 @@ class _ExpertCounter:
 
         self.num_layers, self.num_experts = spec.num_layers, spec.num_experts
         self.counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.long)
+        self.ties = torch.zeros(self.num_layers, dtype=torch.long)
         self.counting = False
         found = 0
         for layer in model.decoder.layers:
             router = getattr(layer.mlp, "router", None)
             if router is not None:
                 router.register_forward_hook(self._hook(layer.layer_number - 1))
+                router.routing = self._tie_counter(layer.layer_number - 1, router)
                 found += 1
         if not found:
             raise RuntimeError("MoE model has no TopKRouter to count expert load from")
@@ -266,16 +268,25 @@ class _ExpertCounter:
 
         return hook
 
+    def _tie_counter(self, index: int, router):
+        """The router's own routing, seeing its logits on the way: near-ties as llmadapt.moe counts them."""
+        from llmadapt.moe import near_tie_count
+
+        routing = router.routing
+
+        def counted(logits, *args, **kwargs):
+            if self.counting:
+                self.ties[index] += near_tie_count(logits, router.topk)
+            return routing(logits, *args, **kwargs)
+
+        return counted
+
     def start_step(self) -> None:
         self.counts.zero_()
+        self.ties.zero_()
 
-    def global_counts(self, tp: int) -> list[list[int]]:
-        import torch.distributed as dist
+    def global_counts_and_ties(self, tp: int) -> tuple[list[list[int]], list[int]]:
+        """Every stage's layers and every data-parallel rank's tokens; tensor-parallel ranks route the same tokens."""
+        from llmadapt.moe import all_reduce_counts
 
-        counts = self.counts.clone()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            if dist.get_backend() == "nccl":
-                counts = counts.cuda()
-            dist.all_reduce(counts)  # every stage's layers, every data-parallel rank's tokens
-            counts = counts.cpu() // tp  # tensor-parallel ranks route the same tokens
-        return counts.tolist()
+        return all_reduce_counts(self.counts, self.ties, divide=tp)

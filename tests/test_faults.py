@@ -1,0 +1,200 @@
+"""Every way a run can be ended from outside: what is kept, what is said, and that nothing of it is left.
+
+The orchestrator runs as the CLI in its own session (as a scheduler starts it), so that signals reach it
+alone. After each test no process whose command line names the run folder may be alive.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llmadapt import run
+from llmadapt.contract import read_jsonl
+from llmadapt.testing import environments_unready, standard_workloads
+
+pytestmark = pytest.mark.skipif(bool(environments_unready("torch")), reason=environments_unready("torch") or "")
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-llama.toml"
+LONG = ["--set", "train.steps=100000"]  # ends only when it is ended
+HANG_GUARD_S = 240  # bounds every wait below: a test that would hang fails instead
+
+
+def cli(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "llmadapt.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
+
+
+def run_dir_of(out: Path) -> Path:
+    (found,) = [p for p in out.iterdir() if p.is_dir()]
+    return found
+
+
+def steps_in(run_dir: Path, rank: int = 0) -> int:
+    path = run_dir / f"rank-{rank:05d}.jsonl"
+    return sum(1 for r in read_jsonl(path, check=False) if r["type"] == "step") if path.is_file() else 0
+
+
+def wait_for_steps(out: Path, proc: subprocess.Popen, n: int, ranks: int = 1) -> Path:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        dirs = [p for p in out.iterdir() if p.is_dir()] if out.is_dir() else []
+        if dirs and all(steps_in(dirs[0], r) >= n for r in range(ranks)):
+            return dirs[0]
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"no {n} steps within {HANG_GUARD_S} s: {proc.communicate()}")
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    """Processes still alive whose command line names the run folder (the launcher and every rank do)."""
+    found = []
+    needle = str(run_dir).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in cmdline and state != "Z":
+            command = cmdline.replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{entry.name}: {command[:200]}")
+    return found
+
+
+def wait_until_gone(run_dir: Path, limit: float) -> list[str]:
+    deadline = time.monotonic() + limit
+    while (left := leftovers(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=HANG_GUARD_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"the orchestrator did not end by itself: {err[-2000:]}")
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("sig, code, dp", [
+    (signal.SIGTERM, 143, 1), (signal.SIGTERM, 143, 2), (signal.SIGINT, 130, 2),
+])
+def test_a_signalled_orchestrator_stops_its_workers_and_keeps_a_summary(tmp_path, sig, code, dp):
+    """SIGTERM (a scheduler's cancel) is handled as Ctrl-C is: workers stopped, partial summary, non-zero exit."""
+    proc = cli("run", str(EXAMPLE), "--adapter", "torch", "--set", f"parallelism.dp={dp}", *LONG,
+               "--out", str(tmp_path))
+    run_dir = wait_for_steps(tmp_path, proc, 3, ranks=dp)
+    os.kill(proc.pid, sig)
+    returncode, _, err = finish(proc)
+    assert returncode == code, err[-2000:]
+    assert leftovers(run_dir) == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps_completed"] >= 3
+    causes = {(f["cause"], f["rank"]) for f in summary["failures"]}
+    assert ("interrupted", None) in causes
+    if sig == signal.SIGTERM:
+        assert any("SIGTERM" in f["message"] for f in summary["failures"] if f["rank"] is None)
+        assert "terminated (SIGTERM)" in err
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_killed_orchestrator_leaves_no_orphans_and_its_folder_can_be_shown(tmp_path, dp):
+    """SIGKILL of the orchestrator: the ranks notice and exit; `show` reads the folder that has no summary."""
+    proc = cli("run", str(EXAMPLE), "--adapter", "torch", "--set", f"parallelism.dp={dp}", *LONG,
+               "--out", str(tmp_path))
+    run_dir = wait_for_steps(tmp_path, proc, 3, ranks=dp)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    # The ranks stop within their grace period (llmadapt.lifecycle.ORPHAN_GRACE_S) plus torchrun's exit.
+    assert wait_until_gone(run_dir, 60) == []
+    assert not (run_dir / "summary.json").exists()
+    failures = [r for r in read_jsonl(run_dir / "rank-00000.jsonl") if r["type"] == "failure"]
+    assert failures and "orchestrator" in failures[0]["message"]
+    shown = subprocess.run([sys.executable, "-m", "llmadapt.cli", "show", str(run_dir)], capture_output=True,
+                           text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "incomplete run" in shown.stdout and "steps      " in shown.stdout
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_the_signal(tmp_path):
+    w = standard_workloads()["train-dp2"]
+    result = run(w, "torch", out=tmp_path, fault={"kind": "kill", "step": 2, "rank": 1}, timeout=180)
+    assert not result.ok and result.summary.steps_completed == 2
+    (mine,) = [f for f in result.summary.failures if f.rank == 1]
+    assert mine.cause == "killed" and "SIGKILL" in mine.message and mine.exit_code == -9
+    assert leftovers(result.run_dir) == []
+
+
+def test_a_frozen_rank_times_out_and_nothing_outlives_the_run(tmp_path):
+    """SIGSTOP of one rank: only SIGKILL reaches it, and torchrun started it in a session of its own."""
+    w = standard_workloads()["train-dp2"].with_overrides(["train.steps=1000"])
+    result = run(w, "torch", out=tmp_path, fault={"kind": "stop", "step": 2, "rank": 1}, timeout=60)
+    assert not result.ok
+    assert "timeout" in {f.cause for f in result.summary.failures}
+    assert result.summary.steps_completed == 2
+    assert leftovers(result.run_dir) == []
+
+
+def test_a_rank_that_dies_after_its_last_record_is_a_warning_not_a_failure(tmp_path):
+    """Every rank wrote its end record, then rank 1 was SIGKILLed in teardown: the run stands, and says so."""
+    w = standard_workloads()["train-dp2"]
+    result = run(w, "torch", out=tmp_path, fault={"kind": "kill", "step": "teardown", "rank": 1}, timeout=180)
+    assert result.ok, result.summary.failures
+    assert result.summary.steps_completed == w.train.total_steps
+    assert any("rank 1" in m and "SIGKILL" in m for m in result.summary.warnings), result.summary.warnings
+    shown = subprocess.run([sys.executable, "-m", "llmadapt.cli", "show", str(result.run_dir)],
+                           capture_output=True, text=True, timeout=60)
+    assert "warning    after every rank wrote its last record" in shown.stdout
+    assert leftovers(result.run_dir) == []
+
+
+def test_two_runs_into_one_folder_at_once_keep_apart(tmp_path):
+    procs = [cli("run", str(EXAMPLE), "--adapter", "torch", "--set", "train.steps=3", "--set", "train.warmup_steps=1",
+                 "--out", str(tmp_path)) for _ in range(2)]
+    for proc in procs:
+        code, _, err = finish(proc)
+        assert code == 0, err[-2000:]
+    dirs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert len(dirs) == 2
+    for d in dirs:
+        assert json.loads((d / "summary.json").read_text())["status"] == "ok"
+        assert leftovers(d) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a small tmpfs needs root")
+def test_a_full_disk_is_one_line_and_keeps_what_was_written(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        out = disk / "runs"
+        out.mkdir()
+        (disk / "filler").write_bytes(b"\0" * (1024 * 1024 - 48 * 1024))  # leaves about 48 KiB
+        proc = cli("run", str(EXAMPLE), "--adapter", "torch", *LONG, "--out", str(out))
+        code, _, err = finish(proc)
+        assert code != 0
+        assert "Traceback" not in err
+        (line,) = [x for x in err.splitlines() if x.startswith("error:")]
+        assert "No space left on device" in line
+        run_dir = run_dir_of(out)
+        assert steps_in(run_dir) >= 1  # what was written before the disk filled is readable
+        shown = subprocess.run([sys.executable, "-m", "llmadapt.cli", "show", str(run_dir)], capture_output=True,
+                               text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert "incomplete run" in shown.stdout
+        assert leftovers(run_dir) == []
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
