@@ -275,19 +275,29 @@ def parse_matrix(items: list[str]) -> dict[str, list[Any]]:
     """
     import yaml
 
+    from .spec import load_yaml
+
+    def load_yaml_value(text: str, item: str):
+        try:
+            return load_yaml(text)
+        except yaml.YAMLError:
+            raise LlmadaptError(f"--matrix {item[:80]!r}: value {text[:40]!r} is not a YAML scalar") from None
+
     matrix: dict[str, list[Any]] = {}
     for item in items:
         key, sep, values = item.partition("=")
+        if key.strip() in matrix:
+            raise LlmadaptError(f"--matrix {key.strip()[:80]!r} is given twice: give each axis once")
         if not sep or not values:
             raise LlmadaptError(f"--matrix {item!r}: use path=v1,v2 (e.g. parallelism.dp=1,2), or "
                                 "path1,path2=a1,a2;b1,b2 for variants that set several fields together")
         paths = [p.strip() for p in key.split(",")]
         if len(paths) == 1:
-            matrix[key.strip()] = [yaml.safe_load(v) for v in values.split(",")]
+            matrix[key.strip()] = [load_yaml_value(v, item) for v in values.split(",")]
             continue
         variants = []
         for variant in values.split(";"):
-            parts = [yaml.safe_load(v) for v in variant.split(",")]
+            parts = [load_yaml_value(v, item) for v in variant.split(",")]
             if len(parts) != len(paths):
                 raise LlmadaptError(f"--matrix {item!r}: variant {variant!r} has {len(parts)} values for "
                                     f"{len(paths)} paths ({', '.join(paths)})")

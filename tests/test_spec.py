@@ -111,3 +111,31 @@ def test_unparseable_file_is_one_clear_line(tmp_path):
     path.write_text("kind = \n")
     with pytest.raises(WorkloadError, match=r"workload field 'file': got '.*bad.toml'; could not be parsed"):
         Workload.from_file(path)
+
+
+@pytest.mark.parametrize("raw, expected", [("3e-3", 3e-3), ("1e-4", 1e-4), ("1E5", 1e5), ("0.5", 0.5)])
+def test_numbers_are_numbers_as_people_write_them(tmp_path, raw, expected):
+    """YAML 1.1 reads 3e-3 as a string; in --set and in YAML files it is the number the docs mean."""
+    assert Workload.from_dict({}).with_overrides([f"train.lr={raw}"]).train.lr == expected
+    path = tmp_path / "w.yaml"
+    path.write_text(f"train:\n  lr: {raw}\n")
+    assert Workload.from_file(path).train.lr == expected
+
+
+def test_a_workload_file_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "w.toml"
+    path.write_bytes(b'name = "\xff\xfe"\n')
+    with pytest.raises(WorkloadError, match="is not UTF-8 text") as info:
+        Workload.from_file(path)
+    assert "\n" not in str(info.value)
+
+
+def test_matrix_axes_are_given_once_and_parse_cleanly():
+    from llmadapt.analysis import parse_matrix
+    from llmadapt.errors import LlmadaptError
+
+    assert parse_matrix(["train.lr=1e-3,3e-3"]) == {"train.lr": [1e-3, 3e-3]}
+    with pytest.raises(LlmadaptError, match="given twice"):
+        parse_matrix(["parallelism.dp=1,2", "parallelism.dp=2,4"])
+    with pytest.raises(LlmadaptError, match="is not a YAML scalar"):
+        parse_matrix(["train.lr=[1"])
