@@ -212,6 +212,7 @@ def run(
     if launcher not in LAUNCHERS and launcher not in info.launchers:
         known = ", ".join([*LAUNCHERS, *info.launchers])
         raise LlmadaptError(f"unknown launcher {launcher!r} for adapter {adapter!r}; known: {known}")
+    _check_run_options(fault, timeout, memory_limit_bytes)
     world = workload.world_size
     if workload.kind == "serve":
         return _run_serve(workload, info, out, run_id, timeout, progress)
@@ -320,6 +321,27 @@ def _run_launched(workload, info, launcher, launch, python, per_node, nodes, col
 def interrupt_text(exc: BaseException) -> str:
     """How an interrupt is named in failure records: which signal stopped the orchestrator."""
     return str(exc) if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
+
+
+FAULT_KINDS = ("error", "exit", "kill", "hang", "stop", "oom")
+
+
+def _check_run_options(fault, timeout, memory_limit_bytes) -> None:
+    """The run's own options, before anything starts: one line naming what is wrong."""
+    import math
+
+    if timeout is not None and not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise LlmadaptError(f"--timeout: got {str(timeout)[:40]!r}; must be a number of seconds > 0")
+    if memory_limit_bytes is not None and not (isinstance(memory_limit_bytes, int) and memory_limit_bytes > 0):
+        raise LlmadaptError(f"memory limit: got {str(memory_limit_bytes)[:40]!r}; must be a number of bytes > 0")
+    if fault is None:
+        return
+    if not isinstance(fault, dict) or fault.get("kind") not in FAULT_KINDS:
+        raise LlmadaptError(f"fault: got {str(fault)[:80]!r}; needs 'kind', one of {', '.join(FAULT_KINDS)}")
+    if fault["kind"] == "oom" and not memory_limit_bytes:
+        # Without a cap the worker allocates until the kernel's OOM killer picks a process, maybe not ours.
+        raise LlmadaptError("fault 'oom' needs a memory limit (memory_limit_bytes / --memory-limit): without one "
+                            "it grows until the kernel's out-of-memory killer ends some process on the machine")
 
 
 def _warn_loopback(nodes: NodeSettings, progress) -> None:

@@ -29,6 +29,9 @@ def cli(*args, cwd=None):
         (["--adapter", "nope"], "error: unknown adapter 'nope'; registered adapters:"),
         (["--set", "data.source=jsonl", "--set", "data.path=missing.jsonl"],
          "error: workload field 'data.path': got 'missing.jsonl'; no such file"),
+        (["--timeout", "0"], "error: --timeout: got '0.0'; must be a number of seconds > 0"),
+        (["--timeout", "-5"], "error: --timeout: got '-5.0'; must be a number of seconds > 0"),
+        (["--timeout", "nan"], "error: --timeout: got 'nan'; must be a number of seconds > 0"),
     ],
 )
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, args, message):

@@ -198,3 +198,12 @@ def test_a_full_disk_is_one_line_and_keeps_what_was_written(tmp_path):
         assert leftovers(run_dir) == []
     finally:
         subprocess.run(["umount", "-l", str(disk)])
+
+
+def test_an_oom_fault_without_a_memory_cap_is_refused_before_anything_starts(tmp_path):
+    """Without an address-space cap the injected OOM would grow until the kernel's OOM killer picks a process."""
+    from llmadapt.errors import LlmadaptError
+
+    with pytest.raises(LlmadaptError, match="fault 'oom' needs a memory limit"):
+        run(standard_workloads()["train"], "torch", out=tmp_path / "runs", fault={"kind": "oom", "step": 1})
+    assert not (tmp_path / "runs").exists()
