@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import signal
 import sys
 from typing import Any
@@ -84,7 +85,7 @@ def _node_options(args) -> dict[str, Any]:
 def cmd_compare(args) -> int:
     from .analysis import compare, parse_matrix
 
-    comparison = compare(_workload(args), _names(args.adapters), matrix=parse_matrix(args.matrix or []),
+    comparison = compare(_workload(args), _names(args.adapters, distinct=True), matrix=parse_matrix(args.matrix or []),
                          log=None if args.json else (lambda m: print(m, file=sys.stderr, flush=True)),
                          **_run_options(args))
     _emit(args, comparison.to_dict(), comparison.table())
@@ -115,8 +116,11 @@ def cmd_export(args) -> int:
 
     text = export(args.run, args.format)
     if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
+        try:
+            with open(args.output, "w") as f:
+                f.write(text)
+        except OSError as exc:
+            raise LlmadaptError(f"cannot write {args.output}: {exc.strerror or exc}") from None
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
@@ -181,8 +185,23 @@ def cmd_env_list(args) -> int:
     return 0
 
 
-def _names(text: str) -> list[str]:
-    return [n.strip() for n in text.split(",") if n.strip()]
+def _names(text: str, *, distinct: bool = False) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise LlmadaptError(f"--adapters {text[:80]!r} names no adapter: give comma-separated names, e.g. torch,plain")
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if distinct and duplicate:
+        raise LlmadaptError(f"--adapters names {duplicate!r} twice: give each adapter once (use --matrix for variants)")
+    return names
+
+
+class _Once(argparse.Action):
+    """An option that may be given once: a second value is an error, not a silent override."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)!r} and {values!r}): give one")
+        setattr(namespace, self.dest, values)
 
 
 def add_command(subparsers, name: str, func, help: str) -> argparse.ArgumentParser:
@@ -234,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("compare", cmd_compare, "run a workload on several adapters and option variants; one table")
     workload_args(p)
-    p.add_argument("--adapters", default="torch", help="comma-separated adapter names")
+    p.add_argument("--adapters", required=True, help="comma-separated adapter names, e.g. torch,deepspeed")
     p.add_argument("--matrix", action="append", metavar="PATH=V1,V2",
                    help="option variants, e.g. optimizations.recompute=none,full (repeat for a grid)")
 
@@ -249,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("export", cmd_export, "export a run as JSON, CSV, a Chrome trace (Perfetto) or vLLM-bench keys")
     p.add_argument("run", help="run directory")
-    p.add_argument("--format", required=True, choices=["json", "csv", "chrome-trace", "vllm-bench"],
+    p.add_argument("--format", required=True, choices=["json", "csv", "chrome-trace", "vllm-bench"], action=_Once,
                    help="vllm-bench: a serving run's summary under `vllm bench serve`'s result keys")
     p.add_argument("-o", "--output", help="file to write (default: stdout)")
 
@@ -275,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    for name in ("rtol", "atol"):
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            print(f"error: --{name}: got {value!r}; must be a finite number >= 0", file=sys.stderr)
+            raise SystemExit(2)
     if getattr(args, "rtol", "absent") is None or getattr(args, "atol", "absent") is None:
         from .analysis import PARITY_ATOL, PARITY_RTOL
 
@@ -295,7 +319,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _terminated(signum, frame) -> None:
-    if _terminated.seen:  # one is enough: a second must not cut the unwinding (and its summary) short
+    # One is enough: a second must not cut the unwinding (and its summary) short, also when the first was
+    # raised by a handler of its own (a serving run's) and is being handled now.
+    if _terminated.seen or isinstance(sys.exc_info()[1], KeyboardInterrupt):
         return
     _terminated.seen = True
     raise Terminated("terminated by SIGTERM")

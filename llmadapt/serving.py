@@ -22,7 +22,7 @@ from typing import Any, Callable
 import attrs
 
 from .contract import JsonlWriter, Request, ServerSample
-from .errors import LlmadaptError
+from .errors import LlmadaptError, Terminated
 from .spec import LengthSpec, Workload
 
 LEAD_S = 0.05  # the schedule starts this long after planning, so the first requests are not born late
@@ -61,6 +61,48 @@ class RequestFailed(Exception):
     def __init__(self, cause: str, message: str) -> None:
         super().__init__(message)
         self.cause = cause
+
+
+class WrongServer(Exception):
+    """Raised by ``Server.ready`` when what answers is not the engine the adapter speaks to (an HTML page, JSON
+    of another shape): waiting will not change that, so the run fails at once with this one-line message."""
+
+
+REDACTED = "[redacted]"
+SECRET_HEADERS = ("authorization", "proxy-authorization", "x-api-key", "api-key")
+
+
+def sent_secrets(server) -> list[str]:
+    """The credentials a Server sends (its ``headers()``: API keys, bearer tokens), longest first.
+
+    A server may echo them back (an error body quoting the key it refused); nothing recorded may hold them."""
+    headers = server.headers() if callable(getattr(server, "headers", None)) else {}
+    found = set()
+    for name, value in headers.items():
+        if name.lower() in SECRET_HEADERS and value:
+            found.add(value)
+            token = value.partition(" ")[2].strip()  # "Bearer KEY" -> KEY, which may be echoed alone
+            if token:
+                found.add(token)
+    return sorted(found, key=len, reverse=True)  # "Bearer KEY" before "KEY"
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+def check_chunk(chunk: Chunk) -> None:
+    """What goes into a request record must have the contract's types, whatever the adapter parsed: a value of
+    another type would make the run's own summary step refuse the trace (and so lose every measured request)."""
+    for name in ("tokens", "usage_output_tokens", "usage_input_tokens"):
+        value = getattr(chunk, name)
+        if value is not None and (type(value) is not int or value < 0):
+            raise RequestFailed("malformed", f"malformed response: {name} is {value!r:.80}, not a count")
+    if chunk.finish_reason is not None and not isinstance(chunk.finish_reason, str):
+        raise RequestFailed("malformed", f"malformed response: finish_reason is {chunk.finish_reason!r:.80}, "
+                                         "not text")
 
 
 @attrs.define
@@ -170,6 +212,7 @@ class LoadGenerator:
                  progress: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.server, self.w, self.plan, self.writer, self.progress = server, workload, plan, writer, progress
         self.done = 0
+        self.secrets = sent_secrets(server)
 
     async def run(self, session) -> None:
         s = self.w.serve
@@ -246,6 +289,7 @@ class LoadGenerator:
             async with asyncio.timeout(self.w.serve.request_timeout_s):
                 async for chunk in self.server.stream(session, req):
                     now = time.monotonic_ns()
+                    check_chunk(chunk)
                     if chunk.text or chunk.tokens:
                         first = first or now
                         chunk_ns.append(now)
@@ -276,6 +320,7 @@ class LoadGenerator:
 
     def _write(self, req, scheduled_ns, sent, first, chunk_ns, chunk_tokens, finish, usage_out, usage_in,
                status, error, cause) -> None:
+        error = redact(error, self.secrets) if error else error
         known = [t for t in chunk_tokens if t is not None]
         output = usage_out if usage_out is not None else (sum(known) if chunk_tokens and len(known) ==
                                                           len(chunk_tokens) else None)
@@ -309,6 +354,7 @@ class LoadGenerator:
         except Exception:
             return  # a metrics endpoint that fails is missing data, not a failed run
         if values:
+            values = {redact(k, self.secrets): v for k, v in values.items()}  # label values can echo a key
             self.writer.write(ServerSample(t_ns=time.monotonic_ns(), source=self.server.metrics_source(),
                                            values=values))
 
@@ -406,14 +452,69 @@ def vllm_bench_keys(summary: dict[str, Any]) -> dict[str, Any]:
 
 # -- orchestration ------------------------------------------------------------------------------
 STARTUP_TIMEOUT_S = 600.0
+REFUSED_GRACE_S = 5.0
+"""Attached: how long connections may be refused before the run fails (nothing listens at that address).
+A managed engine may refuse them for as long as it is starting, i.e. while its process lives."""
+
+
+class _Interrupts:
+    """SIGINT (Ctrl-C) and SIGTERM (what Slurm and Kubernetes send on cancel) stop a serving run alike: the
+    engine is stopped, the records so far stay, and KeyboardInterrupt (``Terminated`` for SIGTERM) tells the
+    caller to write the partial summary and exit non-zero.
+
+    While the event loop runs, a signal cancels the run's task: a KeyboardInterrupt raised inside the loop
+    could land anywhere, and asyncio.run's own handler only says "interrupted" when the cancellation surfaces
+    as such (a wait_for that completes as it is cancelled swallows it, Python 3.11), so the flag is checked
+    afterwards. While ``hold`` is set (starting or stopping the engine) a signal is only noted, so that an
+    engine is never half-started or half-stopped. Outside the main thread (embedded) signals stay the caller's.
+    """
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.task: asyncio.Task | None = None
+        self.hold = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup, a background job): left so
+                    self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:
+            return  # one is enough: a second must not cut the engine's stop short
+        self.signal = signal.Signals(signum).name
+        if self.task is not None:
+            try:
+                self.task.get_loop().call_soon_threadsafe(self.task.cancel)
+            except RuntimeError:  # the loop has just closed: the flag is checked after it
+                pass
+        elif not self.hold:
+            raise self.exception()
+
+    def exception(self) -> KeyboardInterrupt:
+        return Terminated("terminated by SIGTERM") if self.signal == "SIGTERM" else KeyboardInterrupt()
 
 
 def run_serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: str, python: Path | None,
               timeout: float | None, progress) -> list:
     """Start (or attach to) the engine, wait until ready, drive the request plan, stop the engine.
 
-    Returns launcher-level failures; every request outcome is in the records.
+    Returns launcher-level failures; every request outcome is in the records. Raises KeyboardInterrupt
+    (``Terminated`` for SIGTERM) once the engine is stopped, when the run was interrupted.
     """
+    with _Interrupts() as interrupts:
+        return _serve(workload, info, run_id, run_dir, launcher, python, timeout, progress, interrupts)
+
+
+def _serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: str, python: Path | None,
+           timeout: float | None, progress, interrupts: _Interrupts) -> list:
     import importlib
     import socket
 
@@ -435,44 +536,60 @@ def run_serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: st
     module_name, _, class_name = info.roles["serve"].partition(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     server = cls(ServeContext(workload, info.name, run_dir, python, checkpoint, free_port()))
+    secrets = sent_secrets(server)
     writer = JsonlWriter(run_dir / "rank-00000.jsonl")
     failures: list = []
 
-    interrupted = threading.Event()
+    def fail(cause: str, message: str) -> None:
+        failures.append(Failure(cause=cause, message=redact(message, secrets)))  # messages may quote the server
 
     async def main() -> None:
         import aiohttp
 
-        # Ctrl-C: our own handler, not asyncio.run's, which only says "interrupted" when the cancellation
-        # surfaces as such; a wait_for that completes as it is cancelled swallows it (Python 3.11).
-        task = asyncio.current_task()
+        interrupts.task = asyncio.current_task()
         try:
-            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, lambda: (interrupted.set(), task.cancel()))
-        except (RuntimeError, ValueError):  # not the main thread (embedded): Ctrl-C is the caller's
-            pass
+            await serve(aiohttp)
+        finally:
+            interrupts.task, interrupts.hold = None, True  # the loop closes: a signal now is noted, raised after
+
+    async def serve(aiohttp) -> None:
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
         client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
         async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session:
             started = time.monotonic()
-            limit = min(timeout, STARTUP_TIMEOUT_S) if timeout else STARTUP_TIMEOUT_S
-            # alive after ready too: a health check answered by another process on the port is not our engine
-            while not (await _ready(server, session) and server.alive()):
-                if not server.alive():
-                    failures.append(Failure(cause="crash", message=f"the engine exited during start-up; see "
-                                                                   f"{run_dir / 'engine.log'}"))
+            limit = STARTUP_TIMEOUT_S if timeout is None else min(timeout, STARTUP_TIMEOUT_S)  # --timeout 0 is 0
+            refused_since = None
+            while True:
+                try:
+                    ready, refused = await _ready(server, session)
+                except WrongServer as exc:
+                    fail("error", str(exc))
                     return
-                if time.monotonic() - started > limit:
-                    failures.append(Failure(cause="timeout", message=f"the engine was not ready within {limit:g} s"))
+                # alive after ready too: a health check answered by another process on the port is not our engine
+                if ready and server.alive():
+                    break
+                if not server.alive():
+                    fail("crash", f"the engine exited during start-up; see {run_dir / 'engine.log'}")
+                    return
+                # Attached, a refused connection means nothing listens there: waiting would only hide that. A
+                # managed engine refuses until it listens, so it gets the whole start-up time while it lives.
+                refused_since = None if refused is None else refused_since or time.monotonic()
+                if attach and refused_since is not None and time.monotonic() - refused_since >= REFUSED_GRACE_S:
+                    fail("error", f"nothing answers at {server.ctx.base_url}: {refused} (retried for "
+                                  f"{REFUSED_GRACE_S:g} s; is the server running there, and is serve.url right?)")
+                    return
+                if time.monotonic() - started >= limit:
+                    fail("timeout", f"the engine was not ready within {limit:g} s")
                     return
                 await asyncio.sleep(0.5)
-            if interrupted.is_set():
+            if interrupts.signal:
                 raise asyncio.CancelledError
             wall, mono = time.time_ns(), time.monotonic_ns()
             writer.write(Header(
                 run_id=run_id, rank=0, local_rank=0, world_size=1, node=socket.gethostname(), role="serve",
                 adapter=info.name, adapter_version=info.version, framework=info.framework,
-                framework_version=server.engine_version(), launcher=launcher, workload_hash=workload.content_hash,
-                problem_hash=workload.problem_hash, workload=workload.to_dict(),
+                framework_version=redact(server.engine_version(), secrets), launcher=launcher,
+                workload_hash=workload.content_hash, problem_hash=workload.problem_hash, workload=workload.to_dict(),
                 checkpoint_hash=_recorded_hash(checkpoint), device=None, software=_client_software(),
                 patches=list(server.patches), start_time=_now(), wall_anchor_ns=wall, mono_anchor_ns=mono,
             ))
@@ -483,32 +600,49 @@ def run_serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: st
             try:
                 await asyncio.wait_for(run, timeout=max(1.0, timeout - (time.monotonic() - started)))
             except TimeoutError:
-                failures.append(Failure(cause="timeout", message=f"the run exceeded its timeout of {timeout:g} s"))
+                fail("timeout", f"the run exceeded its timeout of {timeout:g} s")
 
     try:
+        interrupts.hold = True  # a signal now is noted, not raised: a half-started engine could escape stop()
         try:
             server.start()
+            startup_failed = False
         except Exception as exc:  # a failed start is a result of the run, with its trace and summary
-            failures.append(Failure(cause="error", message=f"the engine failed to start: {type(exc).__name__}: {exc}"))
-            return failures
-        try:
-            asyncio.run(main())
-        except asyncio.CancelledError:
-            if not interrupted.is_set():
-                raise
-        if interrupted.is_set():
-            raise KeyboardInterrupt
+            fail("error", f"the engine failed to start: {type(exc).__name__}: {exc}")
+            startup_failed = True
+        interrupts.hold = False
+        if not startup_failed and not interrupts.signal:
+            try:
+                asyncio.run(main())
+            except asyncio.CancelledError:
+                if not interrupts.signal:
+                    raise
     finally:
+        interrupts.hold = True
         server.stop()
         writer.close()
+    if interrupts.signal:
+        raise interrupts.exception()
     return failures
 
 
-async def _ready(server, session) -> bool:
+async def _ready(server, session) -> tuple[bool, str | None]:
+    """(ready, why nothing answers): the second is set only when no connection could be made at all (refused,
+    unknown host), never for a server that answers but is not ready yet. WrongServer propagates."""
+    import aiohttp
+
     try:
-        return bool(await asyncio.wait_for(server.ready(session), timeout=5))
+        return bool(await asyncio.wait_for(server.ready(session), timeout=5)), None
+    except WrongServer:
+        raise
+    except aiohttp.ClientSSLError:  # something answers, in another TLS mode: not "nothing there"
+        return False, None
+    except aiohttp.ClientConnectorError as exc:
+        os_error = exc.os_error
+        return False, "connection refused" if isinstance(os_error, ConnectionRefusedError) else (
+            os_error.strerror or str(exc))
     except Exception:
-        return False
+        return False, None
 
 
 def _load_tokenizer(workload: Workload, checkpoint: Path | None):

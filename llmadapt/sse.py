@@ -12,7 +12,7 @@ import os
 from typing import Any, AsyncIterator
 
 from .interfaces import Server
-from .serving import Chunk, PlannedRequest, RequestFailed
+from .serving import Chunk, PlannedRequest, RequestFailed, WrongServer
 
 
 async def sse_events(response) -> AsyncIterator[str]:
@@ -32,6 +32,55 @@ async def sse_events(response) -> AsyncIterator[str]:
             data.append(value[1:] if value.startswith(" ") else value)
     if data:
         yield "\n".join(data)
+
+
+def excerpt(value: Any, limit: int = 200) -> str:
+    """A short, one-line quote of what a server sent, for error texts."""
+    text = value if isinstance(value, str) else json.dumps(value)
+    return repr(" ".join(text.split())[:limit])
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's type, as a reader of the protocol names it."""
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "text", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def malformed(field: str, value: Any, expected: str, event: Any) -> RequestFailed:
+    return RequestFailed("malformed", f"malformed response: {field} is {_kind(value)}, not {expected}: "
+                                      f"{excerpt(event)}")
+
+
+def json_event(data: str) -> dict[str, Any]:
+    """One SSE data payload as a JSON object. Anything else (not JSON; a list, null, a number) is a malformed
+    response, never a connection failure."""
+    try:
+        event = json.loads(data)
+    except json.JSONDecodeError:
+        raise RequestFailed("malformed", f"not JSON in the stream: {excerpt(data)}") from None
+    if not isinstance(event, dict):
+        raise malformed("the event", event, "an object", data)
+    return event
+
+
+_EXPECTED = {str: "text", dict: "an object", list: "a list", int: "a count"}
+
+
+def field(obj: dict[str, Any], key: str, kind: type, where: str, event: Any) -> Any:
+    """``obj[key]`` if absent, null or of the protocol's type; else the request fails as malformed. What a
+    server sends ends up in request records, and a value of the wrong type there would make llmadapt's own
+    summary step refuse the whole trace. Counts are non-negative integers (a boolean is not one)."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    if kind is int:
+        if type(value) is int and value >= 0:
+            return value
+    elif isinstance(value, kind):
+        return value
+    raise malformed(where, value, _EXPECTED[kind], event)
 
 
 def http_failure(status: int, body: str) -> RequestFailed:
@@ -89,6 +138,27 @@ class OpenAICompatibleServer(Server):
         async with session.get(self.ctx.base_url + "/health", headers=self.headers()) as r:
             return r.status == 200
 
+    async def list_models(self, session) -> list[dict[str, Any]] | None:
+        """GET /v1/models: the model list, or None while the server answers but is not ready (not 200).
+
+        A 200 that is not the OpenAI list (an HTML page, other JSON) raises WrongServer: whatever answers there
+        is not an OpenAI-compatible server, and waiting for it would only hide that."""
+        async with session.get(self.ctx.base_url + "/v1/models", headers=self.headers()) as r:
+            if r.status != 200:
+                return None
+            text = await r.text(errors="replace")
+            kind = r.content_type
+        try:
+            body = json.loads(text)
+        except ValueError:
+            body = None
+        models = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(models, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str)
+                                                   for m in models):
+            raise WrongServer(f"the server at {self.ctx.base_url} is not an OpenAI-compatible server: GET /v1/models "
+                              f"answered 200 ({kind}) {excerpt(text, 120)}, not a model list")
+        return models
+
     async def stream(self, session, request: PlannedRequest) -> AsyncIterator[Chunk]:
         path, body = self.payload(request)
         async with session.post(self.ctx.base_url + path, json=body, headers=self.headers()) as response:
@@ -97,23 +167,27 @@ class OpenAICompatibleServer(Server):
             async for data in sse_events(response):
                 if data.strip() == "[DONE]":
                     return
-                try:
-                    event = json.loads(data)
-                except json.JSONDecodeError:
-                    raise RequestFailed("malformed", f"not JSON in the stream: {data[:200]!r}") from None
+                event = json_event(data)
                 if "error" in event:
                     raise RequestFailed("in_band", f"error event: {str(event['error'])[:300]}")
                 yield self.parse_event(event)
 
     def parse_event(self, event: dict[str, Any]) -> Chunk:
-        usage = event.get("usage") or {}
+        """One chunk of /v1/completions or /v1/chat/completions; fields of the wrong type fail it as malformed."""
+        usage = field(event, "usage", dict, "usage", event) or {}
         text, finish = "", None
-        for choice in event.get("choices") or []:
-            delta = choice.get("delta")
-            text += (delta.get("content") or "") if delta is not None else (choice.get("text") or "")
-            finish = choice.get("finish_reason") or finish
+        for i, choice in enumerate(field(event, "choices", list, "choices", event) or []):
+            if not isinstance(choice, dict):
+                raise malformed(f"choices[{i}]", choice, "an object", event)
+            delta = field(choice, "delta", dict, f"choices[{i}].delta", event)
+            if delta is not None:
+                text += field(delta, "content", str, f"choices[{i}].delta.content", event) or ""
+            else:
+                text += field(choice, "text", str, f"choices[{i}].text", event) or ""
+            finish = field(choice, "finish_reason", str, f"choices[{i}].finish_reason", event) or finish
         return Chunk(text=text, tokens=None, finish_reason=finish,
-                     usage_output_tokens=usage.get("completion_tokens"), usage_input_tokens=usage.get("prompt_tokens"))
+                     usage_output_tokens=field(usage, "completion_tokens", int, "usage.completion_tokens", event),
+                     usage_input_tokens=field(usage, "prompt_tokens", int, "usage.prompt_tokens", event))
 
     async def scrape(self, session) -> dict[str, float]:
         if not self.metrics_prefixes:

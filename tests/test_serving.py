@@ -1,19 +1,26 @@
 """The load generator and the serve path, against a local streaming server (tests/fake_openai.py)."""
 
 import json
+import os
 import random
 import signal
 import statistics
 import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
 from llmadapt import Workload, run
 from llmadapt.contract import read_jsonl
+from llmadapt.launch import free_port
 from llmadapt.models import train_tokenizer
 from llmadapt.serving import arrival_offsets, plan_requests
+
+HERE = Path(__file__).parent
+MARK = "LLMADAPT_TEST_MARK"
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("llmadapt_openai", reason="the openai adapter package is not installed (pip install -e plugins/openai)")
@@ -34,6 +41,43 @@ def serve_workload(url, **serve):
 
 def requests_of(result):
     return [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "request"]
+
+
+def marked(mark):
+    """Live processes (other than this one) whose environment carries ``MARK=mark``: everything started after the
+    mark was set inherits it, whatever its process group or parent, so none may be left after a run."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and int(p.name) != os.getpid():
+            try:
+                if f"{MARK}={mark}".encode() in (p / "environ").read_bytes().split(b"\0"):
+                    found.append(int(p.name))
+            except OSError:
+                continue  # gone, or not ours
+    return found
+
+
+@pytest.fixture
+def mark(monkeypatch):
+    """Set a mark in this process's environment (call after starting the fake server): processes the run starts
+    inherit it. Whatever a failing test left behind is killed afterwards."""
+    value = uuid.uuid4().hex
+    yield lambda: monkeypatch.setenv(MARK, value) or value
+    for pid in marked(value):
+        os.kill(pid, signal.SIGKILL)
+
+
+def cli(tmp_path, workload, *args, mark, timeout=300):
+    """`llmadapt run WORKLOAD --adapter openai ARGS` in a subprocess that must end by itself (``timeout`` is only a
+    hang guard): (returncode, stdout and stderr, run_dir)."""
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(workload.to_dict()))
+    proc = subprocess.Popen([sys.executable, "-m", "llmadapt.cli", "run", str(path), "--adapter", "openai",
+                             "--out", str(tmp_path / "runs"), *args], env={**os.environ, MARK: mark},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=timeout)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    return proc.returncode, out.decode() + err.decode(), run_dir
 
 
 def test_prompts_have_exact_token_counts_and_the_plan_is_reproducible():
@@ -86,23 +130,63 @@ def test_every_request_is_recorded_with_client_side_timings(tmp_path, fake_serve
     for r in records:
         assert r["scheduled_ns"] <= r["sent_ns"] < r["first_token_ns"] <= r["end_ns"]
         assert len(r["chunk_ns"]) == 8 and r["finish_reason"] == "length"
-    assert s.valid and s.send_lag_ms.count == 12
+    # Validity follows the measured lag (whether the machine kept up is not this test's business: no timing
+    # threshold here), and the verdict is written out.
+    from llmadapt.serving import LAG_P99_LIMIT_MS
+
+    assert s.send_lag_ms.count == 12 and s.valid == (s.send_lag_ms.p99 <= LAG_P99_LIMIT_MS), s.validity
     samples = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "server_sample"]
     assert samples and samples[-1]["values"]["fake_requests_total"] == 13
 
 
-def test_failures_are_counted_by_cause_never_crash(tmp_path, fake_server):
-    """429, 5xx, in-band errors, malformed SSE and timeouts are failed requests with their cause."""
-    url, _ = fake_server("--cycle", "ok,429,500,inband,malformed,hang,keepalive")
-    w = serve_workload(url, requests=13, warmup_requests=1, request_timeout_s=1.0)
+def test_failures_are_counted_by_cause_never_crash(tmp_path, fake_server, mark):
+    """429, 5xx, in-band errors, malformed SSE, hangs before and after the headers (request timeouts) and a
+    connection cut mid-stream are failed requests with their cause; every record stays readable, none is lost."""
+    modes = "ok,429,500,inband,malformed,hang,stall,cut,keepalive"
+    url, _ = fake_server("--cycle", modes)
+    run_mark = mark()
+    # one request at a time: the server meets them in plan order, whatever the machine's load
+    w = serve_workload(url, requests=17, warmup_requests=1, request_timeout_s=1.0,
+                       arrival={"process": "closed", "concurrency": 1})
     result = run(w, "openai", out=tmp_path)
     s = result.summary.serving
-    # request 0 (warm-up) is 'ok'; measured requests 1..13 meet the 7 modes in turn
-    assert s.failures_by_cause == {"http_429": 2, "http_5xx": 2, "in_band": 2, "malformed": 2, "timeout": 2}
+    # request 0 (warm-up) is 'ok'; measured requests 1..17 meet the 9 modes in turn
+    assert s.failures_by_cause == {"http_429": 2, "http_5xx": 2, "in_band": 2, "malformed": 2, "timeout": 4,
+                                   "connection": 2}
     assert s.completed == 3  # one ok and two keepalive (comment lines ignored)
-    failed = [r for r in requests_of(result) if r["status"] != "ok"]
-    assert all(r["error"] for r in failed)
-    assert json.loads((result.run_dir / "summary.json").read_text())["serving"]["failed"] == 10
+    records = sorted(requests_of(result), key=lambda r: r["index"])  # read_jsonl validates every record
+    assert len(records) == 18
+    by_mode = dict(zip(modes.split(",") * 2, records))
+    assert by_mode["stall"]["error_cause"] == by_mode["hang"]["error_cause"] == "timeout"
+    assert by_mode["cut"]["error_cause"] == "connection" and len(by_mode["cut"]["chunk_ns"]) == 2
+    assert all(r["error"] for r in records if r["status"] != "ok")
+    assert json.loads((result.run_dir / "summary.json").read_text())["serving"]["failed"] == 14
+    assert marked(run_mark) == []
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_values_of_the_wrong_type_fail_the_request_never_the_summary(tmp_path, fake_server, mark, api):
+    """A string for a token count, a number for a finish reason or a text, an event that is a list, null or a
+    number: the request fails as malformed, naming the field; the records and the summary stay valid."""
+    modes = "ok,badusage,badfinish,badtext,list,null,number"
+    url, _ = fake_server("--cycle", modes)
+    run_mark = mark()
+    w = serve_workload(url, requests=6, warmup_requests=1, api=api, arrival={"process": "closed", "concurrency": 1})
+    result = run(w, "openai", out=tmp_path)
+    assert result.summary.serving.failures_by_cause == {"malformed": 6}
+    by_mode = dict(zip(modes.split(","), sorted(requests_of(result), key=lambda r: r["index"])))
+    assert by_mode["ok"]["status"] == "ok" and by_mode["ok"]["finish_reason"] == "length"
+    content = "delta.content" if api == "chat" else "text"
+    for mode, what in (("badusage", "usage.completion_tokens is text, not a count: "),
+                       ("badfinish", "choices[0].finish_reason is a number, not text: "),
+                       ("badtext", f"choices[0].{content} is a number, not text: "),
+                       ("list", "the event is a list, not an object: '["), ("null", "the event is null, not an object"),
+                       ("number", "the event is a number, not an object: '42'")):
+        r = by_mode[mode]
+        assert (r["status"], r["error_cause"]) == ("error", "malformed") and what in r["error"], (mode, r["error"])
+        assert r["output_tokens"] is None and r["finish_reason"] in (None, "length")  # what came before stays
+    assert json.loads((result.run_dir / "summary.json").read_text())["serving"]["failed"] == 6
+    assert marked(run_mark) == []
 
 
 def test_api_key_is_sent_but_never_written(tmp_path, fake_server, monkeypatch):
@@ -115,14 +199,63 @@ def test_api_key_is_sent_but_never_written(tmp_path, fake_server, monkeypatch):
         assert "sk-test-secret-1234" not in path.read_text(errors="replace"), path.name
 
 
-def test_engine_dying_mid_run_fails_the_rest_and_keeps_the_summary(tmp_path, fake_server):
+def test_secrets_that_the_server_echoes_are_redacted(tmp_path, fake_server, mark, monkeypatch):
+    """A server that quotes the Authorization header it got (in error bodies, in-band errors, malformed data and
+    its metrics): the key is replaced by [redacted] in every record, and no file of the run holds it."""
+    key = "sk-echo-secret-9876"
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    url, _ = fake_server("--echo-auth", "--cycle", "ok,429,500,inband,malformed")
+    refusing, _ = fake_server("--echo-auth", "--require-key", "another-key")
+    run_mark = mark()
+    w = serve_workload(url, requests=4, warmup_requests=1, arrival={"process": "closed", "concurrency": 1})
+    result = run(w, "openai", out=tmp_path / "echo")
+    assert result.summary.serving.failures_by_cause == {"http_429": 1, "http_5xx": 1, "in_band": 1, "malformed": 1}
+    failed = [r for r in requests_of(result) if r["status"] != "ok"]
+    assert all("[redacted]" in r["error"] for r in failed), [r["error"] for r in failed]
+    samples = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "server_sample"]
+    assert 'fake_last_request{authorization="[redacted]"}' in samples[-1]["values"]
+    # a server that refuses the key and quotes it (HTTP 401)
+    refused = run(serve_workload(refusing, requests=2, warmup_requests=0), "openai", out=tmp_path / "refused")
+    assert refused.summary.serving.failures_by_cause == {"http_4xx": 2}
+    assert all("Incorrect API key provided (request had Authorization: [redacted])" in r["error"]
+               for r in requests_of(refused))
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert key not in path.read_text(errors="replace"), path
+    assert marked(run_mark) == []
+
+
+def test_engine_dying_mid_run_fails_the_rest_and_keeps_the_summary(tmp_path, fake_server, mark):
     """When the server goes away, in-flight and later requests are failures with a cause; the summary is written."""
-    url, _ = fake_server("--exit-after", "5")
+    url, proc = fake_server("--exit-after", "5")
+    run_mark = mark()
     result = run(serve_workload(url, requests=10, warmup_requests=0), "openai", out=tmp_path)
     s = result.summary.serving
     assert s.completed == 5 and s.failed == 5
     assert set(s.failures_by_cause) <= {"connection", "engine_dead"}
+    records = requests_of(result)  # every record readable
+    assert len(records) == 10 and sorted(r["index"] for r in records if r["status"] == "ok") == [0, 1, 2, 3, 4]
+    assert all(r["error"] for r in records if r["status"] != "ok")
     assert (result.run_dir / "summary.json").is_file()
+    assert proc.wait(timeout=30) == 0 and marked(run_mark) == []
+
+
+def test_a_hung_server_is_ended_by_the_runs_timeout(tmp_path, fake_server, mark):
+    """Requests that hang before or after the headers, with a request timeout longer than the run's --timeout:
+    the run ends by itself at its timeout, hung requests recorded as cancelled, the completed ones kept."""
+    url, _ = fake_server("--cycle", "ok,stall,hang")
+    w = serve_workload(url, requests=6, warmup_requests=0, request_timeout_s=3600.0,
+                       arrival={"process": "constant", "rate": 5.0})  # far apart: the server meets them in order
+    run_mark = mark()
+    code, err, run_dir = cli(tmp_path, w, "--timeout", "10", mark=run_mark)
+    assert code == 1, err[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert [f["message"] for f in summary["failures"]] == ["the run exceeded its timeout of 10 s"]
+    records = [r for r in read_jsonl(run_dir / "rank-00000.jsonl") if r["type"] == "request"]  # all valid
+    assert sorted(r["status"] for r in records) == ["cancelled"] * 4 + ["ok"] * 2
+    assert summary["serving"]["completed"] == 2 and summary["serving"]["failures_by_cause"] == {"cancelled": 4}
+    assert marked(run_mark) == []
 
 
 def test_closed_loop_keeps_concurrency(tmp_path, fake_server):
@@ -166,6 +299,79 @@ def test_ctrl_c_leaves_a_valid_partial_trace(tmp_path, fake_server):
     assert {f["cause"] for f in summary["failures"]} == {"interrupted"}
     records = read_jsonl(run_dir / "rank-00000.jsonl")  # validates every record
     assert any(r["type"] == "request" and r["status"] == "ok" for r in records)
+
+
+MANAGED = """
+import signal, socket, subprocess, sys, time
+from urllib.parse import urlsplit
+from llmadapt_openai.server import OpenAIServer
+
+def start(self):  # the adapter starts its engine, in its own session like the real ones (hf, vllm)
+    port = urlsplit(self.ctx.base_url).port
+    self.proc = subprocess.Popen([sys.executable, FAKE, str(port), "--first-ms", "50", "--token-ms", "20"],
+                                 start_new_session=True)
+    while self.proc.poll() is None:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+        except OSError:
+            time.sleep(0.05)
+
+def stop(self):
+    self.proc.terminate()
+    self.proc.wait()
+
+OpenAIServer.start, OpenAIServer.stop = start, stop
+OpenAIServer.alive = lambda self: self.proc.poll() is None
+if sys.argv[1] == "api":  # embedded: llmadapt.run from a program, no CLI and none of its signal handling
+    import llmadapt
+    workload, out, url = sys.argv[2:]
+    llmadapt.run(llmadapt.Workload.from_file(workload).with_overrides([f"serve.url={url}"]), "openai", out=out)
+else:
+    from llmadapt.cli import main
+    main(sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize(("how", "engine"), [("cli", "attached"), ("cli", "managed"), ("api", "managed")])
+def test_sigterm_stops_the_run_like_ctrl_c(tmp_path, fake_server, mark, how, engine):
+    """SIGTERM (a Slurm or Kubernetes cancel) to `llmadapt run`, or to a program calling llmadapt.run, mid-run:
+    the engine the run started is stopped, the summary counts every request measured so far, the failure names
+    the signal, the exit code is non-zero, and no process of the run is left."""
+    w = serve_workload("http://unused", requests=200, arrival={"process": "constant", "rate": 5.0})
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(w.to_dict()))
+    args = ["run", str(path), "--adapter", "openai", "--out", str(tmp_path / "runs")]
+    if engine == "attached":
+        url, _ = fake_server("--first-ms", "50", "--token-ms", "20")
+        cmd = [sys.executable, "-m", "llmadapt.cli", *args, "--set", f"serve.url={url}"]
+    else:  # the run starts the engine itself, on the port serve.url names
+        script = tmp_path / "managed.py"
+        script.write_text(f"FAKE = {str(HERE / 'fake_openai.py')!r}\n" + MANAGED)
+        url = f"http://127.0.0.1:{free_port()}"
+        cmd = [sys.executable, str(script), "cli", *args, "--set", f"serve.url={url}"] if how == "cli" else \
+            [sys.executable, str(script), "api", str(path), str(tmp_path / "runs"), url]
+    run_mark = mark()
+    proc = subprocess.Popen(cmd, env={**os.environ, MARK: run_mark}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    trace = None
+    for _ in range(1200):  # until two measured requests are done (a hang guard, not a timing)
+        trace = next((tmp_path / "runs").glob("*/rank-00000.jsonl"), None)
+        if trace and sum('"warmup":false' in line and '"status":"ok"' in line
+                         for line in trace.read_text().splitlines()) >= 2:
+            break
+        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, err.decode()[-2000:]
+    run_dir = trace.parent
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert [f["cause"] for f in summary["failures"]] == ["interrupted"]
+    assert "SIGTERM" in summary["failures"][0]["message"]
+    measured = [r for r in read_jsonl(run_dir / "rank-00000.jsonl") if r["type"] == "request" and not r["warmup"]]
+    assert summary["serving"]["completed"] + summary["serving"]["failed"] == len(measured)
+    assert summary["serving"]["completed"] >= 2
+    assert marked(run_mark) == []  # the managed engine too
 
 
 def test_show_export_and_compare_for_serving(tmp_path, fake_server):
@@ -249,3 +455,47 @@ def test_engine_that_fails_to_start_is_a_failed_run_with_a_summary(tmp_path, mon
     assert result.summary.status == "failed"
     assert "the engine failed to start: RuntimeError: no such engine" in result.summary.failures[0].message
     assert (result.run_dir / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("answer", ["html", "text", "list", "noid"])
+def test_a_server_that_is_not_openai_compatible_fails_at_once(tmp_path, fake_server, mark, answer):
+    """/v1/models answers 200 with an HTML page, plain text, or JSON of another shape: the run fails with one
+    line saying so (the run's timeout is only a hang guard: waiting would end there, with another message)."""
+    url, _ = fake_server("--models", answer)
+    run_mark = mark()
+    result = run(serve_workload(url), "openai", out=tmp_path, timeout=60)
+    assert result.summary.status == "failed" and not requests_of(result)
+    (failure,) = result.summary.failures
+    assert failure.message.startswith(f"the server at {url} is not an OpenAI-compatible server: GET /v1/models "
+                                      "answered 200 (")
+    assert "\n" not in failure.message and len(failure.message) < 400
+    if answer == "html":
+        assert "(text/html) '<!DOCTYPE html> <html> <head><title>Welcome to nginx!" in failure.message
+    assert marked(run_mark) == []
+
+
+def test_nothing_listening_fails_at_once(tmp_path, mark):
+    """Attached to an address where nothing listens: one line saying so, after a few seconds of retries, not the
+    start-up timeout (the run's timeout and the subprocess's are only hang guards), from Python and the CLI."""
+    url = f"http://127.0.0.1:{free_port()}"
+    run_mark = mark()
+    result = run(serve_workload(url), "openai", out=tmp_path / "api", timeout=120)
+    assert result.summary.status == "failed" and not requests_of(result)
+    (failure,) = result.summary.failures
+    assert failure.message.startswith(f"nothing answers at {url}: connection refused (retried for 5 s")
+    code, output, run_dir = cli(tmp_path, serve_workload(url), mark=run_mark, timeout=120)
+    assert code == 1, output[-2000:]
+    assert f"nothing answers at {url}: connection refused" in output  # the one line, on the terminal
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [f["message"] for f in summary["failures"]] == [failure.message]
+    assert marked(run_mark) == []
+
+
+def test_a_server_that_answers_but_is_not_ready_is_waited_for(tmp_path, fake_server, mark):
+    """A server that answers 503 (still loading its model) is waited for, up to the start-up limit (the run's
+    timeout here): it is neither "nothing answers" nor "not an OpenAI-compatible server"."""
+    url, _ = fake_server("--models", "starting")
+    run_mark = mark()
+    result = run(serve_workload(url), "openai", out=tmp_path, timeout=8)
+    assert [f.message for f in result.summary.failures] == ["the engine was not ready within 8 s"]
+    assert marked(run_mark) == []

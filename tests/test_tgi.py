@@ -383,6 +383,33 @@ def test_stream_event_parsing():
     assert err.value.cause == "malformed"
 
 
+TOKEN = {"id": 5, "text": " hi", "logprob": -1.0, "special": False}
+LAST = {"index": 2, "token": TOKEN, "generated_text": " hi hi", "details": None}
+DETAILS = {"finish_reason": "length", "generated_tokens": 2, "seed": None, "input_length": 7}
+
+
+@pytest.mark.parametrize(("event", "field"), [
+    ({"index": 1, "token": {**TOKEN, "text": 5}, "generated_text": None, "details": None}, "token.text is a number"),
+    ({**LAST, "details": "length"}, "details is text, not an object"),
+    ({**LAST, "details": {**DETAILS, "finish_reason": 3}}, "details.finish_reason is a number, not text"),
+    ({**LAST, "details": {**DETAILS, "generated_tokens": "2"}}, "details.generated_tokens is text, not a count"),
+    ({**LAST, "details": {**DETAILS, "input_length": True}}, "details.input_length is a boolean, not a count"),
+    ({**LAST, "details": {**DETAILS, "generated_tokens": -1}}, "details.generated_tokens is a number, not a count"),
+], ids=["text", "details", "finish_reason", "generated_tokens", "input_length", "negative"])
+def test_stream_events_with_values_of_the_wrong_type_are_malformed(event, field):
+    """What a server sends goes into request records: a value of the wrong type fails the request as malformed,
+    naming the field, instead of reaching a record that the run's own summary step would refuse."""
+    with pytest.raises(RequestFailed) as err:
+        parse_stream_event(event)
+    assert err.value.cause == "malformed" and f"malformed response: {field}" in str(err.value)
+    ctx = ServeContext(serve_workload("http://x"), "tgi-openai", Path("."), None, None, 0)
+    parse = TGIOpenAIServer(ctx).parse_event
+    with pytest.raises(RequestFailed, match=r"choices\[0\].finish_reason is a number, not text: '\{"):
+        parse({"choices": [{"index": 0, "text": " a", "finish_reason": 1}]})
+    with pytest.raises(RequestFailed, match="usage.completion_tokens is text, not a count"):
+        parse({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": "1"}})
+
+
 @needs_data
 @pytest.mark.parametrize("name", ["test_flash_llama_test_flash_llama_simple",
                                   "test_flash_llama_test_flash_llama_all_params",

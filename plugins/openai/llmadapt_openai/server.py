@@ -23,10 +23,9 @@ class OpenAIServer(OpenAICompatibleServer):
         return self._model
 
     async def ready(self, session) -> bool:
-        async with session.get(self.ctx.base_url + "/v1/models", headers=self.headers()) as r:
-            if r.status != 200:
-                return False
-            models = (await r.json()).get("data") or []
-            if models:
-                self._model = models[0]["id"]
-            return True
+        models = await self.list_models(session)  # an answer that is not a model list fails the run at once
+        if models is None:
+            return False
+        if models:
+            self._model = models[0]["id"]
+        return True

@@ -31,7 +31,7 @@ import attrs
 
 from llmadapt.interfaces import Server
 from llmadapt.serving import Chunk, PlannedRequest, RequestFailed
-from llmadapt.sse import OpenAICompatibleServer, http_failure, parse_prometheus, sse_events
+from llmadapt.sse import OpenAICompatibleServer, field, http_failure, json_event, parse_prometheus, sse_events
 
 API_KEY_ENV = "TGI_API_KEY"
 """A TGI launched with --api-key wants ``Authorization: Bearer KEY``; the key comes from this variable only."""
@@ -64,13 +64,15 @@ def parse_stream_event(event: Any) -> tuple[Chunk, bool]:
     token = event.get("token")
     if not isinstance(token, dict):
         raise RequestFailed("malformed", f"a stream event without a token: {json.dumps(event)[:200]}")
-    text = "" if token.get("special") else str(token.get("text") or "")
-    details = event.get("details")
+    text = "" if token.get("special") else field(token, "text", str, "token.text", event) or ""
+    details = field(event, "details", dict, "details", event)
     last = event.get("generated_text") is not None or details is not None
-    details = details if isinstance(details, dict) else {}
-    return Chunk(text=text, tokens=1, finish_reason=details.get("finish_reason"),
-                 usage_output_tokens=details.get("generated_tokens"),
-                 usage_input_tokens=details.get("input_length")), last
+    details = details or {}
+    # these go into the request record: a value of another type there would cost the run its summary
+    return Chunk(text=text, tokens=1,
+                 finish_reason=field(details, "finish_reason", str, "details.finish_reason", event),
+                 usage_output_tokens=field(details, "generated_tokens", int, "details.generated_tokens", event),
+                 usage_input_tokens=field(details, "input_length", int, "details.input_length", event)), last
 
 
 class _TGICommon:
@@ -138,11 +140,7 @@ class TGIServer(_TGICommon, Server):
             async for data in sse_events(response):
                 if last:
                     raise RequestFailed("malformed", f"data after TGI's last event: {data[:200]!r}")
-                try:
-                    event = json.loads(data)
-                except json.JSONDecodeError:
-                    raise RequestFailed("malformed", f"not JSON in the stream: {data[:200]!r}") from None
-                chunk, last = parse_stream_event(event)
+                chunk, last = parse_stream_event(json_event(data))
                 yield chunk
             if not last:
                 raise RequestFailed("malformed", "the stream ended before TGI's last event (generated_text, details)")
@@ -183,12 +181,7 @@ class TGIOpenAIServer(_TGICommon, OpenAICompatibleServer):
             async for data in sse_events(response):
                 if data.strip() == "[DONE]":
                     return
-                try:
-                    event = json.loads(data)
-                except json.JSONDecodeError:
-                    raise RequestFailed("malformed", f"not JSON in the stream: {data[:200]!r}") from None
-                if not isinstance(event, dict):
-                    raise RequestFailed("malformed", f"a stream event that is not an object: {data[:200]!r}")
+                event = json_event(data)
                 if "error" in event:
                     error = event["error"]
                     kind = event.get("error_type") or "error"

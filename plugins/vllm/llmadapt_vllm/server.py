@@ -26,7 +26,7 @@ from typing import Any
 from llmadapt.contract import Patch
 from llmadapt.errors import LlmadaptError
 from llmadapt.serving import Chunk, PlannedRequest
-from llmadapt.sse import OpenAICompatibleServer
+from llmadapt.sse import OpenAICompatibleServer, field
 
 from .plugin import REMOVE_AFTER_INSTALL
 
@@ -129,13 +129,10 @@ class VLLMServer(OpenAICompatibleServer):
         if not await super().ready(session):  # GET /health
             return False
         if self.ctx.workload.serve.url:  # attached: learn the name the server gives its model
-            async with session.get(self.ctx.base_url + "/v1/models", headers=self.headers()) as r:
-                if r.status != 200:
-                    return False
-                models = (await r.json()).get("data") or []
-                if not models:
-                    return False
-                self.served_model_name = models[0]["id"]
+            models = await self.list_models(session)  # a 200 that is no model list: WrongServer, at once
+            if not models:
+                return False
+            self.served_model_name = models[0]["id"]
         return True
 
     def payload(self, request: PlannedRequest) -> tuple[str, dict[str, Any]]:
@@ -148,7 +145,7 @@ class VLLMServer(OpenAICompatibleServer):
     def parse_event(self, event: dict[str, Any]) -> Chunk:
         chunk = super().parse_event(event)
         choices = event.get("choices") or []
-        ids = [c.get("token_ids") for c in choices]
+        ids = [field(c, "token_ids", list, f"choices[{i}].token_ids", event) for i, c in enumerate(choices)]
         if not choices or any(i is None for i in ids):
             return chunk  # the usage-only last event, or a server that does not return ids (attached, older)
         return Chunk(text=chunk.text, tokens=sum(len(i) for i in ids), finish_reason=chunk.finish_reason,
