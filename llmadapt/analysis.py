@@ -51,6 +51,11 @@ class ParityReport:
 
 def loss_parity(reference: list[float | None], candidate: list[float | None], *,
                 rtol: float = PARITY_RTOL, atol: float = PARITY_ATOL) -> ParityReport:
+    import math
+
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise LlmadaptError(f"parity {name}: got {value!r}; must be a finite number >= 0 (NaN passes everything)")
     first, worst = None, 0.0
     for i, (a, b) in enumerate(zip(reference, candidate)):
         if a is None or b is None:
@@ -126,17 +131,35 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
     """The run's summary.json; for a run whose orchestrator never wrote one (killed, disk full), the summary
     the records on disk give, with a warning saying so."""
     path = Path(run_dir) / "summary.json"
+    problem = "incomplete run: no summary.json (its orchestrator did not finish)"
     if path.is_file():
-        return json.loads(path.read_text())
+        try:
+            summary = json.loads(path.read_bytes())
+            missing = [k for k in _SUMMARY_KEYS if not isinstance(summary, dict) or k not in summary]
+            if not missing:
+                return summary
+            problem = f"summary.json lacks {', '.join(missing[:4])}"
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            problem = "summary.json is not JSON"
     if not (Path(run_dir) / "launch.json").is_file():
-        raise LlmadaptError(f"{run_dir} is not a run directory (no summary.json, no launch.json)")
+        raise LlmadaptError(f"{run_dir} is not a run directory" +
+                            (f" ({problem}, and no launch.json to rebuild it from)" if path.is_file() else
+                             " (no summary.json, no launch.json)"))
     from .contract import to_json
     from .launch import summarise
 
-    summary = to_json(summarise(run_dir, write=False))
-    summary["warnings"] = [f"incomplete run: no summary.json (its orchestrator did not finish); this summary is "
-                           f"built from the records on disk", *summary.get("warnings", [])]
+    try:
+        summary = to_json(summarise(run_dir, write=False))
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise LlmadaptError(f"{run_dir}: {problem}, and its launch.json cannot be read ({exc})") from None
+    summary["warnings"] = [f"{problem}; this summary is built from the records on disk",
+                           *summary.get("warnings", [])]
     return summary
+
+
+# What show, compare and parity read from a summary: one missing means the file is damaged.
+_SUMMARY_KEYS = ("run_id", "status", "adapter", "framework", "framework_version", "launcher", "workload_hash",
+                 "problem_hash", "world_size", "steps_completed", "measured_steps", "losses")
 
 
 def parity_of_runs(reference: str | Path, candidate: str | Path, *, rtol: float = PARITY_RTOL,

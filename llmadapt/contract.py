@@ -661,7 +661,8 @@ class JsonlWriter:
 def read_jsonl(path: str | Path, *, check: bool = True) -> list[dict[str, Any]]:
     """Read and (by default) validate every record. A torn last line (killed mid-write) is skipped."""
     records = []
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    # Bytes, not text: a file with binary garbage is named by its line below, not a UnicodeDecodeError.
+    lines = Path(path).read_bytes().decode("utf-8", errors="replace").splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue

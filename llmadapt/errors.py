@@ -12,7 +12,13 @@ class WorkloadError(LlmadaptError, ValueError):
 
     def __init__(self, field: str, value: object, allowed: str) -> None:
         self.field, self.value, self.allowed = field, value, allowed
-        super().__init__(f"workload field {field!r}: got {value!r}; {allowed}")
+        super().__init__(f"workload field {field!r}: got {excerpt(value)}; {allowed}")
+
+
+def excerpt(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: an error line never echoes megabytes of input back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class UnknownAdapterError(LlmadaptError, LookupError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -31,6 +32,12 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 OPTIMIZER_IMPLS = ("torch", "cpu_adam")
 DATA_SOURCES = ("synthetic", "jsonl")
 FAMILIES = ("llama", "mixtral")
+# Linear layers LoRA can wrap, by family (transformers' module names). Mixtral's experts are fused
+# parameters in transformers 5, not linear layers: LoRA targets its attention projections.
+LORA_TARGETS = {
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("q_proj", "k_proj", "v_proj", "o_proj"),
+}
 
 
 def _choice(options: tuple[str, ...]):
@@ -43,8 +50,21 @@ def _choice(options: tuple[str, ...]):
 
 def _at_least(low: int | float):
     def check(inst, attribute, value):
+        if value is None:
+            return
+        if isinstance(value, float) and not math.isfinite(value):
+            raise WorkloadError(attribute.name, value, f"must be a finite number >= {low}")
         if value < low:
             raise WorkloadError(attribute.name, value, f"must be >= {low}")
+
+    return check
+
+
+def _above(low: float):
+    """Optional and finite, strictly above ``low`` (durations, SLO limits)."""
+    def check(inst, attribute, value):
+        if value is not None and not (math.isfinite(value) and value > low):
+            raise WorkloadError(attribute.name, value, f"must be a finite number > {low}")
 
     return check
 
@@ -183,8 +203,9 @@ class LoraSpec:
     """LoRA adapters; rank 0 means off (full fine-tuning)."""
 
     rank: int = attrs.field(default=0, validator=_at_least(0))
-    alpha: float = 16.0
-    dropout: float = 0.0
+    alpha: float = attrs.field(default=16.0, validator=_above(0))
+    dropout: float = attrs.field(default=0.0, validator=_at_least(0.0))
+    """Probability in [0, 1)."""
     target_modules: tuple[str, ...] = ("q_proj", "v_proj")
 
 
@@ -219,9 +240,9 @@ class ArrivalSpec:
 class SloSpec:
     """Service-level objectives for goodput: a request counts if it meets every one given."""
 
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2el_ms: float | None = None
+    ttft_ms: float | None = attrs.field(default=None, validator=_above(0))
+    tpot_ms: float | None = attrs.field(default=None, validator=_above(0))
+    e2el_ms: float | None = attrs.field(default=None, validator=_above(0))
 
 
 @attrs.frozen
@@ -231,10 +252,10 @@ class ServeSpec:
     arrival: ArrivalSpec = attrs.field(factory=ArrivalSpec)
     requests: int = attrs.field(default=32, validator=_at_least(1))
     """Measured requests (warm-up requests come on top)."""
-    duration_s: float | None = None
+    duration_s: float | None = attrs.field(default=None, validator=_above(0))
     """Stop scheduling after this many seconds (requests still bounds the count)."""
     warmup_requests: int = attrs.field(default=2, validator=_at_least(0))
-    max_concurrency: int | None = None
+    max_concurrency: int | None = attrs.field(default=None, validator=_at_least(1))
     """Cap on requests in flight for open-loop processes (none: unbounded)."""
     input_len: LengthSpec = attrs.field(factory=lambda: LengthSpec(mean=32))
     output_len: LengthSpec = attrs.field(factory=lambda: LengthSpec(mean=16))
@@ -318,6 +339,8 @@ class Workload:
             raise WorkloadError("file", str(path), f"could not be parsed: {exc}") from None
         if not isinstance(data, dict):
             raise WorkloadError("file", str(path), "the top level must be a table/mapping")
+        if not data:  # running the defaults is never what an empty file meant
+            raise WorkloadError("file", str(path), "is empty: it sets no field of the workload")
         section = data.get("data")
         if isinstance(section, dict) and isinstance(section.get("path"), str) and not Path(section["path"]).is_absolute():
             # Data paths in a file are relative to that file, so examples run from anywhere.
@@ -439,6 +462,16 @@ def _check_workload(w: Workload) -> None:
         raise WorkloadError("optimizations.offload", o.offload, "parameter offload needs optimizations.zero_stage = 3")
     if w.lora.rank and w.kind != "finetune":
         raise WorkloadError("lora.rank", w.lora.rank, "LoRA needs kind = 'finetune'")
+    if not w.lora.dropout < 1:
+        raise WorkloadError("lora.dropout", w.lora.dropout, "must be in [0, 1)")
+    if w.lora.rank:
+        known = LORA_TARGETS[w.model.family]
+        if not w.lora.target_modules:
+            raise WorkloadError("lora.target_modules", [], f"name at least one of: {', '.join(known)}")
+        wrong = [m for m in w.lora.target_modules if m not in known]
+        if wrong:
+            raise WorkloadError("lora.target_modules", wrong[0][:40],
+                                f"not a linear layer of a {w.model.family} model; known: {', '.join(known)}")
     if o.quantization != "none" and not w.lora.rank:
         raise WorkloadError(
             "optimizations.quantization", o.quantization, "quantized base weights do not train: set lora.rank > 0 (QLoRA)"
@@ -450,10 +483,40 @@ def _check_workload(w: Workload) -> None:
             raise WorkloadError("data.path", w.data.path, "data.source = 'jsonl' needs a path to a JSONL file")
         if not Path(w.data.path).is_file():
             raise WorkloadError("data.path", w.data.path, "no such file")
+        _check_jsonl(w.data)
+
+
+def _check_jsonl(d: DataSpec) -> None:
+    """Every line an object with the prompt and answer fields as text: checked here, not minutes later."""
+    try:
+        text = Path(d.path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError("data.path", d.path, f"cannot be read as UTF-8 text: {exc}") from None
+    rows = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise WorkloadError("data.path", d.path, f"line {number} is not JSON ({exc.msg})") from None
+        for field in (d.prompt_field, d.answer_field):
+            if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                raise WorkloadError("data.path", d.path, f"line {number} needs a text field {field!r} "
+                                    "(set data.prompt_field / data.answer_field to the file's names)")
+        rows += 1
+    if not rows:
+        raise WorkloadError("data.path", d.path, "has no examples (the file is empty)")
 
 
 def _check_serve(w: Workload) -> None:
     s = w.serve
+    if s.url is not None:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(s.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise WorkloadError("serve.url", s.url[:80], "must be an http:// or https:// URL with a host")
     for name in ("input_len", "output_len"):
         spec: LengthSpec = getattr(s, name)
         if spec.low > spec.high:
@@ -481,7 +544,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
     data = dict(data)
     if cls is ModelSpec and "preset" in data:
         preset = data.pop("preset")
-        if preset not in MODEL_PRESETS:
+        if not isinstance(preset, str) or preset not in MODEL_PRESETS:
             raise WorkloadError(f"{path}.preset", preset, f"known presets: {', '.join(MODEL_PRESETS)}")
         data = {"name": preset, **MODEL_PRESETS[preset], **data}
     fields = {f.name: f for f in attrs.fields(cls)}

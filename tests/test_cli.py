@@ -95,12 +95,13 @@ def test_export_json_holds_every_record(run_dir):
 
 def test_compare_matrix_gives_one_row_per_variant(tmp_path):
     """`compare --matrix` runs every variant and prints one table with the parity delta."""
-    out = cli("compare", EXAMPLE, *SMALL, "--matrix", "train.micro_batch=1,2", "--out", tmp_path, "--json")
+    out = cli("compare", EXAMPLE, *SMALL, "--adapters", "torch", "--matrix", "train.micro_batch=1,2", "--out", tmp_path,
+              "--json")
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["rows"]
     assert [r["variant"] for r in rows] == ["micro_batch=1", "micro_batch=2"]
     assert rows[1]["metrics"]["parity_delta"] < 1e-4
-    text = cli("compare", EXAMPLE, *SMALL, "--out", tmp_path).stdout
+    text = cli("compare", EXAMPLE, *SMALL, "--adapters", "torch", "--out", tmp_path).stdout
     assert text.splitlines()[0].split()[:2] == ["run", "status"]
 
 
@@ -112,3 +113,71 @@ def test_parity_command_passes_and_fails(tmp_path):
     assert ok.stdout.startswith("parity ok: torch matches torch at all 3 steps")
     refused = cli("parity", EXAMPLE, *SMALL, "--set", "precision=bf16", "--adapters", "torch,torch")
     assert refused.returncode == 2 and "parity needs precision fp32" in refused.stderr
+
+
+def _one_error_line(out):
+    """The one line that says what is wrong (argparse's own errors come after its usage block, as usual)."""
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    if lines[0].startswith("usage:"):
+        return lines[-1]
+    (line,) = lines
+    return line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compare", EXAMPLE], "the following arguments are required: --adapters"),
+    (["compare", EXAMPLE, "--adapters", ","], "error: --adapters ',' names no adapter"),
+    (["compare", EXAMPLE, "--adapters", "torch,torch"], "error: --adapters names 'torch' twice"),
+    (["parity", EXAMPLE, "--adapters", "torch,plain", "--rtol", "nan"], "error: --rtol: got nan"),
+    (["parity", EXAMPLE, "--adapters", "torch,plain", "--atol", "-1"], "error: --atol: got -1.0"),
+])
+def test_bad_options_are_one_line_and_start_nothing(tmp_path, args, message):
+    out = cli(*args, "--out", tmp_path / "runs")
+    assert message in _one_error_line(out)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_two_export_formats_and_an_unwritable_output_are_one_line(run_dir, tmp_path):
+    assert "--format given twice" in _one_error_line(cli("export", run_dir, "--format", "json", "--format", "csv"))
+    line = _one_error_line(cli("export", run_dir, "--format", "csv", "-o", tmp_path / "no" / "such" / "dir.csv"))
+    assert line.startswith("error: cannot write") and "No such file or directory" in line
+
+
+def _copy(run_dir, tmp_path):
+    import shutil
+
+    target = tmp_path / "copy"
+    shutil.copytree(run_dir, target)
+    return target
+
+
+@pytest.mark.parametrize("damage, warning", [
+    (lambda d: (d / "summary.json").write_text("{not json"), "summary.json is not JSON"),
+    (lambda d: (d / "summary.json").write_text('{"run_id": "x"}'), "summary.json lacks status"),
+    (lambda d: (d / "summary.json").unlink(), "incomplete run: no summary.json"),
+    (lambda d: (d / "rank-00000.jsonl").open("ab").write(b'{"type": "step", "ra'), None),  # torn last line
+])
+def test_a_damaged_summary_or_a_torn_record_is_shown_from_the_records(run_dir, tmp_path, damage, warning):
+    copy = _copy(run_dir, tmp_path)
+    damage(copy)
+    out = cli("show", copy)
+    assert out.returncode == 0, out.stderr
+    assert "steps      3 completed" in out.stdout
+    if warning:
+        assert f"warning    {warning}" in out.stdout
+
+
+def test_binary_garbage_in_a_records_file_is_one_line_naming_the_line(run_dir, tmp_path):
+    copy = _copy(run_dir, tmp_path)
+    (copy / "summary.json").unlink()
+    with (copy / "rank-00000.jsonl").open("r+b") as f:
+        lines = f.read().split(b"\n")
+        lines[1] = b"\x00\xff\xfe garbage \x81"
+        f.seek(0)
+        f.write(b"\n".join(lines))
+        f.truncate()
+    for args in (["show", copy], ["export", copy, "--format", "json"]):
+        line = _one_error_line(cli(*args))
+        assert "rank-00000.jsonl:2: not valid JSON" in line

@@ -139,3 +139,58 @@ def test_matrix_axes_are_given_once_and_parse_cleanly():
         parse_matrix(["parallelism.dp=1,2", "parallelism.dp=2,4"])
     with pytest.raises(LlmadaptError, match="is not a YAML scalar"):
         parse_matrix(["train.lr=[1"])
+
+
+def _jsonl(tmp_path, text):
+    path = tmp_path / "data.jsonl"
+    path.write_text(text)
+    return ["kind=finetune", "data.source=jsonl", f"data.path={path}"]
+
+
+@pytest.mark.parametrize("sets, field, allowed", [
+    (["train.lr=.nan"], "train.lr", "must be a finite number >= 0.0"),
+    (["train.lr=.inf"], "train.lr", "must be a finite number >= 0.0"),
+    (["kind=finetune", "lora.rank=4", "lora.target_modules=[qkv]"], "lora.target_modules",
+     "not a linear layer of a llama model"),
+    (["kind=finetune", "lora.rank=4", "lora.target_modules=[]"], "lora.target_modules", "name at least one of"),
+    (["lora.dropout=1.5"], "lora.dropout", "must be in [0, 1)"),
+    (["lora.dropout=-0.1"], "lora.dropout", "must be >= 0.0"),
+    (["kind=serve", "serve.max_concurrency=0"], "serve.max_concurrency", "must be >= 1"),
+    (["kind=serve", "serve.arrival.concurrency=-2"], "serve.arrival.concurrency", "must be >= 1"),
+    (["kind=serve", "serve.duration_s=-1"], "serve.duration_s", "must be a finite number > 0"),
+    (["kind=serve", "serve.slo.ttft_ms=-5"], "serve.slo.ttft_ms", "must be a finite number > 0"),
+    (["kind=serve", "serve.url=ftp://host/x"], "serve.url", "must be an http:// or https:// URL"),
+    (["kind=serve", "serve.url=localhost:8000"], "serve.url", "must be an http:// or https:// URL"),
+    (["model.preset=[tiny-llama]"], "model.preset", "known presets"),
+])
+def test_wrong_values_are_refused_before_anything_runs(sets, field, allowed):
+    with pytest.raises(WorkloadError) as info:
+        Workload.from_dict({}).with_overrides(sets)
+    assert info.value.field == field and allowed in info.value.allowed, str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("text, allowed", [
+    ("", "has no examples"),
+    ('{"instruction": "a", "answer": "b"}\n{not json\n', "line 2 is not JSON"),
+    ('{"instruction": "a", "reply": "b"}\n', "line 1 needs a text field 'answer'"),
+    ('["instruction", "answer"]\n', "line 1 needs a text field 'instruction'"),
+    ('{"instruction": 3, "answer": "b"}\n', "line 1 needs a text field 'instruction'"),
+])
+def test_a_broken_instruction_file_is_refused_at_the_edge(tmp_path, text, allowed):
+    with pytest.raises(WorkloadError, match="data.path") as info:
+        Workload.from_dict({}).with_overrides(_jsonl(tmp_path, text))
+    assert allowed in info.value.allowed
+
+
+def test_an_empty_workload_file_is_refused(tmp_path):
+    for name, text in (("w.toml", ""), ("w.yaml", "# nothing\n"), ("w.json", "{}")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(WorkloadError, match="is empty"):
+            Workload.from_file(tmp_path / name)
+
+
+def test_errors_echo_only_an_excerpt_of_the_value():
+    with pytest.raises(WorkloadError) as info:
+        Workload.from_dict({"name": "x" * 10, "train": {"optimizer": "y" * 1_000_000}})
+    assert len(str(info.value)) < 300 and "1000002 characters" in str(info.value)
