@@ -240,7 +240,7 @@ def cmd_studyb_fit_throughput(args) -> int:
         else:
             points += [(p["batch"], p["sparsity"], p["throughput"])
                        for p in studyb.read_points(item, ("batch", "sparsity", "throughput"))]
-    source = ", ".join((["seeds.md reference data"] if args.reference else []) + list(args.inputs)) or "no data"
+    source = ", ".join((["Study B's published points (Mixtral, A40)"] if args.reference else []) + list(args.inputs)) or "no data"
     fit = studyb.fit_throughput(points, args.c3, source=source)
     return _finish_fit(args, fit)
 
@@ -326,7 +326,7 @@ def cmd_studyb_reproduce(args) -> int:
     r = studyb.reproduce()
     fit = r["eq2_fit"]
     c = fit.coefficients
-    lines = [f"Eq. 2 on seeds.md's Mixtral/A40 data, C3 = {fit.fixed['C3']}: C4 = {c['C4']:.4f}, C2 = {c['C2']:.4f}, "
+    lines = [f"Eq. 2 on Study B's Mixtral/A40 data, C3 = {fit.fixed['C3']}: C4 = {c['C4']:.4f}, C2 = {c['C2']:.4f}, "
              f"RMSE = {fit.rmse:.4f} queries/s (seeds: C4 = 0.3169, C2 = 0.2808, RMSE = 0.0547)"]
     for mem, v in r["eq1_projections"].items():
         lines.append(f"Eq. 1 (C0 62, C1 0.89, model 23.35 GB, seq 512, sparsity 0.25) at {mem}: "
@@ -454,7 +454,7 @@ def register(sub, command) -> None:
 
     p = studyb_cmd("fit-throughput", cmd_studyb_fit_throughput, "fit Eq. 2 (C4, C2; C3 fixed) to a batch-size sweep")
     p.add_argument("inputs", nargs="*", help="run directories, or CSV/JSON files with batch,sparsity,throughput")
-    p.add_argument("--reference", action="store_true", help="include seeds.md's Mixtral/A40 reference points")
+    p.add_argument("--reference", action="store_true", help="include Study B's published Mixtral/A40 points (arXiv 2408.04693)")
     p.add_argument("--c3", type=float, default=1.8, help="MoE attenuation (1.8 Mixtral, 2.5 BlackMamba)")
     p.add_argument("--csv", metavar="FILE")
     p.add_argument("--record", metavar="FILE", help="append the fit record to this JSONL file")
@@ -480,4 +480,4 @@ def register(sub, command) -> None:
     p.add_argument("--catalog", action="append", metavar="FILE")
     p.add_argument("--price", type=float, help="price per GPU-hour")
 
-    studyb_cmd("reproduce", cmd_studyb_reproduce, "reproduce seeds.md: the Eq. 2 fit, Eq. 1 projections, Table IV")
+    studyb_cmd("reproduce", cmd_studyb_reproduce, "reproduce Study B (arXiv 2408.04693): the Eq. 2 fit, Eq. 1 projections, Table IV")

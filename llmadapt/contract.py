@@ -23,8 +23,6 @@ from .errors import ContractError
 
 SCHEMA_VERSION = "1.1"  # 1.1: end records, summary warnings
 
-FAILURE_CAUSES = ("error", "crash", "killed", "timeout", "oom", "interrupted", "unsupported")
-
 
 @attrs.frozen
 class Phase:
@@ -54,10 +52,6 @@ class Memory:
     peak_reserved_bytes: int | None = None
     rss_bytes: int | None = None
     peak_rss_bytes: int | None = None
-
-    @property
-    def peak_bytes(self) -> int | None:
-        return self.peak_allocated_bytes if self.kind == "cuda" else self.peak_rss_bytes
 
 
 @attrs.frozen

@@ -31,7 +31,6 @@ from .errors import LlmadaptError
 from .opmodel import DTYPE_BYTES, Op, _attention, layer_ops
 from .spec import Workload
 
-SUITES = ("ops", "peak", "comm")
 OPS = ("qkv", "output", "fc1", "fc2", "lm_head", "attention", "rmsnorm", "rotary", "swiglu", "moe_router",
        "moe_dispatch", "cross_entropy")
 ATTENTION_BACKENDS = ("eager", "math", "flash", "efficient", "cudnn")

@@ -29,7 +29,6 @@ BUSBW_FACTOR = {  # nccl-tests conventions
     "all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
 }
-SDPA_BACKENDS = ("math", "flash", "efficient", "cudnn")
 
 
 def _torch_dtype(name: str):

@@ -60,7 +60,13 @@ def collect_adapters(pm: pluggy.PluginManager) -> dict[str, AdapterInfo]:
             found[info.name] = info
             owners[info.name] = _plugin
 
-        impl.function(register=register)
+        try:
+            impl.function(register=register)
+        except LlmadaptError:
+            raise
+        except Exception as exc:  # a broken third-party plugin: named in one line, never a traceback
+            raise LlmadaptError(f"plugin {impl.plugin_name!r} failed to register its adapters: "
+                                f"{type(exc).__name__}: {exc}; set LLMADAPT_LOAD_PLUGINS to skip it") from None
     return dict(sorted(found.items()))
 
 

@@ -298,7 +298,7 @@ def maxbatch_points(dirs: Iterable[str | Path]) -> list[dict[str, float]]:
 
 def reproduce() -> dict[str, Any]:
     """Seeds' reproduction: the Eq. 2 fit, the authors' Eq. 1 projections, and Table IV's costs."""
-    fit = fit_throughput(REFERENCE_POINTS, REFERENCE_FIT["C3"], source="seeds.md reference data (Mixtral, A40)")
+    fit = fit_throughput(REFERENCE_POINTS, REFERENCE_FIT["C3"], source="Study B's published points (Mixtral, A40)")
     a = AUTHORS_EQ1
     projections = {f"{mem} GB": {r: max_batch(mem, a["model_mem_gb"], a["seq_len"], a["sparsity"], a["C0"], a["C1"], r)
                                  for r in ("floor", "round")}

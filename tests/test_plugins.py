@@ -126,3 +126,16 @@ def test_listing_adapters_does_not_import_torch():
             "print('TORCH' if 'torch' in sys.modules else 'LIGHT')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().endswith("LIGHT")
+
+
+def test_a_plugin_whose_registration_raises_is_one_line_naming_it(pm):
+    class Broken:
+        @hookimpl
+        def llmadapt_register_adapters(self, register):
+            register(AdapterInfo(name="broken", roles={"nope": "x:Y"}, framework="f", version="0"))
+
+    pm.register(Broken(), name="broken-plugin")
+    with pytest.raises(LlmadaptError) as exc:
+        collect_adapters(pm)
+    message = str(exc.value)
+    assert message.startswith("plugin 'broken-plugin' failed to register its adapters: ") and "\n" not in message
