@@ -1,0 +1,58 @@
+"""The docs' examples work as written.
+
+- Every ```toml block in README.md, docs/ and plugins/*/README.md is valid TOML, and every one that
+  describes a workload (it sets `kind` or a `[model]` table) is a valid workload.
+- Every block marked ``<!-- runnable ... -->`` on the line before it runs as written, with bash -e,
+  in a temporary folder holding a copy of examples/ (so what it writes stays there), with the
+  development environment's `llmadapt` first on PATH.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from llmadapt import Workload
+from llmadapt.testing import environments_unready
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted(REPO.glob("plugins/*/README.md"))]
+BLOCK = re.compile(r"(?P<mark><!-- runnable[^>]*-->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.DOTALL)
+
+
+def blocks(lang: str, runnable: bool = False):
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in BLOCK.finditer(text):
+            if m["lang"] == lang and (not runnable or m["mark"]):
+                line = text[: m.start()].count("\n") + 1
+                yield pytest.param(m["body"], id=f"{doc.relative_to(REPO)}:{line}")
+
+
+@pytest.mark.parametrize("body", list(blocks("toml")))
+def test_toml_blocks_are_valid(body):
+    data = tomllib.loads(body)
+    if "kind" in data or "model" in data:
+        Workload.from_dict(data)
+
+
+RUNNABLE = list(blocks("sh", runnable=True))
+
+
+def test_some_blocks_are_marked_runnable():
+    assert RUNNABLE, "no block is marked <!-- runnable -->: the docs' commands would go untested"
+
+
+@pytest.mark.skipif(bool(environments_unready("torch", "plain")), reason=environments_unready("torch", "plain") or "")
+@pytest.mark.parametrize("body", RUNNABLE)
+def test_runnable_blocks_run_as_written(body, tmp_path):
+    shutil.copytree(REPO / "examples", tmp_path / "examples", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    done = subprocess.run(["bash", "-e", "-c", body], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
