@@ -134,7 +134,7 @@ def _build(spec: EnvironmentSpec, target: Path, log: Callable[[str], None]) -> P
         args.append(r["core"])
     env = {**os.environ, **dict(spec.install_env)}
     log(f"installing {len(r['requirements'])} pinned requirements + llmadapt (this takes a few minutes)")
-    _check(args, "pip install", stream=log, env=env)
+    _check(args, "pip install", stream=log, env=env, retries=2)
     if spec.no_deps_requirements:
         log(f"installing without dependencies: {' '.join(spec.no_deps_requirements)}")
         _check([*args[:5], "--no-deps", *spec.no_deps_requirements], "pip install --no-deps", stream=log, env=env)
@@ -149,8 +149,26 @@ def _build(spec: EnvironmentSpec, target: Path, log: Callable[[str], None]) -> P
     return python
 
 
+# What pip prints when a download, not the recipe, failed: a truncated wheel fails its pinned hash, a
+# connection drops. Seen in CI: a 286 MB triton wheel cut at 173 MB. Worth another try; nothing else is.
+_TRANSIENT = ("DO NOT MATCH THE HASHES", "IncompleteRead", "ReadTimeoutError", "ConnectionError",
+              "Connection reset", "ProtocolError", "Temporary failure in name resolution")
+
+
 def _check(args: list[str], what: str, stream: Callable[[str], None] | None = None,
-           env: dict[str, str] | None = None) -> None:
+           env: dict[str, str] | None = None, retries: int = 0) -> None:
+    for attempt in range(retries + 1):
+        try:
+            return _run_checked(args, what, stream, env)
+        except LlmadaptError as exc:
+            if attempt == retries or not any(marker in str(exc) for marker in _TRANSIENT):
+                raise
+            if stream:
+                stream(f"  {what} failed on a download (attempt {attempt + 1} of {retries + 1}): trying again")
+
+
+def _run_checked(args: list[str], what: str, stream: Callable[[str], None] | None,
+                 env: dict[str, str] | None) -> None:
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     tail: list[str] = []
     assert proc.stdout is not None

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from llmadapt import environments
-from llmadapt.errors import EnvironmentNotReadyError
+from llmadapt.errors import EnvironmentNotReadyError, LlmadaptError
 from llmadapt.interfaces import EnvironmentSpec
 
 
@@ -56,7 +56,7 @@ def test_states_and_the_error_that_says_what_to_run(monkeypatch, state):
 def test_build_steps_in_order(monkeypatch, state):
     calls = []
 
-    def check(args, what, stream=None, env=None):
+    def check(args, what, stream=None, env=None, retries=0):
         calls.append((what, args))
         if what == "venv creation":
             (state / "envs" / "demo").mkdir(parents=True)
@@ -100,3 +100,21 @@ def test_a_second_builder_waits_for_the_first_and_builds_nothing(monkeypatch):
     assert builds == ["demo"]
     assert any("being built by another process" in line for line in logs)
     assert any("is ready at" in line for line in logs)
+
+
+def test_a_download_that_fails_is_tried_again_and_a_recipe_error_is_not(tmp_path):
+    """pip failing on a truncated download (its hash check) is transient; any other failure is final."""
+    from llmadapt.environments import _check
+
+    count = tmp_path / "count"
+    script = (f'n=$(cat {count} 2>/dev/null || echo 0); echo $((n+1)) > {count}; '
+              'if [ "$n" -lt 1 ]; then echo "ERROR: THESE PACKAGES DO NOT MATCH THE HASHES"; exit 1; fi')
+    seen = []
+    _check(["sh", "-c", script], "pip install", stream=seen.append, retries=2)
+    assert count.read_text().strip() == "2" and any("trying again" in line for line in seen)
+
+    count.unlink()
+    with pytest.raises(LlmadaptError, match="ResolutionImpossible"):
+        _check(["sh", "-c", f"echo x >> {count}; echo 'ERROR: ResolutionImpossible'; exit 1"], "pip install",
+               retries=2)
+    assert count.read_text().count("x") == 1
