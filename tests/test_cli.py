@@ -101,8 +101,12 @@ def test_compare_matrix_gives_one_row_per_variant(tmp_path):
     rows = json.loads(out.stdout)["rows"]
     assert [r["variant"] for r in rows] == ["micro_batch=1", "micro_batch=2"]
     assert rows[1]["metrics"]["parity_delta"] < 1e-4
-    text = cli("compare", EXAMPLE, *SMALL, "--adapters", "torch", "--out", tmp_path).stdout
-    assert text.splitlines()[0].split()[:2] == ["run", "status"]
+    text = cli("compare", EXAMPLE, *SMALL, "--adapters", "torch", "--matrix", "train.micro_batch=1,2",
+               "--out", tmp_path).stdout
+    head, _, *body = text.splitlines()
+    assert head.split()[:2] == ["run", "status"] and head.rstrip().endswith("parity delta")
+    assert len(body) == 2 and all(" ok " in row for row in body)
+    assert float(body[1].split()[-1]) < 1e-4  # the text table shows the same parity delta as the JSON
 
 
 def test_parity_command_passes_and_fails(tmp_path):

@@ -147,7 +147,9 @@ def test_stop_leaves_no_process_behind(tmp_path, monkeypatch, kind):
 
 
 def test_stop_without_start_is_a_no_op(tmp_path):
-    server(tmp_path).stop()
+    s = server(tmp_path)
+    s.stop()  # must not raise, nor start anything
+    assert s.proc is None and not (tmp_path / "engine.log").exists()
 
 
 def test_attached_to_a_running_server(tmp_path):
