@@ -179,10 +179,11 @@ class ServerSample:
 class Comm:
     """A framework's own record of one collective (e.g. DeepSpeed's comms logger), per rank.
 
-    Bandwidths follow the nccl-tests conventions: algbw = message bytes / time, busbw = algbw x
+    Bandwidths follow the nccl-tests conventions and unit: algbw = message bytes / time, busbw = algbw x
     the op's factor (all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; others 1),
-    in gigabits per second (10^9 bit/s, as DeepSpeed logs them; divide by 8 for nccl-tests' GB/s).
-    For all-gather and reduce-scatter, message_bytes is the gathered (total) size.
+    in GB/s (10^9 bytes/s), as nccl-tests prints them; computed by ``bandwidths`` for every source
+    (DeepSpeed's own logger prints Gbit/s: 8 x these). For all-gather and reduce-scatter,
+    message_bytes is the gathered (total) size.
     """
 
     rank: int
@@ -194,8 +195,33 @@ class Comm:
     step: int | None = None
     """The step it was logged in; None for a whole-run aggregate."""
     algbw_gbps: float | None = None
+    """GB/s (10^9 bytes per second)."""
     busbw_gbps: float | None = None
+    """GB/s (10^9 bytes per second)."""
     type: Literal["comm"] = "comm"
+
+
+# nccl-tests' bus-bandwidth factors by collective, under the names torch.distributed and DeepSpeed log.
+_ALL_REDUCE = ("all_reduce", "all_reduce_coalesced", "inference_all_reduce")
+_N_MINUS_1 = ("all_gather", "all_gather_into_tensor", "allgather_fn", "all_gather_base", "reduce_scatter",
+              "reduce_scatter_tensor", "reduce_scatter_fn", "reduce_scatter_base", "all_to_all", "all_to_all_single")
+
+
+def bus_factor(op: str, world: int) -> float:
+    if op in _ALL_REDUCE:
+        return 2 * (world - 1) / world
+    if op in _N_MINUS_1:
+        return (world - 1) / world
+    return 1.0  # broadcast and the rest
+
+
+def bandwidths(op: str, message_bytes: float, count: int, seconds: float, world: int
+               ) -> tuple[float | None, float | None]:
+    """(algbw, busbw) in GB/s for ``count`` calls taking ``seconds`` in all: the one place they are computed."""
+    if seconds <= 0 or message_bytes <= 0 or count <= 0:
+        return None, None
+    algbw = message_bytes * count / seconds / 1e9
+    return algbw, algbw * bus_factor(op, world)
 
 
 @attrs.frozen

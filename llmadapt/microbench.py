@@ -22,13 +22,8 @@ from typing import Any, Callable
 
 from . import lifecycle
 from .collect import node_name
-from .contract import Comm, End, Failure, Header, JsonlWriter, Metric, OpBench
+from .contract import Comm, End, Failure, Header, JsonlWriter, Metric, OpBench, bandwidths
 from .stats import describe
-
-BUSBW_FACTOR = {  # nccl-tests conventions
-    "all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
-}
 
 
 def _torch_dtype(name: str):
@@ -335,11 +330,10 @@ def run_comm(launch: dict[str, Any], device, writer: JsonlWriter, rank: int, wor
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if rank == 0:
                 per_iter = slowest.cpu().tolist()
-                mean = sum(per_iter) / len(per_iter)
-                algbw = nbytes / mean
+                algbw, busbw = bandwidths(op, nbytes, len(per_iter), sum(per_iter), world)
                 writer.write(Comm(rank=0, op=op, message_bytes=nbytes, count=len(per_iter), total_seconds=sum(per_iter),
                                   source=f"llmadapt.micro comm ({backend}, {world} ranks; slowest rank per iteration)",
-                                  algbw_gbps=algbw / 1e9, busbw_gbps=algbw * BUSBW_FACTOR[op](world) / 1e9))
+                                  algbw_gbps=algbw, busbw_gbps=busbw))
 
 
 def _collective(op: str, elems: int, world: int, rank: int, device) -> Callable[[], Any]:

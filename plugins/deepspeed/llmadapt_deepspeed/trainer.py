@@ -18,7 +18,7 @@ import time
 from contextlib import nullcontext
 from typing import Any
 
-from llmadapt.contract import Comm, Metric, Patch, Phase, Span
+from llmadapt.contract import Comm, Metric, Patch, Phase, Span, bandwidths
 from llmadapt.interfaces import FineTuner, StepResult, Trainer
 
 from .config import ADAM_BETAS, ADAM_EPS, build_config, client_cpu_adam, expected_optimizer, gradient_accumulation_steps
@@ -30,15 +30,6 @@ ENGINE_TIMERS = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
 # nccl-tests size convention: for these ops the bytes moved are the gathered/scattered whole,
 # n times the per-rank tensor DeepSpeed's comms logger records for all-gather.
 _GATHER_OPS = ("all_gather", "all_gather_into_tensor", "allgather_fn", "all_gather_base")
-_BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n, "all_reduce_coalesced": lambda n: 2 * (n - 1) / n,
-    "inference_all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n, "all_gather_into_tensor": lambda n: (n - 1) / n,
-    "allgather_fn": lambda n: (n - 1) / n, "all_gather_base": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n, "reduce_scatter_tensor": lambda n: (n - 1) / n,
-    "reduce_scatter_fn": lambda n: (n - 1) / n, "reduce_scatter_base": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n, "all_to_all_single": lambda n: (n - 1) / n,
-}
 
 PATCH_SHM = Patch(
     framework="deepspeed",
@@ -355,10 +346,7 @@ class DeepSpeedFineTuner(DeepSpeedTrainer, FineTuner):
 def _comm(rank: int, op: str, size: int, count: int, seconds: float, world: int, step: int | None) -> Comm:
     """One Comm record; sizes and bandwidths follow nccl-tests (algbw = bytes / time, busbw = algbw x factor)."""
     message = size * world if op in _GATHER_OPS else size
-    algbw = busbw = None
-    if seconds > 0 and message > 0:
-        algbw = message * count * 8 / seconds / 1e9  # Gbit/s, as DeepSpeed's logger reports
-        busbw = algbw * _BUS_FACTOR.get(op, lambda n: 1.0)(world)
+    algbw, busbw = bandwidths(op, message, count, seconds, world)  # GB/s, as nccl-tests (DeepSpeed logs Gbit/s)
     return Comm(rank=rank, op=op, message_bytes=int(message), count=int(count), total_seconds=float(seconds),
                 source=SOURCE, step=step, algbw_gbps=algbw, busbw_gbps=busbw)
 
