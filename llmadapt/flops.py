@@ -46,25 +46,30 @@ def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     return float(6 * n + attention)
 
 
-# Dense peak FLOP/s per device (no sparsity), from the vendors' datasheets. The full catalog
-# with sources and prices belongs to the analytical model; this is enough for MFU.
-PEAK_FLOPS: dict[str, dict[str, float]] = {
-    # NVIDIA A100 SXM datasheet (2020): 312 TFLOPS bf16/fp16 tensor, 156 tf32, 19.5 fp32.
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    "A800": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    # NVIDIA H100 SXM datasheet (2023): 989.4 TFLOPS bf16/fp16 dense, 67 fp32.
-    "H100": {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 67e12},
-    # NVIDIA H200 SXM datasheet (2024): same compute as H100 SXM.
-    "H200": {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 67e12},
-}
-
-
 def peak_flops(device_name: str, precision: str) -> float | None:
-    """Peak FLOP/s of one device for a precision, or None when unknown (CPUs: measure instead)."""
-    for key, peaks in PEAK_FLOPS.items():
-        if key in device_name.upper():
-            return peaks.get(precision)
-    return None
+    """Peak dense FLOP/s of one device for a precision, from the device catalog (llmadapt.catalog: every
+    accelerator it lists, shipped or the user's), or None when unknown. CPUs get none: their peak is a
+    measurement (``micro peak``), not a datasheet figure, and MFU against it would read as a GPU's."""
+    import re
+
+    from .catalog import device_for_reported, load_catalog
+
+    catalog = {n: d for n, d in load_catalog().items() if d.kind != "cpu"}
+    spec = device_for_reported(device_name, catalog)
+    if spec is None:
+        # A reported name holds the catalog's name or an alias ("NVIDIA A100-SXM4-40GB" holds "A100"), not
+        # followed by a digit ("A40" is not "A4000"); the longest such name wins.
+        def norm(text: str) -> str:
+            return re.sub(r"[^0-9A-Z]", "", text.upper())
+
+        reported = norm(device_name)
+        best = 0
+        for d in catalog.values():
+            for name in (d.name, *d.aliases):
+                key = norm(name)
+                if len(key) > best and re.search(re.escape(key) + r"(?!\d)", reported):
+                    spec, best = d, len(key)
+    return spec.peak(precision) if spec is not None else None
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_per_device: float | None, devices: int) -> float | None:

@@ -47,3 +47,20 @@ def test_mfu_needs_a_known_peak():
     assert peak_flops("AMD EPYC", "fp32") is None
     assert mfu(1e9, 1000.0, 1e13, 1) == pytest.approx(0.1)
     assert mfu(1e9, 1000.0, None, 1) is None
+
+
+@pytest.mark.parametrize("reported, precision, peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4e12),
+    ("NVIDIA A40", "bf16", 149.7e12),                 # not among the four the old table knew
+    ("NVIDIA GeForce RTX 4090", "fp16", None),
+    ("NVIDIA A100-SXM4-40GB", "fp32", 19.5e12),
+    ("NVIDIA RTX A4000", "bf16", None),               # "A40" followed by digits is another device
+    ("AMD EPYC 7B13", "fp32", None),                  # CPUs: measured, never a datasheet MFU
+])
+def test_mfu_peaks_come_from_the_device_catalog(reported, precision, peak):
+    from llmadapt.catalog import load_catalog
+
+    if reported.endswith("4090"):
+        peak = load_catalog()["RTX4090"].peak(precision)
+        assert peak
+    assert peak_flops(reported, precision) == peak
