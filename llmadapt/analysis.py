@@ -127,15 +127,16 @@ def expert_load_parity(reference: list[dict[str, Any]], candidate: list[dict[str
     return ExpertLoadReport(True, len(a), None, 0, 0, total_ties)
 
 
-def read_summary(run_dir: str | Path) -> dict[str, Any]:
+def read_summary(run_dir: str | Path, needs: tuple[str, ...] | None = None) -> dict[str, Any]:
     """The run's summary.json; for a run whose orchestrator never wrote one (killed, disk full), the summary
-    the records on disk give, with a warning saying so."""
+    the records on disk give, with a warning saying so. ``needs``: the keys the caller reads (default: what
+    `show` prints); a summary without one of them counts as damaged."""
     path = Path(run_dir) / "summary.json"
     problem = "incomplete run: no summary.json (its orchestrator did not finish)"
     if path.is_file():
         try:
             summary = json.loads(path.read_bytes())
-            missing = [k for k in _SUMMARY_KEYS if not isinstance(summary, dict) or k not in summary]
+            missing = [k for k in (needs or _SUMMARY_KEYS) if not isinstance(summary, dict) or k not in summary]
             if not missing:
                 return summary
             problem = f"summary.json lacks {', '.join(missing[:4])}"
@@ -164,7 +165,7 @@ _SUMMARY_KEYS = ("run_id", "status", "adapter", "framework", "framework_version"
 
 def parity_of_runs(reference: str | Path, candidate: str | Path, *, rtol: float = PARITY_RTOL,
                    atol: float = PARITY_ATOL, allow_mismatch: bool = False) -> ParityReport:
-    a, b = read_summary(reference), read_summary(candidate)
+    a, b = (read_summary(r, needs=("problem_hash", "losses")) for r in (reference, candidate))
     if a["problem_hash"] != b["problem_hash"] and not allow_mismatch:
         raise TraceMismatchError(
             f"{reference} and {candidate} ran different problems (problem hash {a['problem_hash'][:12]} vs "
