@@ -15,7 +15,7 @@ class WorkloadError(LlmadaptError, ValueError):
         super().__init__(f"workload field {field!r}: got {excerpt(value)}; {allowed}")
 
 
-def excerpt(value: object, limit: int = 80) -> str:
+def excerpt(value: object, limit: int = 200) -> str:
     """``repr(value)``, cut to ``limit`` characters: an error line never echoes megabytes of input back."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -30,6 +30,15 @@ from .plugins import get_adapter
 from .spec import Workload
 
 
+def interruptible() -> None:
+    """``preexec_fn`` for a process a test will Ctrl-C: SIGINT back to its default. A shell that starts a
+    job in the background (``cmd &``, nohup, some CI runners) leaves SIGINT ignored in it and every child,
+    and a Ctrl-C test would then wait for nothing."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def environments_unready(*adapters: str) -> str | None:
     """Why these adapters cannot run here (not registered, environment not built), or None: a skip reason."""
     for name in adapters:

@@ -17,7 +17,7 @@ import pytest
 
 from llmadapt import run
 from llmadapt.contract import read_jsonl
-from llmadapt.testing import environments_unready, standard_workloads
+from llmadapt.testing import environments_unready, interruptible, standard_workloads
 
 pytestmark = pytest.mark.skipif(bool(environments_unready("torch")), reason=environments_unready("torch") or "")
 
@@ -28,7 +28,8 @@ HANG_GUARD_S = 240  # bounds every wait below: a test that would hang fails inst
 
 def cli(*args: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "llmadapt.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=interruptible,
+                            **kwargs)
 
 
 def run_dir_of(out: Path) -> Path:

@@ -18,6 +18,7 @@ from llmadapt.contract import read_jsonl
 from llmadapt.launch import free_port
 from llmadapt.models import train_tokenizer
 from llmadapt.serving import arrival_offsets, plan_requests
+from llmadapt.testing import interruptible
 
 HERE = Path(__file__).parent
 MARK = "LLMADAPT_TEST_MARK"
@@ -288,7 +289,8 @@ def test_ctrl_c_leaves_a_valid_partial_trace(tmp_path, fake_server):
     w = serve_workload(url, requests=200, arrival={"process": "constant", "rate": 5.0})
     path.write_text(json.dumps(w.to_dict()))
     proc = subprocess.Popen([sys.executable, "-m", "llmadapt.cli", "run", str(path), "--adapter", "openai",
-                             "--out", str(tmp_path / "runs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             "--out", str(tmp_path / "runs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=interruptible)
     time.sleep(4)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
@@ -351,7 +353,8 @@ def test_sigterm_stops_the_run_like_ctrl_c(tmp_path, fake_server, mark, how, eng
         cmd = [sys.executable, str(script), "cli", *args, "--set", f"serve.url={url}"] if how == "cli" else \
             [sys.executable, str(script), "api", str(path), str(tmp_path / "runs"), url]
     run_mark = mark()
-    proc = subprocess.Popen(cmd, env={**os.environ, MARK: run_mark}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, env={**os.environ, MARK: run_mark}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=interruptible)
     trace = None
     for _ in range(1200):  # until two measured requests are done (a hang guard, not a timing)
         trace = next((tmp_path / "runs").glob("*/rank-00000.jsonl"), None)

@@ -23,6 +23,7 @@ from llmadapt import LlmadaptError, run
 from llmadapt.analysis import loss_parity
 from llmadapt.contract import read_jsonl
 from llmadapt.launch import free_port
+from llmadapt.testing import interruptible
 from llmadapt.slurm import SlurmSettings
 from llmadapt.testing import standard_workloads
 from test_multinode import single_node  # the same one-node run, once per session
@@ -209,7 +210,7 @@ def test_interrupting_the_orchestrator_cancels_the_job(slurm, two_nodes, tmp_pat
     workload.write_text(json.dumps(WORKLOAD.to_dict()))
     cmd = [sys.executable, "-m", "llmadapt.cli", "run", str(workload), "--launcher", "slurm", "--nnodes", "2",
            "--collect-addr", "127.0.0.1", "--out", str(tmp_path / "runs"), "--sbatch-option=--hold"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, preexec_fn=interruptible)
     for line in proc.stderr:
         if "PENDING" in line:
             job_id = line.split()[2].rstrip(":")
