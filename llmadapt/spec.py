@@ -8,6 +8,7 @@ Every validation error names the field path, the value and what is allowed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -606,6 +607,14 @@ def load_yaml(text: str):
 
     PyYAML follows YAML 1.1, whose float needs a dot and a signed exponent (``3.0e-3``), so the
     documented ``--set train.lr=3e-3`` arrived as the string "3e-3" and was refused."""
+    import yaml
+
+    return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+
+
+@functools.cache
+def _yaml_loader():
+    """PyYAML's SafeLoader plus YAML 1.2's floats; built once (load_yaml runs for every --set value)."""
     import re
 
     import yaml
@@ -617,4 +626,4 @@ def load_yaml(text: str):
         "tag:yaml.org,2002:float",
         re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
         list("-+0123456789"))
-    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+    return Loader
