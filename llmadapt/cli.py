@@ -180,8 +180,25 @@ def cmd_env_list(args) -> int:
 
     envs = {info.environment.name: info.environment for info in adapters().values() if info.environment}
     rows = [{"environment": name, "status": environments.status(spec), "path": str(environments.env_dir(spec)),
-             "requirements": list(spec.requirements)} for name, spec in sorted(envs.items())]
-    _emit(args, rows, "\n".join(f"{r['environment']:<16} {r['status']:<9} {r['path']}" for r in rows))
+             "requirements": list(spec.requirements),
+             "older_builds": [str(p) for p in environments.older_builds(spec)]} for name, spec in sorted(envs.items())]
+    lines = [f"{r['environment']:<16} {r['status']:<9} {r['path']}" for r in rows]
+    older = sum(len(r["older_builds"]) for r in rows)
+    if older and not args.json:
+        lines.append(f"({older} builds from other recipes: `llmadapt env prune` removes them)")
+    _emit(args, rows, "\n".join(lines))
+    return 0
+
+
+def cmd_env_prune(args) -> int:
+    from . import environments
+    from .plugins import adapters
+
+    specs = {info.environment.name: info.environment for info in adapters().values() if info.environment}
+    if args.name:
+        specs = {args.name: _environment(args.name)}
+    removed = [str(p) for spec in specs.values() for p in environments.prune(spec)]
+    _emit(args, removed, "\n".join(f"removed {p}" for p in removed) or "nothing to remove")
     return 0
 
 
@@ -285,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = env_sub.add_parser("list", help="list environments and whether they are built")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_env_list)
+    p = env_sub.add_parser("prune", help="remove builds from other recipes (older pins, other checkouts' code)")
+    p.add_argument("name", nargs="?", help="one environment (default: all)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_env_prune)
 
     from .cli_perf import register  # micro, estimate, devices, maxbatch, studyb
 

@@ -68,7 +68,7 @@ def _micro_progress(record: dict[str, Any]) -> None:
         print(f"  {record['op']:<14} {record['direction']:<8} {record.get('backend') or '':<9} "
               f"{record['seconds']['p50'] * 1e6:,.1f} us", file=sys.stderr, flush=True)
     elif record.get("type") == "comm":
-        print(f"  {record['op']:<14} {record['message_bytes']:>12,} B  busbw {record['busbw_gbps']:.3f} GB/s",
+        print(f"  {record['op']:<14} {record['message_bytes']:>12,} B  busbw {record['busbw_gbytes_per_s']:.3f} GB/s",
               file=sys.stderr, flush=True)
     elif record.get("type") == "failure":
         print(f"  failure: {record['cause']}: {record['message']}", file=sys.stderr, flush=True)

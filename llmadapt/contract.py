@@ -21,7 +21,7 @@ import attrs
 
 from .errors import ContractError
 
-SCHEMA_VERSION = "1.1"  # 1.1: end records, summary warnings
+SCHEMA_VERSION = "1.2"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving
 
 
 @attrs.frozen
@@ -194,9 +194,9 @@ class Comm:
     source: str
     step: int | None = None
     """The step it was logged in; None for a whole-run aggregate."""
-    algbw_gbps: float | None = None
+    algbw_gbytes_per_s: float | None = None
     """GB/s (10^9 bytes per second)."""
-    busbw_gbps: float | None = None
+    busbw_gbytes_per_s: float | None = None
     """GB/s (10^9 bytes per second)."""
     type: Literal["comm"] = "comm"
 
@@ -279,6 +279,32 @@ class Stats:
 
 
 @attrs.frozen
+class ClientLoad:
+    """The load generator's own health over a serving run: how late its event loop woke, and its CPU.
+
+    A sampler sleeps ``interval_ms`` at a time on the generator's event loop; a wake-up late by
+    ``loop_lag_ms`` means every stream and every due send waited that long too.
+    """
+
+    interval_ms: float
+    loop_lag_ms: Stats | None
+    stalls: list[list[float]]
+    """[seconds since the run started, lag ms, process CPU ms meanwhile, ms the loop's thread waited runnable for
+    a CPU meanwhile (Linux; else null)] of each wake-up later than the validity limit (the first 200). CPU near
+    the lag: a busy loop; run-queue wait near it: a starved process; neither: blocked in a system call."""
+    cpu_s: float
+    """The client process's CPU time (user + system, all threads) over the run."""
+    wall_s: float
+    requests_sent: int
+    engine_itl_metric: str | None = None
+    """The engine's inter-token latency histogram (Prometheus, seconds) among the server samples, if it has one."""
+    sched_autogroup: bool | None = None
+    """Linux schedules by session (autogroup) on the client's machine: an engine in another session then has a
+    CPU share equal to this whole session's (None: not Linux)."""
+    type: Literal["client_load"] = "client_load"
+
+
+@attrs.frozen
 class ServingStats:
     """Serving figures as the field defines them (see docs/contract.md); latencies in milliseconds."""
 
@@ -301,6 +327,15 @@ class ServingStats:
     output_length_forced: bool
     total_input_tokens: int
     total_output_tokens: int
+    loop_lag_ms: Stats | None = None
+    """How late the client's event loop woke while the run was on (see ClientLoad); None in older traces."""
+    client_cpu_s: float | None = None
+    client_cpu_ms_per_request: float | None = None
+    engine_itl_ms: float | None = None
+    """The engine's own mean inter-token latency over the run, from its metrics (None without them)."""
+    bunched_share: float | None = None
+    """Share of inter-chunk gaps below a tenth of the engine's inter-token latency: chunks that reached the
+    client together although the engine made them apart (None without the engine's figure)."""
 
 
 @attrs.frozen
@@ -548,7 +583,8 @@ class MaxBatch:
 
 
 RECORD_TYPES: dict[str, type] = {
-    "header": Header, "step": Step, "request": Request, "server_sample": ServerSample, "comm": Comm,
+    "header": Header, "step": Step, "request": Request, "server_sample": ServerSample, "client_load": ClientLoad,
+    "comm": Comm,
     "metric": Metric, "failure": Failure, "end": End, "summary": Summary,
     "op_bench": OpBench, "estimate": Estimate, "fit": Fit, "validation": Validation, "probe": Probe,
     "maxbatch": MaxBatch,
@@ -654,6 +690,19 @@ def validate(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+# Fields renamed since schema 1.0, as (record type, old name, new name); older traces read as if new.
+_RENAMED = (("comm", "algbw_gbps", "algbw_gbytes_per_s"), ("comm", "busbw_gbps", "busbw_gbytes_per_s"))
+
+
+def upgrade(record: Any) -> Any:
+    """A record of an older 1.x schema in today's field names (same values: those fields were GB/s already)."""
+    if isinstance(record, dict):
+        for kind, old, new in _RENAMED:
+            if record.get("type") == kind and old in record:
+                record[new] = record.pop(old)
+    return record
+
+
 # -- JSONL ----------------------------------------------------------------------------------
 class JsonlWriter:
     """Appends one JSON object per line and flushes each, so nothing written is lost on a crash."""
@@ -692,6 +741,7 @@ def read_jsonl(path: str | Path, *, check: bool = True) -> list[dict[str, Any]]:
             if number == len(lines):
                 break  # the writer was killed mid-line; everything before it stands
             raise ContractError(f"{path}:{number}: not valid JSON") from None
+        record = upgrade(record)
         if check:
             try:
                 validate(record)

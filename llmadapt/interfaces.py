@@ -26,15 +26,17 @@ ROLES = ("train", "finetune", "serve")
 class EnvironmentSpec:
     """How to build the Python environment that runs an adapter: a virtualenv with pinned requirements.
 
-    Several adapters may share one environment by using the same name and requirements.
-    llmadapt itself is always installed into it (editable when it runs from a source checkout).
+    Several adapters may share one environment by using the same name and requirements. It holds
+    third-party packages only: llmadapt and ``local_packages`` reach its processes on PYTHONPATH
+    (see llmadapt.environments).
     """
 
     name: str
     requirements: tuple[str, ...]
     """Pinned pip requirements, e.g. ("torch==2.13.0", "transformers==5.19.0")."""
     local_packages: tuple[str, ...] = ()
-    """Absolute paths of local packages installed editable (e.g. the adapter's own package)."""
+    """Source folders of local packages (e.g. the adapter's own): their declared dependencies are installed,
+    the packages themselves are put on the worker's PYTHONPATH."""
     install_env: tuple[tuple[str, str], ...] = ()
     """Environment variables for the install (e.g. (("DS_BUILD_OPS", "0"),)); part of the recipe."""
     no_deps_requirements: tuple[str, ...] = ()
@@ -218,6 +220,9 @@ class Server(abc.ABC):
     """
 
     role = "serve"
+    itl_histogram: str | None = None
+    """The engine's inter-token latency histogram among its scraped metrics (Prometheus, seconds; e.g.
+    ``vllm:inter_token_latency_seconds``): with it, a run sees chunks that reached the client in bursts."""
 
     def __init__(self, ctx: ServeContext) -> None:
         self.ctx = ctx

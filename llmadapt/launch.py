@@ -32,8 +32,9 @@ from . import lifecycle
 from . import slurm as slurm_
 from .collect import AgentLink, Collector, local_hostname_is_loopback, node_name, parse_address
 from .contract import Failure, JsonlWriter, Summary, read_jsonl, to_json
-from .environments import python_for
+from .environments import process_env, python_for
 from .errors import LlmadaptError, Terminated
+from .interfaces import EnvironmentSpec
 from .plugins import check_supported, get_adapter
 from .prepare import ensure_checkpoint
 from .slurm import SlurmSettings
@@ -238,11 +239,13 @@ def run(
     if multinode:
         _warn_loopback(nodes, progress)
     if multinode and nodes.node_rank > 0:
-        return _run_node_agent(workload, python, nodes, per_node, out, timeout, memory_limit_bytes, progress)
+        return _run_node_agent(workload, python, info.environment, nodes, per_node, out, timeout, memory_limit_bytes,
+                               progress)
 
     launch = {
-        "run_id": run_id or make_run_id(adapter, workload), "adapter": adapter, "framework": info.framework,
-        "role": workload.kind,
+        "run_id": run_id or make_run_id(adapter, workload), "adapter": adapter, "adapter_version": info.version,
+        "framework": info.framework,
+        "role": workload.kind, "worker_class": info.roles[workload.kind],
         "launcher": launcher, "world_size": world, "workload": workload.to_dict(),
         "workload_hash": workload.content_hash, "fault": fault, "memory_limit_bytes": memory_limit_bytes,
         "python": str(python) if python else None, "created": time.time(),
@@ -267,7 +270,7 @@ def _run_launched(workload, info, launcher, launch, python, per_node, nodes, col
                   memory_limit_bytes, progress, slurm) -> RunResult:
     """From the checked request to the summary: the run directory, the workers, their supervision."""
     world, multinode, run_id = workload.world_size, collector is not None and launcher == "torchrun", launch["run_id"]
-    job = _slurm_job(slurm, launch, python, per_node, collector, progress) if launcher == "slurm" else None
+    job = _slurm_job(slurm, launch, python, info.environment, per_node, collector, progress) if launcher == "slurm" else None
     run_dir = Path(out) / run_id
     adapter_cmd = None
     try:
@@ -296,11 +299,11 @@ def _run_launched(workload, info, launcher, launch, python, per_node, nodes, col
         elif launcher == "slurm":
             failures += _run_slurm_job(job, run_dir, timeout, memory_limit_bytes, progress)
         elif multinode:
-            failures += _run_node_zero(python, nodes, per_node, run_dir, collector, timeout, memory_limit_bytes,
+            failures += _run_node_zero(python, info.environment, nodes, per_node, run_dir, collector, timeout, memory_limit_bytes,
                                        progress)
         else:
             cmd = adapter_cmd or worker_command(launcher, python, run_dir, per_node=world)
-            failures += _supervise(cmd, env=_worker_env(world), log=run_dir / "worker.log",
+            failures += _supervise(cmd, env=_worker_env(world, info.environment), log=run_dir / "worker.log",
                                    tail=run_dir / "rank-00000.jsonl", timeout=timeout,
                                    memory_limit_bytes=memory_limit_bytes, progress=progress)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM from a scheduler (llmadapt.errors.Terminated)
@@ -366,29 +369,29 @@ def _warn(message: str, progress) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def _node_env(per_node: int, nodes: NodeSettings, collect: str) -> dict[str, str]:
-    env = _worker_env(per_node)
+def _node_env(per_node: int, nodes: NodeSettings, collect: str, environment: EnvironmentSpec) -> dict[str, str]:
+    env = _worker_env(per_node, environment)
     env["LLMADAPT_COLLECT"] = collect
     if nodes.ifname:
         env.update(GLOO_SOCKET_IFNAME=nodes.ifname, NCCL_SOCKET_IFNAME=nodes.ifname)
     return env
 
 
-def _run_node_zero(python, nodes: NodeSettings, per_node: int, run_dir: Path, collector: Collector, timeout,
-                   memory_limit_bytes, progress) -> list[Failure]:
+def _run_node_zero(python, environment: EnvironmentSpec, nodes: NodeSettings, per_node: int, run_dir: Path,
+                   collector: Collector, timeout, memory_limit_bytes, progress) -> list[Failure]:
     """Node 0: its own ranks (records kept in node-0/, streamed like everyone's), watching the other nodes."""
     node_dir = run_dir / "node-0"
     node_dir.mkdir()
     (node_dir / "launch.json").write_text((run_dir / "launch.json").read_text())
     host, port = nodes.collect_address()
     return _supervise(worker_command("torchrun", python, node_dir, per_node=per_node, nodes=nodes),
-                      env=_node_env(per_node, nodes, f"{host}:{port}"), log=node_dir / "worker.log",
+                      env=_node_env(per_node, nodes, f"{host}:{port}", environment), log=node_dir / "worker.log",
                       tail=run_dir / "rank-00000.jsonl", timeout=timeout, memory_limit_bytes=memory_limit_bytes,
                       progress=progress, should_stop=lambda: next(iter(collector.node_failures().values()), None))
 
 
-def _run_node_agent(workload: Workload, python, nodes: NodeSettings, per_node: int, out, timeout, memory_limit_bytes,
-                    progress) -> RunResult:
+def _run_node_agent(workload: Workload, python, environment: EnvironmentSpec, nodes: NodeSettings, per_node: int,
+                    out, timeout, memory_limit_bytes, progress) -> RunResult:
     """Nodes 1..N-1: join node 0, run this node's ranks, report how they ended, return node 0's summary.
 
     Everything this node writes goes to OUT/RUN_ID/node-K/, so that nodes sharing a disk (and an
@@ -415,7 +418,7 @@ def _run_node_agent(workload: Workload, python, nodes: NodeSettings, per_node: i
 
     try:
         failures = _supervise(worker_command("torchrun", python, node_dir, per_node=per_node, nodes=nodes),
-                              env=_node_env(per_node, nodes, f"{host}:{port}"), log=node_dir / "worker.log",
+                              env=_node_env(per_node, nodes, f"{host}:{port}", environment), log=node_dir / "worker.log",
                               tail=None, timeout=timeout, memory_limit_bytes=memory_limit_bytes, progress=progress,
                               should_stop=stopped)
     except KeyboardInterrupt as exc:
@@ -442,11 +445,11 @@ def _run_node_agent(workload: Workload, python, nodes: NodeSettings, per_node: i
 
 # Variables the batch script sets itself, so that a resubmitted script behaves the same.
 _JOB_VARS = ("OMP_NUM_THREADS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM",
-             "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "LLMADAPT_DEVICE", "LLMADAPT_HOME")
+             "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "LLMADAPT_DEVICE", "LLMADAPT_HOME", "PYTHONPATH")
 
 
-def _slurm_job(settings: SlurmSettings, launch: dict[str, Any], python, per_node: int, collector: Collector,
-               progress) -> dict[str, Any]:
+def _slurm_job(settings: SlurmSettings, launch: dict[str, Any], python, environment: EnvironmentSpec, per_node: int,
+               collector: Collector, progress) -> dict[str, Any]:
     """The batch script for this run, checked by Slurm (sbatch --test-only) before anything is written."""
     addr = settings.collect_addr
     if addr is None:
@@ -456,7 +459,7 @@ def _slurm_job(settings: SlurmSettings, launch: dict[str, Any], python, per_node
                   "there; set --collect-addr to this machine's address on the cluster network", progress)
     run_id = launch["run_id"]
     output = settings.output or f"{settings.node_dir}/llmadapt-{run_id}-%j.out"
-    submit_env = _worker_env(per_node)
+    submit_env = _worker_env(per_node, environment)
     if "OMP_NUM_THREADS" not in os.environ:
         submit_env.pop("OMP_NUM_THREADS")  # this machine's core count says nothing about the nodes': the script picks
     env = {k: v for k, v in submit_env.items() if k in _JOB_VARS}
@@ -606,8 +609,9 @@ def load_records(run_dir: Path, *, split: bool = False):
     return (ranks, launcher) if split else ranks + launcher
 
 
-def _worker_env(world: int) -> dict[str, str]:
-    env = dict(os.environ)
+def _worker_env(world: int, environment: EnvironmentSpec) -> dict[str, str]:
+    """What every worker process starts with; PYTHONPATH names our sources (environments.process_env)."""
+    env = process_env(environment)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")

@@ -91,7 +91,7 @@ class MicroResult:
         if self.comm:
             head = ["op", "bytes", "time us", "algbw GB/s", "busbw GB/s"]
             body = [[c["op"], f"{c['message_bytes']:,}", f"{c['total_seconds'] / c['count'] * 1e6:,.1f}",
-                     f"{c['algbw_gbps']:.3f}", f"{c['busbw_gbps']:.3f}"] for c in self.comm]
+                     f"{c['algbw_gbytes_per_s']:.3f}", f"{c['busbw_gbytes_per_s']:.3f}"] for c in self.comm]
             lines += _grid(head, body)
         seen = set()
         for u in self.unsupported:
@@ -110,10 +110,10 @@ class MicroResult:
         buf = io.StringIO()
         w = csv.writer(buf)
         if self.suite == "comm":
-            w.writerow(["op", "ranks", "message_bytes", "count", "mean_s", "algbw_gbps", "busbw_gbps"])
+            w.writerow(["op", "ranks", "message_bytes", "count", "mean_s", "algbw_gbytes_per_s", "busbw_gbytes_per_s"])
             for c in self.comm:
                 w.writerow([c["op"], self.world_size, c["message_bytes"], c["count"], c["total_seconds"] / c["count"],
-                            c["algbw_gbps"], c["busbw_gbps"]])
+                            c["algbw_gbytes_per_s"], c["busbw_gbytes_per_s"]])
             return buf.getvalue()
         w.writerow(["op", "direction", "backend", "dtype", "shape", "status", "count", "p50_s", "mean_s", "min_s",
                     "flops", "bytes", "flops_per_s", "bytes_per_s", "intensity", "bound", "roof_fraction"])
@@ -221,6 +221,7 @@ def _torch_python() -> Path:
 def _start(suite: str, spec: dict[str, Any], out: str | Path, world: int = 1, timeout: float | None = None,
            progress: Callable[[dict[str, Any]], None] | None = None) -> MicroResult:
     from .launch import _supervise, _worker_env, worker_command, write_launcher_failures  # as runs do
+    from .reference.plugin import TORCH_ENV
 
     python = _torch_python()  # fails before anything is written
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-micro-{suite}-{secrets.token_hex(2)}"
@@ -235,7 +236,7 @@ def _start(suite: str, spec: dict[str, Any], out: str | Path, world: int = 1, ti
     cmd = worker_command(launcher, python, run_dir, per_node=world, module="llmadapt.microbench")
     failures: list[Failure] = []
     try:
-        failures = _supervise(cmd, env=_worker_env(world), log=run_dir / "worker.log",
+        failures = _supervise(cmd, env=_worker_env(world, TORCH_ENV), log=run_dir / "worker.log",
                               tail=run_dir / "rank-00000.jsonl", timeout=timeout, memory_limit_bytes=None,
                               progress=progress)
     except KeyboardInterrupt:
@@ -394,7 +395,7 @@ def save_measured_device(name: str, result: MicroResult, *, price_per_hour: floa
     src = {"ref": f"measured by llmadapt micro {result.suite} on {host} ({result.run_dir})", "date": today()}
     fields: dict[str, Any] = {"sources": {}}
     if result.suite == "comm":
-        busbw = [c["busbw_gbps"] for c in result.comm if c["op"] == "all_reduce"]
+        busbw = [c["busbw_gbytes_per_s"] for c in result.comm if c["op"] == "all_reduce"]
         if not busbw:
             raise LlmadaptError(f"{result.run_dir} measured no all_reduce: nothing to save as the interconnect")
         fields["interconnect"] = f"measured all_reduce busbw ({result.world_size} ranks)"

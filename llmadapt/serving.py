@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,7 +28,10 @@ from .errors import LlmadaptError, Terminated
 from .spec import LengthSpec, Workload
 
 LEAD_S = 0.05  # the schedule starts this long after planning, so the first requests are not born late
-LAG_P99_LIMIT_MS = 10.0  # a run whose p99 send lag exceeds this did not deliver its arrival process
+LAG_P99_LIMIT_MS = 10.0  # a run whose p99 send lag (or event-loop lag) exceeds this did not deliver its load
+LOOP_SAMPLE_S = 0.01  # how often the event loop's wake-up lag is sampled during a run
+BUNCHED_GAP = 0.1  # an inter-chunk gap below this fraction of the engine's inter-token latency is a bunched arrival
+BUNCHED_LIMIT = 0.2  # a run with more bunched gaps than this share measured its own client, not the engine
 
 
 @attrs.frozen
@@ -121,6 +126,31 @@ class ServeContext:
         return (self.workload.serve.url or f"http://127.0.0.1:{self.port}").rstrip("/")
 
 
+def engine_popen_options() -> dict[str, Any]:
+    """``subprocess.Popen`` options for an engine an adapter starts: its own process group (``stop`` signals the
+    group), in this process's session, with no terminal input.
+
+    Not a session of its own (``start_new_session``): with Linux's autogroup scheduling, on by default in most
+    distributions, every session is a task group with an equal share of the CPUs. A busy engine in a session of
+    its own left the light, bursty load generator waiting runnable for a CPU for up to 0.9 s at 30 req/s on 2
+    cores, while the engine's group kept its share; in one session, each thread competes for itself and the
+    client's wake-ups preempt (measured: docs/serving.md, "The client beside a busy engine").
+    """
+    import subprocess
+
+    if sys.version_info >= (3, 11):
+        return {"process_group": 0, "stdin": subprocess.DEVNULL}
+    return {"preexec_fn": os.setpgrp, "stdin": subprocess.DEVNULL}
+
+
+def sched_autogroup() -> bool | None:
+    """Whether this Linux kernel groups scheduling by session (None: not Linux, or not known)."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return None
+
+
 # -- the plan -----------------------------------------------------------------------------------
 def sample_lengths(spec: LengthSpec, n: int, rng: random.Random, dataset: list[int] | None = None) -> list[int]:
     def clip(x: float) -> int:
@@ -211,7 +241,7 @@ class LoadGenerator:
     def __init__(self, server, workload: Workload, plan: list[PlannedRequest], writer: JsonlWriter,
                  progress: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.server, self.w, self.plan, self.writer, self.progress = server, workload, plan, writer, progress
-        self.done = 0
+        self.done = self.sent = 0
         self.secrets = sent_secrets(server)
 
     async def run(self, session) -> None:
@@ -219,6 +249,8 @@ class LoadGenerator:
         # Stopped by an event, not cancel(): a cancel that lands as a scrape completes can be lost (3.11).
         stop = asyncio.Event()
         scraper = asyncio.create_task(self._scrape_loop(session, stop))
+        watch = _LoopWatch()
+        watcher = asyncio.create_task(watch.run(stop))
         try:
             if s.arrival.process == "closed":
                 await self._closed_loop(session)
@@ -227,6 +259,8 @@ class LoadGenerator:
         finally:
             stop.set()
             await scraper
+            await watcher
+            self.writer.write(watch.record(self.sent, self.server.itl_histogram))
             await self._scrape_once(session)
 
     async def _open_loop(self, session) -> None:
@@ -286,6 +320,7 @@ class LoadGenerator:
             if not self.server.alive():
                 raise RequestFailed("engine_dead", "the engine had exited before this request was sent")
             sent = time.monotonic_ns()
+            self.sent += 1
             async with asyncio.timeout(self.w.serve.request_timeout_s):
                 async for chunk in self.server.stream(session, req):
                     now = time.monotonic_ns()
@@ -359,6 +394,55 @@ class LoadGenerator:
                                            values=values))
 
 
+class _LoopWatch:
+    """Samples the event loop's wake-up lag and the process's CPU while a run is on (a ClientLoad record).
+
+    Every stream and every due send shares this loop: a wake-up late by X ms means they all waited
+    X ms, and chunks that arrived meanwhile are read together, as one burst.
+    """
+
+    def __init__(self, interval_s: float = LOOP_SAMPLE_S) -> None:
+        self.interval_ns = int(interval_s * 1e9)
+        self.lags_ms: list[float] = []
+        self.stalls: list[list[float]] = []
+        self.start_ns = time.monotonic_ns()
+        self.cpu0 = time.process_time()
+        self.end_ns, self.cpu1 = self.start_ns, self.cpu0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            before, cpu, queued = time.monotonic_ns(), time.process_time(), _runqueue_wait_ns()
+            await asyncio.sleep(self.interval_ns / 1e9)
+            now = time.monotonic_ns()
+            lag = max(0, now - before - self.interval_ns) / 1e6
+            self.lags_ms.append(lag)
+            if lag > LAG_P99_LIMIT_MS and len(self.stalls) < 200:
+                # What the loop's thread did meanwhile: CPU near the lag is a busy loop; time runnable but
+                # waiting for a CPU near the lag is a starved one; neither, blocked in a system call.
+                waited = _runqueue_wait_ns()
+                self.stalls.append([round((before - self.start_ns) / 1e9, 3), round(lag, 2),
+                                    round((time.process_time() - cpu) * 1e3, 2),
+                                    None if waited is None or queued is None else round((waited - queued) / 1e6, 2)])
+        self.end_ns, self.cpu1 = time.monotonic_ns(), time.process_time()
+
+    def record(self, sent: int, itl_metric: str | None):
+        from .contract import ClientLoad
+        from .stats import describe
+
+        return ClientLoad(interval_ms=self.interval_ns / 1e6, loop_lag_ms=describe(self.lags_ms), stalls=self.stalls,
+                          cpu_s=self.cpu1 - self.cpu0, wall_s=(self.end_ns - self.start_ns) / 1e9,
+                          requests_sent=sent, engine_itl_metric=itl_metric, sched_autogroup=sched_autogroup())
+
+
+def _runqueue_wait_ns() -> int | None:
+    """Time this thread has spent runnable but waiting for a CPU (Linux schedstat), None where not available."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 async def _nap_until(when_ns: int) -> None:
     """The event loop's timer: cheap, but it can wake a millisecond or more late (an idle vCPU's wake-up)."""
     remaining = (when_ns - time.monotonic_ns()) / 1e9
@@ -375,7 +459,7 @@ async def _spin_until(due_ns: int) -> None:
 # -- statistics ---------------------------------------------------------------------------------
 def serving_stats(records: list[dict[str, Any]], workload: Workload):
     """Client-side serving figures from request records (measured requests only)."""
-    from .contract import ServingStats
+    from .contract import ServingStats, Stats
     from .stats import describe
 
     reqs = [r for r in records if r["type"] == "request" and not r["warmup"]]
@@ -412,13 +496,30 @@ def serving_stats(records: list[dict[str, Any]], workload: Workload):
                     and (slo.e2el_ms is None or e <= slo.e2el_ms))
         goodput = sum(1 for r in ok if meets(r)) / duration
     lag_stats = describe(lags)
-    valid, why = True, "the generator met its schedule (p99 send lag within %.0f ms)" % LAG_P99_LIMIT_MS
-    if workload.serve.arrival.process == "closed":
-        why = "closed loop: requests are sent as slots free up (no schedule to fall behind)"
-    elif lag_stats and lag_stats.p99 > LAG_P99_LIMIT_MS:
-        valid = False
-        why = (f"invalid: the generator fell behind its schedule (p99 send lag {lag_stats.p99:.1f} ms > "
-               f"{LAG_P99_LIMIT_MS:.0f} ms); the arrival process asked for was not delivered")
+    client = next((r for r in reversed(records) if r["type"] == "client_load"), None)
+    loop = Stats(**client["loop_lag_ms"]) if client and client["loop_lag_ms"] else None
+    cpu_s = client["cpu_s"] if client else None
+    cpu_per_request = cpu_s * 1e3 / client["requests_sent"] if client and client["requests_sent"] else None
+    engine_itl = _engine_mean_ms(records, client["engine_itl_metric"]) if client else None
+    bunched = sum(1 for gap in itl if gap < BUNCHED_GAP * engine_itl) / len(itl) if engine_itl and itl else None
+
+    problems = []
+    if workload.serve.arrival.process != "closed" and lag_stats and lag_stats.p99 > LAG_P99_LIMIT_MS:
+        problems.append(f"the generator fell behind its schedule (p99 send lag {lag_stats.p99:.1f} ms > "
+                        f"{LAG_P99_LIMIT_MS:.0f} ms): the arrival process asked for was not delivered")
+    if loop and loop.p99 > LAG_P99_LIMIT_MS:
+        problems.append(f"the client's event loop stalled (loop lag p99 {loop.p99:.1f} ms, max {loop.max:.0f} ms > "
+                        f"{LAG_P99_LIMIT_MS:.0f} ms): open streams were not read meanwhile" + _stall_cause(client))
+    if bunched is not None and bunched > BUNCHED_LIMIT:
+        problems.append(f"{bunched:.0%} of inter-chunk gaps were under a tenth of the engine's own inter-token "
+                        f"latency ({engine_itl:.2f} ms): chunks reached the client in bursts")
+    if problems:
+        cpu = f" (client CPU {cpu_per_request:.2f} ms per request)" if cpu_per_request is not None else ""
+        valid, why = False, "invalid: " + "; ".join(problems) + cpu
+    elif workload.serve.arrival.process == "closed":
+        valid, why = True, "closed loop: requests are sent as slots free up (no schedule to fall behind)"
+    else:
+        valid, why = True, "the generator met its schedule (p99 send lag within %.0f ms)" % LAG_P99_LIMIT_MS
     if not reqs:
         valid, why = False, "no measured request was sent"
     return ServingStats(
@@ -429,8 +530,42 @@ def serving_stats(records: list[dict[str, Any]], workload: Workload):
         request_goodput=goodput, ttft_ms=describe(ttft), tpot_ms=describe(tpot), itl_ms=describe(itl),
         e2el_ms=describe(e2el), send_lag_ms=lag_stats, valid=valid, validity=why,
         output_length_forced=all(r["output_forced"] for r in reqs) if reqs else False,
-        total_input_tokens=in_tokens, total_output_tokens=out_tokens,
+        total_input_tokens=in_tokens, total_output_tokens=out_tokens, loop_lag_ms=loop, client_cpu_s=cpu_s,
+        client_cpu_ms_per_request=cpu_per_request, engine_itl_ms=engine_itl, bunched_share=bunched,
     )
+
+
+def _stall_cause(client: dict[str, Any]) -> str:
+    """What the loop's thread did during its stalls, when one thing explains most of them."""
+    stalls = client.get("stalls") or []
+    lagged = sum(s[1] for s in stalls)
+    queued = sum(s[3] for s in stalls if len(s) > 3 and s[3] is not None)
+    busy = sum(s[2] for s in stalls)
+    if not lagged:
+        return ""
+    if queued > lagged / 2:
+        hint = (" (Linux autogroup is on: an engine started in another session, e.g. another terminal, has a CPU "
+                "share equal to this whole session's; start it from this one, see docs/serving.md)"
+                if client.get("sched_autogroup") else "")
+        return f"; it waited runnable for a CPU {queued:.0f} of those {lagged:.0f} ms: starved by other processes{hint}"
+    if busy > lagged / 2:
+        return f"; it was busy {busy:.0f} of those {lagged:.0f} ms: work on the event loop"
+    return f"; it neither ran nor waited for a CPU most of those {lagged:.0f} ms: blocked in a system call"
+
+
+def _engine_mean_ms(records: list[dict[str, Any]], histogram: str | None) -> float | None:
+    """The engine's mean of a Prometheus histogram (seconds) between its first and last sample, in ms."""
+    if not histogram:
+        return None
+    samples = [r["values"] for r in records if r["type"] == "server_sample"]
+
+    def total(values: dict[str, float], suffix: str) -> float:
+        return sum(v for k, v in values.items() if k.partition("{")[0] == histogram + suffix)
+
+    if len(samples) < 2:
+        return None
+    count = total(samples[-1], "_count") - total(samples[0], "_count")
+    return (total(samples[-1], "_sum") - total(samples[0], "_sum")) / count * 1e3 if count > 0 else None
 
 
 def vllm_bench_keys(summary: dict[str, Any]) -> dict[str, Any]:

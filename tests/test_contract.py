@@ -119,3 +119,14 @@ def test_model_parallel_ranks_do_not_multiply_tokens():
               "workload": {"parallelism": {"tp": 2}, "train": {"steps": 1, "warmup_steps": 0}}}
     s = aggregate("r", [step(0, 0, tokens=128), step(1, 0, tokens=128)], launch)
     assert s.tokens_per_step == 128
+
+
+def test_a_comm_record_of_schema_1_1_reads_under_todays_field_names(tmp_path):
+    """Schema 1.1 spelt the bandwidths algbw_gbps/busbw_gbps (GB/s, despite the name): read as the 1.2 names,
+    same values, and the record validates."""
+    old = {"type": "comm", "rank": 0, "op": "all_reduce", "message_bytes": 1024, "count": 2, "total_seconds": 0.5,
+           "source": "deepspeed", "step": 0, "algbw_gbps": 4.096e-06, "busbw_gbps": 4.096e-06}
+    path = tmp_path / "rank-00000.jsonl"
+    path.write_text(json.dumps(old) + "\n")
+    (record,) = read_jsonl(path)
+    assert record["algbw_gbytes_per_s"] == 4.096e-06 and "algbw_gbps" not in record

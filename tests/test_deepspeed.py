@@ -182,7 +182,7 @@ ONE_PROCESS = {
 def engines(tmp_path_factory):
     """Every ONE_PROCESS configuration on one rank, as DeepSpeed engines built one after another in one process
     of the adapter's environment, counting DeepSpeed checkpoint calls in each one's first step."""
-    from llmadapt.environments import python_for
+    from llmadapt.environments import process_env, python_for
 
     script = tmp_path_factory.mktemp("engines") / "engines.py"
     script.write_text(ENGINES)
@@ -190,8 +190,10 @@ def engines(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "LLMADAPT_DEVICE": "cpu"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    python = python_for(get_adapter("deepspeed").environment)
-    done = subprocess.run([str(python), str(script), plan], capture_output=True, text=True, env=env, timeout=1800,
+    environment = get_adapter("deepspeed").environment
+    python = python_for(environment)
+    done = subprocess.run([str(python), str(script), plan], capture_output=True, text=True,
+                          env=process_env(environment, env), timeout=1800,
                           check=False)
     line = next((x for x in done.stdout.splitlines() if x.startswith("ENGINES ")), None)
     assert line, done.stdout[-2000:] + done.stderr[-4000:]
@@ -408,10 +410,10 @@ def test_trace_has_deepspeed_comm_records(out):
             assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= ops, (step, ops)
         for c in comms:
             assert c["count"] > 0 and c["total_seconds"] >= 0
-            if c["algbw_gbps"] is not None and c["op"] == "all_gather_into_tensor":
+            if c["algbw_gbytes_per_s"] is not None and c["op"] == "all_gather_into_tensor":
                 expected = c["message_bytes"] * c["count"] / c["total_seconds"] / 1e9  # GB/s, as nccl-tests
-                assert c["algbw_gbps"] == pytest.approx(expected)
-                assert c["busbw_gbps"] == pytest.approx(expected / 2)  # (n-1)/n with n=2
+                assert c["algbw_gbytes_per_s"] == pytest.approx(expected)
+                assert c["busbw_gbytes_per_s"] == pytest.approx(expected / 2)  # (n-1)/n with n=2
         run_total = [c for c in comms if c["step"] is None]
         assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= {c["op"] for c in run_total}
         per_step = sum(c["count"] for c in comms if c["step"] is not None and c["op"] == "reduce_scatter_tensor")

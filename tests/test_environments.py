@@ -6,6 +6,7 @@ vllm among them) run in `make test` before this suite; here the steps are checke
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -22,7 +23,7 @@ def state(tmp_path, monkeypatch):
 
 
 def spec(**kw) -> EnvironmentSpec:
-    return EnvironmentSpec(name="demo", requirements=("torch==2.13.0",), **kw)
+    return EnvironmentSpec(**{"name": "demo", "requirements": ("torch==2.13.0",), **kw})
 
 
 def test_optional_steps_join_the_recipe_only_when_used():
@@ -35,22 +36,84 @@ def test_optional_steps_join_the_recipe_only_when_used():
     assert environments.recipe_hash(spec()) == environments.recipe_hash(spec(builds_checkpoint=False))
 
 
+def built(s: EnvironmentSpec, recipe_hash: str | None = None, distributions=()) -> Path:
+    """An environment folder as a build leaves it (marker, interpreter, site-packages), without pip."""
+    target = environments.env_dir(s)
+    site = environments._site_packages(target)
+    site.mkdir(parents=True, exist_ok=True)
+    for name in distributions:
+        (site / name).mkdir(exist_ok=True)
+    (target / "bin").mkdir(exist_ok=True)
+    (target / "bin" / "python").touch()
+    (target / environments.MARKER).write_text(json.dumps({
+        "recipe_hash": recipe_hash or environments.recipe_hash(s), "distributions": list(distributions)}))
+    return target
+
+
 def test_states_and_the_error_that_says_what_to_run(monkeypatch, state):
     s = spec()
     assert environments.status(s) == "missing"
     with pytest.raises(EnvironmentNotReadyError, match=r"'demo' has not been built: run `llmadapt env create demo`"):
         environments.python_for(s)
-    marker = state / "envs" / "demo" / environments.MARKER
-    marker.parent.mkdir(parents=True)
-    marker.write_text(json.dumps({"recipe_hash": "0" * 16}))
-    assert environments.status(s) == "stale"
+    # A build of other pins lives in its own folder: this recipe's is still to build, and says so.
+    other = spec(requirements=("torch==2.12.0",))
+    built(other)
+    assert environments.env_dir(other) != environments.env_dir(s)
+    assert environments.status(s) == "stale" and environments.status(other) == "ready"
     with pytest.raises(EnvironmentNotReadyError, match="built from an older recipe"):
         environments.python_for(s)
-    marker.write_text(json.dumps({"recipe_hash": environments.recipe_hash(s)}))
+    target = built(s)
     assert environments.status(s) == "ready"
-    assert environments.python_for(s) == state / "envs" / "demo" / "bin" / "python"
+    assert environments.python_for(s) == target / "bin" / "python"
+    assert target.parent == state / "envs" and target.name == f"demo-{environments.recipe_hash(s)[:12]}"
     monkeypatch.setenv("LLMADAPT_PYTHON_DEMO", "/opt/conda/bin/python")
     assert environments.status(s) == "override" and str(environments.python_for(s)) == "/opt/conda/bin/python"
+
+
+def test_a_ready_environment_whose_packages_are_gone_is_refused_with_the_repair(state):
+    s = spec()
+    target = built(s, distributions=("torch-2.13.0.dist-info", "numpy-2.3.0.dist-info", "peft-0.21.2.dist-info"))
+    assert environments.status(s) == "ready"
+    import shutil
+
+    shutil.rmtree(environments._site_packages(target) / "torch-2.13.0.dist-info")
+    assert environments.status(s) == "broken"
+    with pytest.raises(EnvironmentNotReadyError) as err:
+        environments.python_for(s)
+    assert "\n" not in str(err.value)
+    assert "is damaged (torch-2.13.0.dist-info gone since it was built)" in str(err.value)
+    assert str(err.value).endswith("run `llmadapt env create demo --force`")
+    (target / "bin" / "python").unlink()
+    assert environments.missing_distributions(s)[0] == "bin/python"
+
+
+def test_the_recipe_names_no_path_so_clones_share_environments(tmp_path):
+    """Two copies of one adapter package in different folders (two clones) make one recipe; workers get
+    the copy the orchestrator runs, first on PYTHONPATH, before what the caller had there."""
+    copies = []
+    for clone in ("a", "b"):
+        package = tmp_path / clone / "plugins" / "demo"
+        package.mkdir(parents=True)
+        (package / "pyproject.toml").write_text(
+            '[project]\nname = "llmadapt-demo"\ndependencies = ["llmadapt", "numpy>=2"]\n')
+        copies.append(spec(local_packages=(str(package),)))
+    first, second = copies
+    assert environments.recipe_hash(first) == environments.recipe_hash(second)
+    assert "numpy>=2" in environments.recipe(first)["dependencies"]
+    assert not any("llmadapt" == d for d in environments.recipe(first)["dependencies"])
+    assert str(tmp_path) not in json.dumps(environments.recipe(first))
+    env = environments.process_env(second, {"PYTHONPATH": "/mine"})
+    paths = env["PYTHONPATH"].split(":")
+    assert paths[0] == str(environments.core_source()) and paths[1:] == [first.local_packages[0].replace("/a/", "/b/"), "/mine"]
+    # A new dependency is another recipe: its own folder, never a rebuild of the shared one.
+    (tmp_path / "b" / "plugins" / "demo" / "pyproject.toml").write_text(
+        '[project]\nname = "llmadapt-demo"\ndependencies = ["numpy>=2", "scipy"]\n')
+    assert environments.env_dir(first) != environments.env_dir(second)
+
+
+def test_a_local_package_that_is_not_a_source_folder_is_refused(tmp_path):
+    with pytest.raises(LlmadaptError, match="is not a source folder"):
+        environments.recipe(spec(local_packages=(str(tmp_path),)))
 
 
 def test_build_steps_in_order(monkeypatch, state):
@@ -59,7 +122,9 @@ def test_build_steps_in_order(monkeypatch, state):
     def check(args, what, stream=None, env=None, retries=0):
         calls.append((what, args))
         if what == "venv creation":
-            (state / "envs" / "demo").mkdir(parents=True)
+            environments._site_packages(environments.env_dir(s)).mkdir(parents=True)
+            (environments.env_dir(s) / "bin").mkdir()
+            (environments.env_dir(s) / "bin" / "python").touch()
 
     monkeypatch.setattr(environments, "_check", check)
     s = spec(no_deps_requirements=("colossalai==0.5.0",), remove_after_install=("torchvision", "triton"),
@@ -82,8 +147,7 @@ def test_a_second_builder_waits_for_the_first_and_builds_nothing(monkeypatch):
         builds.append(spec.name)
         started.set()
         release.wait(10)
-        target.mkdir(parents=True, exist_ok=True)
-        (target / environments.MARKER).write_text(json.dumps({"recipe_hash": environments.recipe_hash(spec)}))
+        built(spec)
         return target / "bin" / "python"
 
     monkeypatch.setattr(environments, "_build", slow_build)

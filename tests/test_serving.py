@@ -138,6 +138,97 @@ def test_every_request_is_recorded_with_client_side_timings(tmp_path, fake_serve
     assert s.send_lag_ms.count == 12 and s.valid == (s.send_lag_ms.p99 <= LAG_P99_LIMIT_MS), s.validity
     samples = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "server_sample"]
     assert samples and samples[-1]["values"]["fake_requests_total"] == 13
+    # The client's own health, sampled throughout: every request sent, its CPU, its event loop's wake-ups.
+    (client,) = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "client_load"]
+    assert client["requests_sent"] == 13 and client["cpu_s"] > 0 and client["loop_lag_ms"]["count"] > 0
+    assert s.client_cpu_ms_per_request == pytest.approx(client["cpu_s"] * 1e3 / 13)
+    assert s.loop_lag_ms.count == client["loop_lag_ms"]["count"]
+    assert s.bunched_share is None and s.engine_itl_ms is None  # the openai adapter names no engine histogram
+
+
+def test_a_stalled_client_marks_the_run_invalid_and_says_why(tmp_path, fake_server, monkeypatch):
+    """A chunk handler that blocks the event loop for 0.3 s (the stall seen beside a busy engine): every stream
+    waits meanwhile. The run is invalid, the reason names the stalled loop, the stall is in the trace."""
+    import llmadapt.serving as serving
+
+    url, _ = fake_server("--first-ms", "5", "--token-ms", "5")
+    real, calls = serving.check_chunk, []
+
+    def stalling(chunk):
+        calls.append(1)
+        if len(calls) == 20:
+            time.sleep(0.3)
+        return real(chunk)
+
+    monkeypatch.setattr(serving, "check_chunk", stalling)
+    result = run(serve_workload(url), "openai", out=tmp_path)
+    s = result.summary.serving
+    assert (s.completed, s.failed) == (12, 0) and not s.valid
+    assert "the client's event loop stalled" in s.validity and "ms per request" in s.validity, s.validity
+    assert "blocked in a system call" in s.validity  # time.sleep: neither running nor waiting for a CPU
+    assert s.loop_lag_ms.max >= 250  # the sampler was due during the 300 ms block: it woke that late
+    (client,) = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "client_load"]
+    t, lag, cpu, queued = max(client["stalls"], key=lambda stall: stall[1])
+    assert lag >= 250 and 0 <= t <= s.duration_s + 1 and queued is not None
+    from llmadapt.analysis import render_summary
+
+    shown = render_summary(json.loads((result.run_dir / "summary.json").read_text()))
+    assert "validity   invalid: " in shown and "event loop stalled" in shown
+
+
+@pytest.mark.parametrize("stall, cause", [
+    ([0.5, 300.0, 2.0, 290.0], "waited runnable for a CPU 290 of those 300 ms: starved by other processes (Linux"),
+    ([0.5, 300.0, 280.0, 5.0], "it was busy 280 of those 300 ms: work on the event loop"),
+    ([0.5, 300.0, 2.0, 3.0], "blocked in a system call"),
+])
+def test_a_stall_is_explained_by_what_the_loops_thread_did_meanwhile(stall, cause):
+    from llmadapt.serving import serving_stats
+
+    w = serve_workload("http://127.0.0.1:1", arrival={"process": "closed", "concurrency": 1})
+    lag = {"count": 10, "mean": 30.0, "std": 1.0, "min": 0.0, "p50": 0.1, "p90": 0.2, "p95": 0.3, "p99": 300.0,
+           "max": 300.0}
+    client = {"type": "client_load", "interval_ms": 10.0, "loop_lag_ms": lag, "stalls": [stall], "cpu_s": 0.5,
+              "wall_s": 1.0, "requests_sent": 1, "engine_itl_metric": None, "sched_autogroup": True}
+    s = serving_stats([request(0, 0, [10, 20, 30]), client], w)
+    assert not s.valid and cause in s.validity, s.validity
+
+
+def request(index, sent_ms, chunks_ms):
+    """A measured request record whose chunks arrived at ``chunks_ms`` (ms after the clock's zero)."""
+    ns = [int(t * 1e6) for t in chunks_ms]
+    return {"type": "request", "index": index, "warmup": False, "status": "ok", "error_cause": None,
+            "scheduled_ns": int(sent_ms * 1e6), "sent_ns": int(sent_ms * 1e6), "first_token_ns": ns[0],
+            "end_ns": ns[-1], "chunk_ns": ns, "chunk_tokens": [1] * len(ns), "output_tokens": len(ns),
+            "input_tokens": 4, "output_forced": True}
+
+
+def engine(count, total_s):
+    return {"type": "server_sample", "t_ns": 0, "source": "vllm",
+            "values": {'vllm:inter_token_latency_seconds_count{model_name="m"}': count,
+                       'vllm:inter_token_latency_seconds_sum{model_name="m"}': total_s}}
+
+
+def test_bunched_chunks_are_measured_against_the_engines_own_inter_token_latency():
+    """The engine made tokens 20 ms apart (its histogram between the first and last sample: 400 tokens,
+    8 s). One request's chunks arrive 20 ms apart, the other's half in a burst (0.1 ms apart, under a
+    tenth of 20 ms). Exact shares: 0 of 9 gaps, then 5 of 18; 28% > 20% makes the run invalid."""
+    from llmadapt.serving import serving_stats
+
+    w = serve_workload("http://127.0.0.1:1", arrival={"process": "closed", "concurrency": 2})
+    client = {"type": "client_load", "interval_ms": 10.0, "loop_lag_ms": None, "stalls": [], "cpu_s": 0.5,
+              "wall_s": 1.0, "requests_sent": 2, "engine_itl_metric": "vllm:inter_token_latency_seconds"}
+    steady = request(0, 0, [10 + 20 * i for i in range(10)])
+    samples = [engine(100, 2.0), engine(500, 10.0)]
+    s = serving_stats([steady, *samples, client], w)
+    assert s.engine_itl_ms == pytest.approx(20.0) and s.bunched_share == 0 and s.valid, s.validity
+    burst = request(1, 0, [10 + 20 * i for i in range(5)] + [90 + 0.1 * i for i in range(1, 6)])
+    s = serving_stats([steady, burst, *samples, client], w)
+    assert s.bunched_share == pytest.approx(5 / 18) and not s.valid
+    assert "28% of inter-chunk gaps were under a tenth of the engine's own inter-token latency (20.00 ms)" in s.validity
+    assert s.client_cpu_ms_per_request == pytest.approx(250.0)
+    # One engine sample gives no interval to measure over: no figure, no verdict from it.
+    s = serving_stats([steady, burst, samples[-1], client], w)
+    assert s.engine_itl_ms is None and s.bunched_share is None and s.valid
 
 
 def test_failures_are_counted_by_cause_never_crash(tmp_path, fake_server, mark):

@@ -47,13 +47,15 @@ def test_hf_server_serves_the_canonical_model(tmp_path):
 
 def test_engine_killed_mid_run_is_reported(tmp_path):
     """The engine dies after a few requests: the rest fail as engine_dead, the run is failed, the summary written."""
-    killed, run_dirs = [], []
+    killed, run_dirs, groups = [], [], []
 
     def progress(record):
         if record.get("type") == "start":
             run_dirs.append(Path(record["run_dir"]))
         if record.get("type") == "request" and not record["warmup"] and not killed:
             pid = int((run_dirs[0] / "engine.pid").read_text())
+            # its own process group, in our session (llmadapt.serving.engine_popen_options says why)
+            groups.append((os.getpgid(pid) == pid, os.getsid(pid) == os.getsid(0)))
             os.killpg(pid, signal.SIGKILL)  # the engine's whole process group
             killed.append(pid)
 
@@ -61,6 +63,7 @@ def test_engine_killed_mid_run_is_reported(tmp_path):
     result = run(w, "hf", out=tmp_path, timeout=600, progress=progress)
     s = result.summary.serving
     assert killed and s.completed >= 1 and s.failed >= 1
+    assert groups == [(True, True)]
     assert "engine_dead" in s.failures_by_cause
     assert result.summary.status == "failed"
     assert any(f.cause == "crash" for f in result.summary.failures)

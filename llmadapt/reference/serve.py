@@ -11,6 +11,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from llmadapt.serving import engine_popen_options
 from llmadapt.sse import OpenAICompatibleServer
 
 STOP_GRACE_S = 30.0
@@ -34,7 +35,7 @@ class HFServer(OpenAICompatibleServer):
                "--cb-num-blocks", str(CB_NUM_BLOCKS), "--cb-max-batch-tokens", str(CB_MAX_BATCH_TOKENS)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
         self.log = open(ctx.run_dir / "engine.log", "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, **engine_popen_options())
         (ctx.run_dir / "engine.pid").write_text(str(self.proc.pid))  # its own process group, for tools and tests
 
     def alive(self) -> bool:

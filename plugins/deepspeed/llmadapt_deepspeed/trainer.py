@@ -348,7 +348,7 @@ def _comm(rank: int, op: str, size: int, count: int, seconds: float, world: int,
     message = size * world if op in _GATHER_OPS else size
     algbw, busbw = bandwidths(op, message, count, seconds, world)  # GB/s, as nccl-tests (DeepSpeed logs Gbit/s)
     return Comm(rank=rank, op=op, message_bytes=int(message), count=int(count), total_seconds=float(seconds),
-                source=SOURCE, step=step, algbw_gbps=algbw, busbw_gbps=busbw)
+                source=SOURCE, step=step, algbw_gbytes_per_s=algbw, busbw_gbytes_per_s=busbw)
 
 
 def _checkpoint_attention(model, checkpoint) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 
 from llmadapt.contract import Patch
 from llmadapt.errors import LlmadaptError
-from llmadapt.serving import Chunk, PlannedRequest
+from llmadapt.serving import Chunk, PlannedRequest, engine_popen_options
 from llmadapt.sse import OpenAICompatibleServer, field
 
 from .plugin import REMOVE_AFTER_INSTALL
@@ -115,6 +115,7 @@ def environment_problem(python: Path | str) -> tuple[str | None, dict[str, str |
 class VLLMServer(OpenAICompatibleServer):
     supports_ignore_eos = True  # vLLM's sampling params take ignore_eos: output lengths are forced
     metrics_prefixes = METRICS_PREFIXES
+    itl_histogram = "vllm:inter_token_latency_seconds"
     api_key_env = "LLMADAPT_VLLM_API_KEY"  # none by default; never OPENAI_API_KEY, which is meant for someone else
     served_model_name = "llmadapt"
 
@@ -211,8 +212,8 @@ class VLLMServer(OpenAICompatibleServer):
             "kv_cache_memory_bytes": kv, "installed": found,
         }, indent=2))
         self.log = open(ctx.run_dir / "engine.log", "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **extra}, start_new_session=True, cwd=ctx.run_dir)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **extra},
+                                     cwd=ctx.run_dir, **engine_popen_options())  # in our session: see there why
 
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
