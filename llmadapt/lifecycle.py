@@ -2,8 +2,9 @@
 
 Three rules, each here once:
 
-- Stop on request: SIGTERM (the launcher stopping a rank) raises ``Stopped`` in the main thread, so the
-  loop unwinds and writes why it stopped.
+- Stop on request: SIGTERM (the launcher stopping a rank) raises ``Stopped`` in the main thread, once, so
+  the loop unwinds and writes why it stopped; ``write_failure`` keeps that record whole when the signal
+  lands while it is being written.
 - Never outlive the orchestrator: the launcher names itself in ``LLMADAPT_ORCHESTRATOR`` (``node:pid``);
   a thread waits on that process and stops this one when it is gone (the orchestrator was SIGKILLed, or
   its machine's job was cancelled), instead of training on, orphaned.
@@ -36,18 +37,65 @@ class Stopped(BaseException):
     """Raised in the main thread when this process is asked to stop; the message says by whom."""
 
 
-_stop_reason: list[str] = []
+_stop: dict[str, str] = {}
+"""``reason``: why the orchestrator watch stops this process; ``message``: the stop signal handled."""
 
 
 def install_stop_handler() -> object:
-    """SIGTERM -> ``Stopped``. Returns the previous handler (for ``signal.signal`` to restore)."""
+    """SIGTERM -> ``Stopped``, once. Returns the previous handler (for ``signal.signal`` to restore).
+
+    Once: a rank being stopped often gets a second SIGTERM (torchrun stopping the others after the first
+    rank left), and one raised while the first one's failure record is being written would cut it short.
+    """
 
     def on_term(signum, frame):
-        reason = _stop_reason[0] if _stop_reason else (
-            "the launcher stopped this rank: another rank failed, a timeout, or an interrupt")
-        raise Stopped(f"stopped by signal {signal.Signals(signum).name} ({reason})")
+        if "message" in _stop:
+            return  # already unwinding
+        reason = _stop.get("reason", "the launcher stopped this rank: another rank failed, a timeout, or an interrupt")
+        _stop["message"] = f"stopped by signal {signal.Signals(signum).name} ({reason})"
+        raise Stopped(_stop["message"])
 
     return signal.signal(signal.SIGTERM, on_term)
+
+
+def stop_message() -> str | None:
+    """Why this process is being stopped, once it is (a stop signal handled, or its orchestrator gone)."""
+    if "message" in _stop:
+        return _stop["message"]
+    return f"stopping ({_stop['reason']})" if "reason" in _stop else None
+
+
+def failure_cause(exc: BaseException, describe) -> tuple[str, int, str]:
+    """(cause, exit code, message) of the exception a worker ends with; ``describe(exc)`` words an error."""
+    stop = stop_message()
+    if isinstance(exc, Stopped):
+        return "killed", 143, str(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", 130, str(exc)
+    if stop:  # a peer was stopped first and this rank's collective failed for it: the stop is the cause
+        return "killed", 143, f"{stop}; then {describe(exc)}"
+    return ("oom" if is_oom(exc) else "error"), 1, describe(exc)
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc)
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text.lower() or "can't allocate memory" in text
+
+
+def write_failure(exc: BaseException, write):
+    """``return write(exc)``: the failure record, even if the stop signal lands while it is being written.
+
+    The usual case: a peer was stopped, so this rank's collective fails, and the SIGTERM that was pending
+    during that C++ call is handled in the middle of the except block. The record is then written for the
+    stop, which says who stopped the run. The handler raises only once, so this ends.
+    """
+    while True:
+        try:
+            return write(exc)
+        except Stopped as stop:
+            exc = stop
 
 
 def orchestrator_env(node: str) -> dict[str, str]:
@@ -91,7 +139,7 @@ def _alive(pid: int) -> bool:
 
 
 def _orphaned(pid: int) -> None:
-    _stop_reason.append(f"its orchestrator, pid {pid}, is gone")
+    _stop.setdefault("reason", f"its orchestrator, pid {pid}, is gone")
     os.kill(os.getpid(), signal.SIGTERM)
     # The main thread may be blocked in a collective whose peer is gone too: end it after a grace period.
     time.sleep(ORPHAN_GRACE_S)

@@ -416,20 +416,21 @@ def main(argv: list[str] | None = None) -> int:
         writer.write(End(rank=place.rank, time=_now()))
         completed, code = True, 0
     except BaseException as exc:
-        from .runtime import is_oom
-
-        cause = "killed" if isinstance(exc, lifecycle.Stopped) else "interrupted" \
-            if isinstance(exc, KeyboardInterrupt) else "oom" if is_oom(exc) else "error"
-        writer.write(Failure(cause=cause, message=_one_line(exc), rank=place.rank, exit_code=1))
-        if cause == "error":
-            traceback.print_exc()
-        code = 143 if cause == "killed" else 1
+        code = lifecycle.write_failure(exc, lambda e: _write_failure(writer, e, place.rank))
     finally:
         writer.close()
     if dist_started and (problem := lifecycle.end_distributed(completed)):
         print(f"llmadapt micro-benchmark rank {place.rank}: teardown after the last record failed: {problem}",
               file=sys.stderr)
         code = code or 1
+    return code
+
+
+def _write_failure(writer: JsonlWriter, exc: BaseException, rank: int) -> int:
+    cause, code, message = lifecycle.failure_cause(exc, _one_line)
+    writer.write(Failure(cause=cause, message=message, rank=rank, exit_code=code))
+    if cause in ("error", "oom"):
+        traceback.print_exc()
     return code
 
 

@@ -179,14 +179,6 @@ def describe_device(device) -> Device:
     return Device(kind="cpu", name=name, count=1, memory_bytes=total)
 
 
-def is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, MemoryError):
-        return True
-    name = type(exc).__name__
-    text = str(exc)
-    return name == "OutOfMemoryError" or "out of memory" in text.lower() or "can't allocate memory" in text
-
-
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat()
 
@@ -289,28 +281,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
         completed = True
         code = 0
     except BaseException as exc:  # every way out leaves a failure record
-        if isinstance(exc, lifecycle.Stopped):
-            cause, code = "killed", 143
-        elif isinstance(exc, KeyboardInterrupt):
-            cause, code = "interrupted", 130
-        elif is_oom(exc):
-            cause, code = "oom", 1
-        else:
-            cause, code = "error", 1
-        message = str(exc) if cause in ("killed", "interrupted") else _short_trace(exc)
-        role = _safe_rank_role(trainer)
-        if role:
-            message = f"[{role}] {message}"
-        if place.nnodes > 1:
-            message = f"[node {place.node_rank} {node_name()}] {message}"
-        try:
-            writer.write(Failure(cause=cause, message=message, rank=place.rank, step=step_index, exit_code=code,
-                                 time=_now()))
-        except OSError as write_error:  # the disk is full: say so where the launcher's log keeps it
-            print(f"llmadapt worker rank {place.rank}: could not write the failure record: {write_error}",
-                  file=sys.stderr)
-        if cause not in ("killed", "interrupted"):
-            traceback.print_exc()
+        code = lifecycle.write_failure(exc, lambda e: _write_failure(writer, e, place, trainer, step_index))
     finally:
         try:
             writer.close()
@@ -323,6 +294,25 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
         print(f"llmadapt worker rank {place.rank}: teardown after the last record failed: {problem}",
               file=sys.stderr)
         return code or 1
+    return code
+
+
+def _write_failure(writer, exc: BaseException, place: Place, trainer, step_index) -> int:
+    """The failure record for EXC; returns the exit code it stands for."""
+    cause, code, message = lifecycle.failure_cause(exc, _short_trace)
+    role = _safe_rank_role(trainer)
+    if role:
+        message = f"[{role}] {message}"
+    if place.nnodes > 1:
+        message = f"[node {place.node_rank} {node_name()}] {message}"
+    try:
+        writer.write(Failure(cause=cause, message=message, rank=place.rank, step=step_index, exit_code=code,
+                             time=_now()))
+    except OSError as write_error:  # the disk is full: say so where the launcher's log keeps it
+        print(f"llmadapt worker rank {place.rank}: could not write the failure record: {write_error}",
+              file=sys.stderr)
+    if cause in ("error", "oom"):
+        traceback.print_exc()
     return code
 
 
