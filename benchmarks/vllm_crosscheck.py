@@ -148,8 +148,26 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
 
 
+# `vllm bench serve` in the vllm environment, through the wrapper that lets its entry point start. Against
+# transformers serve, one change to what it sends: vllm bench puts "repetition_penalty": 1.0 (a no-op) in every
+# completions request, and transformers serve answers 422 "Unexpected fields in the request:
+# {'repetition_penalty'}" to each; the field is dropped when it is 1.0, nothing else is touched.
+BENCH = {"vllm": ["-m", "llmadapt_vllm.cli"], "hf": ["-c", """
+import llmadapt_vllm.cli as cli
+cli.metadata.version = cli._patched_version
+import vllm.benchmarks.lib.endpoint_request_func as requests
+common = requests._update_payload_common
+def update(payload, request):
+    common(payload, request)
+    if payload.get("repetition_penalty") == 1.0:
+        del payload["repetition_penalty"]
+requests._update_payload_common = update
+cli.main()
+"""]}
+
+
 def bench_pass(python: Path, base_url: str, checkpoint: Path, served: str, plan, point: tuple[str, float],
-               forced: bool, work: Path, tag: str, env: dict) -> dict:
+               forced: bool, work: Path, tag: str, env: dict, engine: str) -> dict:
     """One vllm bench pass; ``served``: the model name the server answers to (vLLM: its served-model-name;
     transformers serve: the checkpoint path)."""
     # ShareGPT's JSON layout, read with the json module (vLLM's "custom" JSONL dataset needs pandas, which is
@@ -163,7 +181,7 @@ def bench_pass(python: Path, base_url: str, checkpoint: Path, served: str, plan,
     kind, value = point
     load = (["--request-rate", f"{value:g}", "--burstiness", "1", "--seed", "0"] if kind == "poisson"
             else ["--request-rate", "inf", "--max-concurrency", str(int(value))])
-    cmd = [str(python), "-m", "llmadapt_vllm.cli", "bench", "serve", "--backend", "openai",
+    cmd = [str(python), *BENCH[engine], "bench", "serve", "--backend", "openai",
            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", str(checkpoint),
            "--tokenizer", str(checkpoint), "--served-model-name", served, "--dataset-name", "sharegpt",
            "--dataset-path", str(dataset), "--sharegpt-output-len", str(lengths.pop()), "--disable-shuffle",
@@ -294,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                     before = parse_histograms(await scrape_text(session, server.ctx.base_url))
                     if client == "vllm bench":
                         figures = await asyncio.to_thread(bench_pass, bench_python, server.ctx.base_url, checkpoint,
-                                                          served, plan, point, forced, work, tag, bench_env)
+                                                          served, plan, point, forced, work, tag, bench_env, args.engine)
                     else:
                         figures = await llmadapt_pass(server, w, plan, work / f"llmadapt-{tag}.jsonl", session)
                     after = parse_histograms(await scrape_text(session, server.ctx.base_url))
