@@ -7,8 +7,20 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .contract import SCHEMA_VERSION, Comm, Failure, Header, Metric, Patch, Phase, Span, Step, Summary, json_schema
-from .errors import (
+from llmadapt.contract import (
+    SCHEMA_VERSION,
+    Comm,
+    Failure,
+    Header,
+    Metric,
+    Patch,
+    Phase,
+    Span,
+    Step,
+    Summary,
+    json_schema,
+)
+from llmadapt.errors import (
     ContractError,
     EnvironmentNotReadyError,
     LlmadaptError,
@@ -17,9 +29,9 @@ from .errors import (
     UnsupportedError,
     WorkloadError,
 )
-from .hookspecs import hookimpl
-from .interfaces import AdapterInfo, EnvironmentSpec, FineTuner, Server, StepResult, Supports, Trainer
-from .spec import MODEL_PRESETS, Workload
+from llmadapt.hookspecs import hookimpl
+from llmadapt.interfaces import AdapterInfo, EnvironmentSpec, FineTuner, Server, StepResult, Supports, Trainer
+from llmadapt.spec import MODEL_PRESETS, Workload
 
 __all__ = [
     "SCHEMA_VERSION", "AdapterInfo", "Comm", "Comparison", "ContractError", "EnvironmentNotReadyError", "EnvironmentSpec",
@@ -33,15 +45,15 @@ __all__ = [
 def __getattr__(name: str):
     # The orchestrator API loads on first use, keeping `import llmadapt` (and plugin modules) light.
     if name in ("run", "RunResult"):
-        from . import launch
+        from llmadapt import launch
 
         return getattr(launch, name)
     if name in ("compare", "parity", "show", "Comparison", "ParityReport"):
-        from . import analysis
+        from llmadapt import analysis
 
         return getattr(analysis, name)
     if name == "adapters":
-        from .plugins import adapters
+        from llmadapt.plugins import adapters
 
         return adapters
     raise AttributeError(f"module 'llmadapt' has no attribute {name!r}")

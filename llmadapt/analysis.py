@@ -11,10 +11,10 @@ from typing import Any, Callable
 
 import attrs
 
-from .errors import LlmadaptError, TraceMismatchError
-from .launch import RunResult, load_records, run
-from .plugins import check_supported, get_adapter
-from .spec import Workload
+from llmadapt.errors import LlmadaptError, TraceMismatchError
+from llmadapt.launch import RunResult, load_records, run
+from llmadapt.plugins import check_supported, get_adapter
+from llmadapt.spec import Workload
 
 # fp32 loss trajectories of two correct stacks differ only by floating-point reduction order
 # (summation order in matmuls, all-reduce order across ranks), which the optimizer carries
@@ -146,8 +146,8 @@ def read_summary(run_dir: str | Path, needs: tuple[str, ...] | None = None) -> d
         raise LlmadaptError(f"{run_dir} is not a run directory" +
                             (f" ({problem}, and no launch.json to rebuild it from)" if path.is_file() else
                              " (no summary.json, no launch.json)"))
-    from .contract import to_json
-    from .launch import summarise
+    from llmadapt.contract import to_json
+    from llmadapt.launch import summarise
 
     try:
         summary = to_json(summarise(run_dir, write=False))
@@ -299,7 +299,7 @@ def parse_matrix(items: list[str]) -> dict[str, list[Any]]:
     """
     import yaml
 
-    from .spec import load_yaml
+    from llmadapt.spec import load_yaml
 
     def load_yaml_value(text: str, item: str):
         try:
@@ -462,7 +462,7 @@ def export(run_dir: str | Path, fmt: str) -> str:
     if fmt == "vllm-bench":
         if not summary.get("serving"):
             raise LlmadaptError("vllm-bench export is for serving runs")
-        from .serving import vllm_bench_keys
+        from llmadapt.serving import vllm_bench_keys
 
         return json.dumps(vllm_bench_keys(summary), indent=2)
     if fmt == "csv" and summary.get("serving"):

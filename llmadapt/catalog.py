@@ -25,8 +25,8 @@ from typing import Any
 
 import attrs
 
-from .environments import state_dir
-from .errors import LlmadaptError
+from llmadapt.environments import state_dir
+from llmadapt.errors import LlmadaptError
 
 FIELDS = ("kind", "description", "aliases", "match", "memory_bytes", "memory_bandwidth", "peak_flops",
           "interconnect", "interconnect_bandwidth", "host_bandwidth", "price_per_hour", "shared_by_ranks",

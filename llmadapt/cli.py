@@ -10,11 +10,11 @@ import signal
 import sys
 from typing import Any
 
-from .errors import LlmadaptError, Terminated
+from llmadapt.errors import LlmadaptError, Terminated
 
 
 def _workload(args):
-    from .spec import Workload
+    from llmadapt.spec import Workload
 
     return Workload.from_file(args.workload).with_overrides(args.set or [])
 
@@ -51,8 +51,8 @@ def _progress(record: dict[str, Any]) -> None:
 def cmd_run(args) -> int:
     import attrs
 
-    from .analysis import render_summary
-    from .launch import run
+    from llmadapt.analysis import render_summary
+    from llmadapt.launch import run
 
     result = run(_workload(args), args.adapter, **_run_options(args), **_node_options(args))
     summary = attrs.asdict(result.summary)
@@ -67,14 +67,14 @@ def cmd_run(args) -> int:
 def _node_options(args) -> dict[str, Any]:
     """Multi-node torchrun or Slurm settings from the `run` options; only what was given."""
     if args.launcher == "slurm":
-        from .slurm import SlurmSettings
+        from llmadapt.slurm import SlurmSettings
 
         return {"slurm": SlurmSettings(
             nnodes=args.nnodes, ntasks_per_node=args.nproc_per_node, partition=args.partition, time=args.time,
             options=tuple(args.sbatch_option or ()), collect_addr=args.collect_addr, master_port=args.master_port)}
     if args.nnodes == 1 and not (args.master_addr or args.rdzv_endpoint or args.nproc_per_node):
         return {}
-    from .launch import NodeSettings
+    from llmadapt.launch import NodeSettings
 
     return {"nodes": NodeSettings(
         nnodes=args.nnodes, node_rank=args.node_rank, nproc_per_node=args.nproc_per_node,
@@ -83,7 +83,7 @@ def _node_options(args) -> dict[str, Any]:
 
 
 def cmd_compare(args) -> int:
-    from .analysis import compare, parse_matrix
+    from llmadapt.analysis import compare, parse_matrix
 
     comparison = compare(_workload(args), _names(args.adapters, distinct=True), matrix=parse_matrix(args.matrix or []),
                          log=None if args.json else (lambda m: print(m, file=sys.stderr, flush=True)),
@@ -95,7 +95,7 @@ def cmd_compare(args) -> int:
 def cmd_parity(args) -> int:
     import attrs
 
-    from .analysis import parity
+    from llmadapt.analysis import parity
 
     names = _names(args.adapters)
     report = parity(_workload(args), names, rtol=args.rtol, atol=args.atol, **_run_options(args))
@@ -104,7 +104,7 @@ def cmd_parity(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from .analysis import render_summary, show
+    from llmadapt.analysis import render_summary, show
 
     summary = show(args.run)
     _emit(args, summary, render_summary(summary))
@@ -112,7 +112,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .analysis import export
+    from llmadapt.analysis import export
 
     text = export(args.run, args.format)
     if args.output:
@@ -128,8 +128,8 @@ def cmd_export(args) -> int:
 
 
 def cmd_adapters(args) -> int:
-    from . import environments
-    from .plugins import adapters
+    from llmadapt import environments
+    from llmadapt.plugins import adapters
 
     rows = []
     for info in adapters().values():
@@ -150,14 +150,14 @@ def cmd_adapters(args) -> int:
 
 
 def cmd_schema(args) -> int:
-    from .contract import json_schema
+    from llmadapt.contract import json_schema
 
     print(json.dumps(json_schema(), indent=2))
     return 0
 
 
 def _environment(name: str):
-    from .plugins import adapters
+    from llmadapt.plugins import adapters
 
     for info in adapters().values():
         if info.environment and name in (info.environment.name, info.name):
@@ -167,7 +167,7 @@ def _environment(name: str):
 
 
 def cmd_env_create(args) -> int:
-    from .environments import create
+    from llmadapt.environments import create
 
     python = create(_environment(args.name), force=args.force, log=lambda m: print(m, file=sys.stderr, flush=True))
     _emit(args, {"environment": args.name, "python": str(python)}, f"{args.name}: {python}")
@@ -175,8 +175,8 @@ def cmd_env_create(args) -> int:
 
 
 def cmd_env_list(args) -> int:
-    from . import environments
-    from .plugins import adapters
+    from llmadapt import environments
+    from llmadapt.plugins import adapters
 
     envs = {info.environment.name: info.environment for info in adapters().values() if info.environment}
     rows = [{"environment": name, "status": environments.status(spec), "path": str(environments.env_dir(spec)),
@@ -191,8 +191,8 @@ def cmd_env_list(args) -> int:
 
 
 def cmd_env_prune(args) -> int:
-    from . import environments
-    from .plugins import adapters
+    from llmadapt import environments
+    from llmadapt.plugins import adapters
 
     specs = {info.environment.name: info.environment for info in adapters().values() if info.environment}
     if args.name:
@@ -230,7 +230,7 @@ def add_command(subparsers, name: str, func, help: str) -> argparse.ArgumentPars
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from llmadapt import __version__
 
     parser = argparse.ArgumentParser(prog="llmadapt", description="Run one LLM workload on several stacks and "
                                      "compare the traces.")
@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_env_prune)
 
-    from .cli_perf import register  # micro, estimate, devices, maxbatch, studyb
+    from llmadapt.cli_perf import register
 
     register(sub, command)
     return parser
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"error: --{name}: got {value!r}; must be a finite number >= 0", file=sys.stderr)
             raise SystemExit(2)
     if getattr(args, "rtol", "absent") is None or getattr(args, "atol", "absent") is None:
-        from .analysis import PARITY_ATOL, PARITY_RTOL
+        from llmadapt.analysis import PARITY_ATOL, PARITY_RTOL
 
         args.rtol = PARITY_RTOL if args.rtol is None else args.rtol
         args.atol = PARITY_ATOL if args.atol is None else args.atol

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cli import add_command
-from .errors import LlmadaptError
+from llmadapt.cli import add_command
+from llmadapt.errors import LlmadaptError
 
 
 def _emit(args, data: Any, text: str) -> None:
@@ -31,7 +31,7 @@ def _write(path: str | None, text: str) -> None:
 
 def _record(path: str | None, record) -> None:
     if path:
-        from .contract import JsonlWriter, to_json, validate
+        from llmadapt.contract import JsonlWriter, to_json, validate
 
         validate(to_json(record))
         with JsonlWriter(path) as w:
@@ -51,7 +51,7 @@ def _csv_text(head: list[str], rows: list[list[Any]]) -> str:
 
 
 def _workload(args):
-    from .spec import Workload
+    from llmadapt.spec import Workload
 
     return Workload.from_file(args.workload).with_overrides(args.set or [])
 
@@ -85,7 +85,7 @@ def _timing(args) -> dict[str, float]:
 
 
 def _finish_micro(args, result) -> int:
-    from .micro import save_measured_device
+    from llmadapt.micro import save_measured_device
 
     if getattr(args, "save", None):
         path = save_measured_device(args.save, result, price_per_hour=getattr(args, "price", None),
@@ -97,7 +97,7 @@ def _finish_micro(args, result) -> int:
 
 
 def cmd_micro_ops(args) -> int:
-    from .micro import micro_ops
+    from llmadapt.micro import micro_ops
 
     ops = [o.strip() for o in args.ops.split(",")] if args.ops else None
     result = micro_ops(_workload(args), dtype=args.dtype, ops=ops, backward=not args.forward_only,
@@ -107,7 +107,7 @@ def cmd_micro_ops(args) -> int:
 
 
 def cmd_micro_peak(args) -> int:
-    from .micro import micro_peak, parse_size
+    from llmadapt.micro import micro_peak, parse_size
 
     dtypes = [d.strip() for d in args.dtypes.split(",")] if args.dtypes else None
     sizes = [int(s) for s in args.gemm_sizes.split(",")] if args.gemm_sizes else None
@@ -118,7 +118,7 @@ def cmd_micro_peak(args) -> int:
 
 
 def cmd_micro_comm(args) -> int:
-    from .micro import micro_comm, parse_sizes
+    from llmadapt.micro import micro_comm, parse_sizes
 
     ops = [o.strip() for o in args.ops.split(",")] if args.ops else None
     result = micro_comm(ranks=args.ranks, ops=ops, sizes=parse_sizes(args.sizes) if args.sizes else None,
@@ -128,7 +128,7 @@ def cmd_micro_comm(args) -> int:
 
 
 def cmd_micro_show(args) -> int:
-    from .micro import read_micro
+    from llmadapt.micro import read_micro
 
     result = read_micro(args.run)
     _write(args.csv, result.csv())
@@ -138,8 +138,8 @@ def cmd_micro_show(args) -> int:
 
 # -- estimate ---------------------------------------------------------------------------------------
 def _options(args):
-    from .estimate import Options
-    from .micro import parse_size
+    from llmadapt.estimate import Options
+    from llmadapt.micro import parse_size
 
     master = None if args.master_weights == "auto" else args.master_weights == "on"
     return Options(master_weights=master, price_per_hour=args.price, queries=args.queries, epochs=args.epochs,
@@ -149,8 +149,8 @@ def _options(args):
 def cmd_estimate(args) -> int:
     import attrs
 
-    from . import estimate as est
-    from .contract import to_json
+    from llmadapt import estimate as est
+    from llmadapt.contract import to_json
 
     catalog = args.catalog or []
     if sum(bool(x) for x in (args.calibrate, args.validate, args.workload)) != 1:
@@ -196,7 +196,7 @@ def _is_micro(d: str) -> bool:
 
 
 def cmd_devices(args) -> int:
-    from .catalog import load_catalog
+    from llmadapt.catalog import load_catalog
 
     cat = load_catalog(args.catalog or [])
     rows = [d.to_dict() for d in cat.values()]
@@ -215,8 +215,8 @@ def cmd_devices(args) -> int:
 
 # -- maxbatch ---------------------------------------------------------------------------------------
 def cmd_maxbatch(args) -> int:
-    from .maxbatch import maxbatch
-    from .micro import parse_size
+    from llmadapt.maxbatch import maxbatch
+    from llmadapt.micro import parse_size
 
     result = maxbatch(_workload(args), args.adapter,
                       memory_limit_bytes=parse_size(args.memory_limit) if args.memory_limit else None,
@@ -229,7 +229,7 @@ def cmd_maxbatch(args) -> int:
 
 # -- Study B ----------------------------------------------------------------------------------------
 def cmd_studyb_fit_throughput(args) -> int:
-    from . import studyb
+    from llmadapt import studyb
 
     points: list[tuple[float, float, float]] = []
     if args.reference:
@@ -246,7 +246,7 @@ def cmd_studyb_fit_throughput(args) -> int:
 
 
 def cmd_studyb_fit_maxbatch(args) -> int:
-    from . import studyb
+    from llmadapt import studyb
 
     points: list[dict[str, float]] = []
     for item in args.inputs:
@@ -260,8 +260,8 @@ def cmd_studyb_fit_maxbatch(args) -> int:
 
 
 def _finish_fit(args, fit) -> int:
-    from .contract import to_json
-    from .estimate import csv_rows, render_fit
+    from llmadapt.contract import to_json
+    from llmadapt.estimate import csv_rows, render_fit
 
     _record(args.record, fit)
     _write(args.csv, _csv_text(*csv_rows(fit)))
@@ -271,8 +271,8 @@ def _finish_fit(args, fit) -> int:
 
 
 def cmd_studyb_cost(args) -> int:
-    from . import studyb
-    from .catalog import find_device
+    from llmadapt import studyb
+    from llmadapt.catalog import find_device
 
     if (args.throughput is None) == (args.fit is None):
         raise LlmadaptError("give the throughput: --throughput Q (queries/s), or --fit FILE with --batch "
@@ -320,8 +320,8 @@ def _read_fit(path: str, model: str) -> dict | None:
 
 
 def cmd_studyb_reproduce(args) -> int:
-    from . import studyb
-    from .contract import to_json
+    from llmadapt import studyb
+    from llmadapt.contract import to_json
 
     r = studyb.reproduce()
     fit = r["eq2_fit"]

@@ -33,8 +33,8 @@ from typing import Any
 
 import attrs
 
-from .contract import Failure, JsonlWriter, to_json
-from .errors import LlmadaptError
+from llmadapt.contract import Failure, JsonlWriter, to_json
+from llmadapt.errors import LlmadaptError
 
 CONNECT_TIMEOUT_S = 60.0  # a worker may start before the orchestrator listens (torchrun by hand)
 SEND_TIMEOUT_S = 10.0  # a stalled orchestrator must not stall training: the local copy is kept regardless

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import attrs
 
-from .errors import ContractError
+from llmadapt.errors import ContractError
 
 SCHEMA_VERSION = "1.2"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from .spec import Workload
+from llmadapt.spec import Workload
 
 IGNORE = -100
 RESERVED = 4  # token ids below this are special tokens; synthetic data avoids them

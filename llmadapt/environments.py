@@ -27,8 +27,8 @@ from pathlib import Path
 from glob import escape as glob_escape
 from typing import Callable
 
-from .errors import EnvironmentNotReadyError, LlmadaptError
-from .interfaces import EnvironmentSpec
+from llmadapt.errors import EnvironmentNotReadyError, LlmadaptError
+from llmadapt.interfaces import EnvironmentSpec
 
 MARKER = "llmadapt-env.json"
 
@@ -80,7 +80,7 @@ def _declared_dependencies(source: Path) -> list[str]:
 
 def recipe(spec: EnvironmentSpec) -> dict:
     """What goes into the environment; no paths, so any clone of the same code computes the same recipe."""
-    from . import __version__
+    from llmadapt import __version__
 
     sources = local_sources(spec)
     dependencies = sorted({d for source in sources for d in _declared_dependencies(source)})

@@ -24,13 +24,13 @@ from typing import Any, Iterable
 
 import attrs
 
-from .catalog import DeviceSpec, device_for_reported, find_device, load_catalog
-from .contract import Estimate, Fit, FitPoint, MemoryEstimate, Validation, ValidationRow, to_json
-from .environments import state_dir
-from .errors import LlmadaptError
-from .flops import CONVENTION, model_flops_per_token
-from .opmodel import DTYPE_BYTES, QUANT_BYTES, layer_ops, lora_params_per_layer, step_ops
-from .spec import Workload
+from llmadapt.catalog import DeviceSpec, device_for_reported, find_device, load_catalog
+from llmadapt.contract import Estimate, Fit, FitPoint, MemoryEstimate, Validation, ValidationRow, to_json
+from llmadapt.environments import state_dir
+from llmadapt.errors import LlmadaptError
+from llmadapt.flops import CONVENTION, model_flops_per_token
+from llmadapt.opmodel import DTYPE_BYTES, QUANT_BYTES, layer_ops, lora_params_per_layer, step_ops
+from llmadapt.spec import Workload
 
 GIB = 2**30
 # Defaults before calibration. GPU: typical large-GEMM efficiency (~60% of dense peak) and
@@ -396,7 +396,7 @@ def _serve_times(w: Workload, device: DeviceSpec, factors: Factors, mem: MemoryE
     """Decode is memory-bound at small batch: each token reads every weight and the KV cache once."""
     peak, bw, _ = _rates(w, device)
     m = w.model
-    from .flops import param_count
+    from llmadapt.flops import param_count
 
     active = param_count(m, active=True, embedding=False)
     seqs = serve_sequences(w)
@@ -739,7 +739,7 @@ def calibrate_from_micro(micro_dirs: Iterable[str | Path], device: str | None = 
     Peaks come from the micro run's own measurement when it made one, else from the catalog.
     step_overhead_s is not observable in isolated operators and stays at its default.
     """
-    from .micro import read_micro
+    from llmadapt.micro import read_micro
 
     micro_dirs = list(micro_dirs)
     points_in = []

@@ -12,7 +12,7 @@ backward 2/3. Recomputation is not counted (that would be hardware FLOPs, HFU).
 
 from __future__ import annotations
 
-from .spec import ModelSpec
+from llmadapt.spec import ModelSpec
 
 CONVENTION = "palm: 6*N(active, non-embedding, output projection counted) + 12*L*H*Q*T"
 
@@ -52,7 +52,7 @@ def peak_flops(device_name: str, precision: str) -> float | None:
     measurement (``micro peak``), not a datasheet figure, and MFU against it would read as a GPU's."""
     import re
 
-    from .catalog import device_for_reported, load_catalog
+    from llmadapt.catalog import device_for_reported, load_catalog
 
     catalog = {n: d for n, d in load_catalog().items() if d.kind != "cpu"}
     spec = device_for_reported(device_name, catalog)

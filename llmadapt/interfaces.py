@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import attrs
 
-from .contract import Comm, Metric, Patch, Phase, Span
+from llmadapt.contract import Comm, Metric, Patch, Phase, Span
 
 if TYPE_CHECKING:  # the worker context holds torch objects; the orchestrator never builds one
-    from .runtime import StepBatch, WorkerContext
-    from .serving import Chunk, PlannedRequest, ServeContext
-    from .spec import Workload
+    from llmadapt.runtime import StepBatch, WorkerContext
+    from llmadapt.serving import Chunk, PlannedRequest, ServeContext
+    from llmadapt.spec import Workload
 
 ROLES = ("train", "finetune", "serve")
 

@@ -28,18 +28,18 @@ from typing import Any, Callable
 
 import attrs
 
-from . import lifecycle
-from . import slurm as slurm_
-from .collect import AgentLink, Collector, local_hostname_is_loopback, node_name, parse_address
-from .contract import Failure, JsonlWriter, Summary, read_jsonl, to_json
-from .environments import process_env, python_for
-from .errors import LlmadaptError, Terminated
-from .interfaces import EnvironmentSpec
-from .plugins import check_supported, get_adapter
-from .prepare import ensure_checkpoint
-from .slurm import SlurmSettings
-from .spec import Workload
-from .stats import aggregate
+from llmadapt import lifecycle
+from llmadapt import slurm as slurm_
+from llmadapt.collect import AgentLink, Collector, local_hostname_is_loopback, node_name, parse_address
+from llmadapt.contract import Failure, JsonlWriter, Summary, read_jsonl, to_json
+from llmadapt.environments import process_env, python_for
+from llmadapt.errors import LlmadaptError, Terminated
+from llmadapt.interfaces import EnvironmentSpec
+from llmadapt.plugins import check_supported, get_adapter
+from llmadapt.prepare import ensure_checkpoint
+from llmadapt.slurm import SlurmSettings
+from llmadapt.spec import Workload
+from llmadapt.stats import aggregate
 
 LAUNCHERS = ("auto", "inline", "subprocess", "torchrun", "slurm")
 KILL_GRACE_S = 10.0
@@ -291,7 +291,7 @@ def _run_launched(workload, info, launcher, launch, python, per_node, nodes, col
         collector.start(run_dir, launch, nodes.nnodes if multinode else 1)
     try:
         if launcher == "inline":
-            from .runtime import Place, run_worker  # imports torch: only on this path
+            from llmadapt.runtime import Place, run_worker
 
             # The worker records its own failures; an interrupt is re-raised once the summary is written.
             if run_worker(run_dir, Place(0, 0, 1, 0, "inline")) == 130:
@@ -527,7 +527,7 @@ def _structure(hint: Any, value: Any) -> Any:
 
 
 def _run_serve(workload: Workload, info, out, run_id, timeout, progress) -> RunResult:
-    from .serving import run_serve
+    from llmadapt.serving import run_serve
 
     attach = workload.serve.url is not None
     if not attach and info.environment is None:

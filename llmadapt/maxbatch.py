@@ -26,11 +26,11 @@ from typing import Callable
 
 import attrs
 
-from .contract import JsonlWriter, MaxBatch, Probe, read_jsonl, to_json
-from .errors import LlmadaptError
-from .plugins import check_supported, get_adapter
-from .spec import Workload
-from .studyb import sparsity_of
+from llmadapt.contract import JsonlWriter, MaxBatch, Probe, read_jsonl, to_json
+from llmadapt.errors import LlmadaptError
+from llmadapt.plugins import check_supported, get_adapter
+from llmadapt.spec import Workload
+from llmadapt.studyb import sparsity_of
 
 CAP_KIND = "RLIMIT_AS"
 
@@ -137,7 +137,7 @@ def maxbatch(workload: Workload | str | Path, adapter: str = "torch", *, memory_
     cap_kind = CAP_KIND if memory_limit_bytes else None
 
     def real_probe(pw: Workload, b: int, where: Path) -> Probe:
-        from .launch import run
+        from llmadapt.launch import run
 
         t0 = time.monotonic()
         result = run(pw, adapter, launcher=launcher, out=where, timeout=timeout, fault=fault,

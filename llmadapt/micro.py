@@ -25,11 +25,11 @@ from typing import Any, Callable
 
 import attrs
 
-from .catalog import save_device, today
-from .contract import Failure
-from .errors import LlmadaptError
-from .opmodel import DTYPE_BYTES, Op, _attention, layer_ops
-from .spec import Workload
+from llmadapt.catalog import save_device, today
+from llmadapt.contract import Failure
+from llmadapt.errors import LlmadaptError
+from llmadapt.opmodel import DTYPE_BYTES, Op, _attention, layer_ops
+from llmadapt.spec import Workload
 
 OPS = ("qkv", "output", "fc1", "fc2", "lm_head", "attention", "rmsnorm", "rotary", "swiglu", "moe_router",
        "moe_dispatch", "cross_entropy")
@@ -212,16 +212,16 @@ def op_specs(workload: Workload, *, dtype: str | None = None, ops: tuple[str, ..
 
 # -- running a suite ------------------------------------------------------------------------------
 def _torch_python() -> Path:
-    from .environments import python_for
-    from .reference.plugin import TORCH_ENV
+    from llmadapt.environments import python_for
+    from llmadapt.reference.plugin import TORCH_ENV
 
     return python_for(TORCH_ENV)
 
 
 def _start(suite: str, spec: dict[str, Any], out: str | Path, world: int = 1, timeout: float | None = None,
            progress: Callable[[dict[str, Any]], None] | None = None) -> MicroResult:
-    from .launch import _supervise, _worker_env, worker_command, write_launcher_failures  # as runs do
-    from .reference.plugin import TORCH_ENV
+    from llmadapt.launch import _supervise, _worker_env, worker_command, write_launcher_failures
+    from llmadapt.reference.plugin import TORCH_ENV
 
     python = _torch_python()  # fails before anything is written
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-micro-{suite}-{secrets.token_hex(2)}"
@@ -251,7 +251,7 @@ def _start(suite: str, spec: dict[str, Any], out: str | Path, world: int = 1, ti
 
 def read_micro(run_dir: str | Path) -> MicroResult:
     """Rebuild a micro-benchmark result from its records on disk."""
-    from .launch import load_records
+    from llmadapt.launch import load_records
 
     run_dir = Path(run_dir)
     launch_path = run_dir / "launch.json"

@@ -20,10 +20,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from . import lifecycle
-from .collect import node_name
-from .contract import Comm, End, Failure, Header, JsonlWriter, Metric, OpBench, bandwidths
-from .stats import describe
+from llmadapt import lifecycle
+from llmadapt.collect import node_name
+from llmadapt.contract import Comm, End, Failure, Header, JsonlWriter, Metric, OpBench, bandwidths
+from llmadapt.stats import describe
 
 
 def _torch_dtype(name: str):
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(argv[0])
     launch = json.loads((run_dir / "launch.json").read_text())
-    from .runtime import Place, _apply_thread_policy, _now, _pick_device, _software, describe_device
+    from llmadapt.runtime import Place, _apply_thread_policy, _now, _pick_device, _software, describe_device
 
     place = Place.from_env()
     writer = JsonlWriter(run_dir / f"rank-{place.rank:05d}.jsonl")

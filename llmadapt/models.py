@@ -21,8 +21,8 @@ from pathlib import Path
 
 import attrs
 
-from .environments import state_dir
-from .spec import ModelSpec
+from llmadapt.environments import state_dir
+from llmadapt.spec import ModelSpec
 
 RECIPE_VERSION = 1  # bump when the way checkpoints are built changes
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]

@@ -24,7 +24,7 @@ import math
 
 import attrs
 
-from .spec import Workload
+from llmadapt.spec import Workload
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 QUANT_BYTES = {"int8": 1.0 + 0.0, "nf4": 0.5 + 4 / 64}  # nf4: 4-bit codes + one fp32 absmax per 64 weights

@@ -12,9 +12,9 @@ from importlib import metadata
 
 import pluggy
 
-from . import hookspecs
-from .errors import LlmadaptError, UnknownAdapterError, UnsupportedError
-from .interfaces import AdapterInfo
+from llmadapt import hookspecs
+from llmadapt.errors import LlmadaptError, UnknownAdapterError, UnsupportedError
+from llmadapt.interfaces import AdapterInfo
 
 GROUP = "llmadapt"
 

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import attrs
 
-from .environments import process_env, python_for, state_dir
-from .errors import LlmadaptError
-from .interfaces import EnvironmentSpec
-from .spec import ModelSpec, Workload
+from llmadapt.environments import process_env, python_for, state_dir
+from llmadapt.errors import LlmadaptError
+from llmadapt.interfaces import EnvironmentSpec
+from llmadapt.spec import ModelSpec, Workload
 
 
 def checkpoint_dir(workload: Workload) -> Path:
-    from .models import checkpoint_key
+    from llmadapt.models import checkpoint_key
 
     return state_dir() / "checkpoints" / checkpoint_key(workload.model, workload.seed)
 
@@ -34,7 +34,7 @@ def ensure_checkpoint(workload: Workload, environment: EnvironmentSpec) -> Path:
     if (target / "READY").is_file():
         return target
     if not environment.builds_checkpoint:
-        from .reference.plugin import TORCH_ENV
+        from llmadapt.reference.plugin import TORCH_ENV
 
         environment = TORCH_ENV
     python = python_for(environment)
@@ -48,7 +48,7 @@ def ensure_checkpoint(workload: Workload, environment: EnvironmentSpec) -> Path:
 
 
 def main() -> None:
-    from .models import canonical_checkpoint
+    from llmadapt.models import canonical_checkpoint
 
     model = ModelSpec(**json.loads(sys.argv[1]))
     print(canonical_checkpoint(model, int(sys.argv[2])))

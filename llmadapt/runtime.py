@@ -22,13 +22,13 @@ from typing import Any, Iterator
 
 import attrs
 
-from . import lifecycle
-from .collect import StreamingWriter, node_name
-from .contract import Device, End, Failure, Header, JsonlWriter, Memory, Phase, Step
-from .data import StepBatch, TokenData
-from .errors import LlmadaptError
-from .interfaces import Trainer
-from .spec import Workload
+from llmadapt import lifecycle
+from llmadapt.collect import StreamingWriter, node_name
+from llmadapt.contract import Device, End, Failure, Header, JsonlWriter, Memory, Phase, Step
+from llmadapt.data import StepBatch, TokenData
+from llmadapt.errors import LlmadaptError
+from llmadapt.interfaces import Trainer
+from llmadapt.spec import Workload
 
 
 @attrs.frozen
@@ -219,7 +219,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
                                     device_id=device if device.type == "cuda" else None)
             dist_started = True
 
-        from .models import canonical_checkpoint, recorded_weights_hash
+        from llmadapt.models import canonical_checkpoint, recorded_weights_hash
 
         checkpoint = canonical_checkpoint(workload.model, workload.seed)
         # Named by the orchestrator: adapters are found through installed entry points there, not here
@@ -367,7 +367,7 @@ def _pick_device(place: Place):
 def _software() -> dict[str, str]:
     from importlib import metadata
 
-    from . import __version__
+    from llmadapt import __version__
 
     out = {"python": platform.python_version(), "llmadapt": __version__}
     for name in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "deepspeed",

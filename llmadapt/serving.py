@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 import attrs
 
-from .contract import JsonlWriter, Request, ServerSample
-from .errors import LlmadaptError, Terminated
-from .spec import LengthSpec, Workload
+from llmadapt.contract import JsonlWriter, Request, ServerSample
+from llmadapt.errors import LlmadaptError, Terminated
+from llmadapt.spec import LengthSpec, Workload
 
 LEAD_S = 0.05  # the schedule starts this long after planning, so the first requests are not born late
 LAG_P99_LIMIT_MS = 10.0  # a run whose p99 send lag (or event-loop lag) exceeds this did not deliver its load
@@ -426,8 +426,8 @@ class _LoopWatch:
         self.end_ns, self.cpu1 = time.monotonic_ns(), time.process_time()
 
     def record(self, sent: int, itl_metric: str | None):
-        from .contract import ClientLoad
-        from .stats import describe
+        from llmadapt.contract import ClientLoad
+        from llmadapt.stats import describe
 
         return ClientLoad(interval_ms=self.interval_ns / 1e6, loop_lag_ms=describe(self.lags_ms), stalls=self.stalls,
                           cpu_s=self.cpu1 - self.cpu0, wall_s=(self.end_ns - self.start_ns) / 1e9,
@@ -459,8 +459,8 @@ async def _spin_until(due_ns: int) -> None:
 # -- statistics ---------------------------------------------------------------------------------
 def serving_stats(records: list[dict[str, Any]], workload: Workload):
     """Client-side serving figures from request records (measured requests only)."""
-    from .contract import ServingStats, Stats
-    from .stats import describe
+    from llmadapt.contract import ServingStats, Stats
+    from llmadapt.stats import describe
 
     reqs = [r for r in records if r["type"] == "request" and not r["warmup"]]
     ok = [r for r in reqs if r["status"] == "ok"]
@@ -653,14 +653,14 @@ def _serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: str, 
     import importlib
     import socket
 
-    from .contract import Failure, Header
-    from .launch import free_port
-    from .runtime import _now
+    from llmadapt.contract import Failure, Header
+    from llmadapt.launch import free_port
+    from llmadapt.runtime import _now
 
     attach = workload.serve.url is not None
     checkpoint = None
     if not attach:
-        from .prepare import ensure_checkpoint
+        from llmadapt.prepare import ensure_checkpoint
 
         try:
             checkpoint = ensure_checkpoint(workload, info.environment)
@@ -785,7 +785,7 @@ def _load_tokenizer(workload: Workload, checkpoint: Path | None):
 
     if checkpoint is not None:
         return Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-    from .models import train_tokenizer
+    from llmadapt.models import train_tokenizer
 
     return train_tokenizer(workload.model.vocab_size)
 
@@ -793,7 +793,7 @@ def _load_tokenizer(workload: Workload, checkpoint: Path | None):
 def _recorded_hash(checkpoint: Path | None) -> str | None:
     if checkpoint is None:
         return None
-    from .models import recorded_weights_hash
+    from llmadapt.models import recorded_weights_hash
 
     return recorded_weights_hash(checkpoint)
 

@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import attrs
 
-from .contract import Failure
-from .errors import LlmadaptError
+from llmadapt.contract import Failure
+from llmadapt.errors import LlmadaptError
 
 # Final states and how they map onto the contract's failure causes.
 _CAUSES = {"CANCELLED": "killed", "TIMEOUT": "timeout", "DEADLINE": "timeout", "OUT_OF_MEMORY": "oom",

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import attrs
 
-from .errors import WorkloadError
+from llmadapt.errors import WorkloadError
 
 KINDS = ("train", "finetune", "serve")
 ARRIVALS = ("constant", "poisson", "gamma", "closed", "trace")

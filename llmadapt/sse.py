@@ -11,8 +11,8 @@ import json
 import os
 from typing import Any, AsyncIterator
 
-from .interfaces import Server
-from .serving import Chunk, PlannedRequest, RequestFailed, WrongServer
+from llmadapt.interfaces import Server
+from llmadapt.serving import Chunk, PlannedRequest, RequestFailed, WrongServer
 
 
 async def sse_events(response) -> AsyncIterator[str]:

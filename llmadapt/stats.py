@@ -13,9 +13,9 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable
 
-from .contract import Device, Failure, Patch, Stats, Summary
-from .flops import model_flops_per_token, mfu, peak_flops
-from .spec import Workload
+from llmadapt.contract import Device, Failure, Patch, Stats, Summary
+from llmadapt.flops import model_flops_per_token, mfu, peak_flops
+from llmadapt.spec import Workload
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -155,7 +155,7 @@ def _patches(headers: Iterable[dict[str, Any]]) -> list[Patch]:
 
 
 def _aggregate_serve(run_id, records, launch, workload, headers, failures) -> Summary:
-    from .serving import serving_stats
+    from llmadapt.serving import serving_stats
 
     serving = serving_stats(records, workload)
     head = headers.get(0)

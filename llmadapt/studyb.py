@@ -21,8 +21,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterable
 
-from .contract import Fit, FitPoint
-from .errors import LlmadaptError
+from llmadapt.contract import Fit, FitPoint
+from llmadapt.errors import LlmadaptError
 
 GB = 1e9
 MOE_ATTENUATION = {"mixtral": 1.8, "blackmamba": 2.5}
@@ -254,7 +254,7 @@ def _is_number(v: Any) -> bool:
 
 def throughput_points_from_runs(run_dirs: Iterable[str | Path]) -> list[tuple[float, float, float]]:
     """(batch, sparsity, queries/s) of measured runs: global batch, active/total experts, mean samples/s."""
-    from .spec import Workload
+    from llmadapt.spec import Workload
 
     out = []
     for d in run_dirs:
@@ -276,7 +276,7 @@ def sparsity_of(model) -> float:
 
 def maxbatch_points(dirs: Iterable[str | Path]) -> list[dict[str, float]]:
     """Eq. 1 points from ``llmadapt maxbatch`` results: capacity (cap or device memory) in GB, max batch, seq, sparsity."""
-    from .contract import read_jsonl
+    from llmadapt.contract import read_jsonl
 
     out = []
     for d in dirs:

@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 
-from .analysis import loss_parity
-from .contract import read_jsonl
-from .environments import python_for
-from .errors import EnvironmentNotReadyError, UnknownAdapterError, UnsupportedError
-from .launch import RunResult, run
-from .plugins import get_adapter
-from .spec import Workload
+from llmadapt.analysis import loss_parity
+from llmadapt.contract import read_jsonl
+from llmadapt.environments import python_for
+from llmadapt.errors import EnvironmentNotReadyError, UnknownAdapterError, UnsupportedError
+from llmadapt.launch import RunResult, run
+from llmadapt.plugins import get_adapter
+from llmadapt.spec import Workload
 
 
 def interruptible() -> None:
@@ -102,7 +102,7 @@ class AdapterConformance:
 
     def _require(self, info, workload: Workload) -> None:
         try:
-            from .plugins import check_supported
+            from llmadapt.plugins import check_supported
 
             check_supported(info, workload)
         except UnsupportedError as exc:

@@ -1,6 +1,6 @@
 """``python -m llmadapt.worker RUN_DIR``: the process the launcher starts in an adapter's environment."""
 
-from .runtime import main
+from llmadapt.runtime import main
 
 if __name__ == "__main__":
     main()
