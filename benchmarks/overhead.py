@@ -92,8 +92,8 @@ def run_bare(workload, device) -> dict:
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from llmadapt.data import TokenData
     from llmadapt.models import canonical_checkpoint
+    from llmadapt.runtime.data import TokenData
 
     w = workload
     t0 = time.perf_counter()
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     use_cuda = torch.cuda.is_available() and os.environ.get("LLMADAPT_DEVICE", "auto") != "cpu"
-    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")  # the rule of runtime._pick_device
+    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")  # the rule of runtime.pick_device
     if use_cuda:
         torch.cuda.set_device(device)
 

@@ -45,21 +45,20 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 # -- Prometheus histograms ----------------------------------------------------------------------
 def parse_histograms(text: str) -> dict[str, dict]:
     """{histogram: {"buckets": {le: cumulative count}, "sum": s, "count": n}}, summed over label sets."""
+    from llmadapt.adapter.sse import parse_prometheus
+
     out: dict[str, dict] = {name: {"buckets": {}, "sum": 0.0, "count": 0.0} for name in HISTOGRAMS.values()}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
+    for series, value in parse_prometheus(text, tuple(HISTOGRAMS.values())).items():
         name, _, labels = series.partition("{")
         for base in HISTOGRAMS.values():
             if name == base + "_bucket":
                 le = next(p.split("=", 1)[1].strip('"') for p in labels.rstrip("}").split(",") if p.startswith("le="))
                 edge = math.inf if le == "+Inf" else float(le)
-                out[base]["buckets"][edge] = out[base]["buckets"].get(edge, 0.0) + float(value)
+                out[base]["buckets"][edge] = out[base]["buckets"].get(edge, 0.0) + value
             elif name == base + "_sum":
-                out[base]["sum"] += float(value)
+                out[base]["sum"] += value
             elif name == base + "_count":
-                out[base]["count"] += float(value)
+                out[base]["count"] += value
     return out
 
 
@@ -124,8 +123,9 @@ async def scrape_text(session, base_url: str) -> str:
 
 
 async def llmadapt_pass(server, workload, plan, path: Path, session) -> dict:
-    from llmadapt.contract import JsonlWriter, read_jsonl
-    from llmadapt.serving import LoadGenerator, serving_stats
+    from llmadapt.contract.jsonl import JsonlWriter, read_jsonl
+    from llmadapt.contract.stats import serving_stats
+    from llmadapt.runtime.loadgen import LoadGenerator
 
     with JsonlWriter(path) as writer:
         await LoadGenerator(server, workload, plan, writer).run(session)
@@ -241,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     from tokenizers import Tokenizer
 
     from llmadapt import Workload, adapters
-    from llmadapt.environments import process_env, python_for
-    from llmadapt.launch import free_port
-    from llmadapt.serving import ServeContext, plan_requests
+    from llmadapt.adapter.context import ServeContext
+    from llmadapt.host import free_port
+    from llmadapt.launch.environments import process_env, python_for
+    from llmadapt.runtime.requests import plan_requests
 
     points = [parse_point(p) for p in args.points.split(",")]
     work = args.out or Path(tempfile.mkdtemp(prefix="serve-crosscheck-"))
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             "request_timeout_s": 300.0, "send_spin_ms": args.spin_ms, "scrape_interval_s": args.scrape_s}})
 
     w0 = workload(points[0], args.requests)
-    out = subprocess.run([str(python), "-m", "llmadapt.prepare", json.dumps(_model_dict(w0)), str(w0.seed)],
+    out = subprocess.run([str(python), "-m", "llmadapt.models", json.dumps(_model_dict(w0)), str(w0.seed)],
                          capture_output=True, text=True, check=True, env=process_env(engine_env))
     checkpoint = Path(out.stdout.strip().splitlines()[-1])
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))

@@ -20,7 +20,7 @@ comparison = llmadapt.compare(
 print(comparison.table())
 
 # Every row points at its trace; any run can be exported for other tools.
-from llmadapt.analysis import export  # noqa: E402
+from llmadapt.analysis.report import export
 
 first = comparison.rows[0].run_dir
 Path("runs/first-run.csv").write_text(export(first, "csv"))

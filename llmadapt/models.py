@@ -21,7 +21,7 @@ from pathlib import Path
 
 import attrs
 
-from llmadapt.environments import state_dir
+from llmadapt.host import state_dir
 from llmadapt.spec import ModelSpec
 
 RECIPE_VERSION = 1  # bump when the way checkpoints are built changes
@@ -156,3 +156,15 @@ def recorded_weights_hash(checkpoint: Path) -> str | None:
         return json.loads((checkpoint / "READY").read_text())["weights_sha256"]
     except (OSError, KeyError, json.JSONDecodeError):
         return None
+
+
+def main() -> None:
+    """``python -m llmadapt.models MODEL_JSON SEED``: build (or find) the checkpoint here, print its path."""
+    import sys
+
+    model = ModelSpec(**json.loads(sys.argv[1]))
+    print(canonical_checkpoint(model, int(sys.argv[2])))
+
+
+if __name__ == "__main__":
+    main()

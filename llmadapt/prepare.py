@@ -1,58 +1,7 @@
-"""The canonical checkpoint, built before any worker starts.
+"""Old path of ``llmadapt.launch.prepare`` (before 0.2), kept for one release for adapters written against it.
 
-``python -m llmadapt.prepare MODEL_JSON SEED`` builds (or finds) it in the environment that runs
-the command and prints its path. The orchestrator (which has no torch) calls it with an
-environment's interpreter: the adapter's own, or the reference environment's when the adapter's
-transformers cannot build it (``EnvironmentSpec.builds_checkpoint``). Building it once, up front,
-keeps every adapter on identical weights and keeps ranks from racing to build it.
-"""
+New code imports from ``llmadapt.launch.prepare``; nothing inside llmadapt imports this module."""
 
-from __future__ import annotations
+from llmadapt.launch.prepare import checkpoint_dir, ensure_checkpoint
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-import attrs
-
-from llmadapt.environments import process_env, python_for, state_dir
-from llmadapt.errors import LlmadaptError
-from llmadapt.interfaces import EnvironmentSpec
-from llmadapt.spec import ModelSpec, Workload
-
-
-def checkpoint_dir(workload: Workload) -> Path:
-    from llmadapt.models import checkpoint_key
-
-    return state_dir() / "checkpoints" / checkpoint_key(workload.model, workload.seed)
-
-
-def ensure_checkpoint(workload: Workload, environment: EnvironmentSpec) -> Path:
-    """The canonical checkpoint of the workload, built with the right environment if missing."""
-    target = checkpoint_dir(workload)
-    if (target / "READY").is_file():
-        return target
-    if not environment.builds_checkpoint:
-        from llmadapt.reference.plugin import TORCH_ENV
-
-        environment = TORCH_ENV
-    python = python_for(environment)
-    out = subprocess.run([str(python), "-m", "llmadapt.prepare", json.dumps(attrs.asdict(workload.model)),
-                          str(workload.seed)], capture_output=True, text=True, check=False,
-                         env=process_env(environment))
-    if out.returncode:
-        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise LlmadaptError(f"building the canonical checkpoint in environment {environment.name!r} failed: {last}")
-    return Path(out.stdout.strip().splitlines()[-1])
-
-
-def main() -> None:
-    from llmadapt.models import canonical_checkpoint
-
-    model = ModelSpec(**json.loads(sys.argv[1]))
-    print(canonical_checkpoint(model, int(sys.argv[2])))
-
-
-if __name__ == "__main__":
-    main()
+__all__ = ['ensure_checkpoint', 'checkpoint_dir']

@@ -21,12 +21,13 @@ from typing import Any
 
 import pytest
 
-from llmadapt.analysis import loss_parity
-from llmadapt.contract import read_jsonl
-from llmadapt.environments import python_for
+from llmadapt.adapter.plugins import get_adapter
+from llmadapt.analysis.parity import loss_parity
+from llmadapt.contract.jsonl import read_jsonl
+from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import EnvironmentNotReadyError, UnknownAdapterError, UnsupportedError
-from llmadapt.launch import RunResult, run
-from llmadapt.plugins import get_adapter
+from llmadapt.launch.environments import python_for
+from llmadapt.launch.run import RunResult, run
 from llmadapt.spec import Workload
 
 
@@ -102,7 +103,7 @@ class AdapterConformance:
 
     def _require(self, info, workload: Workload) -> None:
         try:
-            from llmadapt.plugins import check_supported
+            from llmadapt.adapter.plugins import check_supported
 
             check_supported(info, workload)
         except UnsupportedError as exc:
@@ -121,7 +122,7 @@ class AdapterConformance:
         """The tiny training run completes and every record of every rank validates against the schema."""
         assert train_run.ok, train_run.summary.failures
         workload = standard_workloads()["train"]
-        files = sorted(train_run.run_dir.glob("rank-*.jsonl"))
+        files = RunDir(train_run.run_dir).rank_files()
         assert len(files) == workload.world_size
         records = [r for f in files for r in read_jsonl(f, check=True)]
         headers = [r for r in records if r["type"] == "header"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmadapt.launch import free_port
+from llmadapt.host import free_port
 
 HERE = Path(__file__).parent
 

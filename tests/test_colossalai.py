@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from llmadapt.analysis import loss_parity
-from llmadapt.contract import read_jsonl
+from llmadapt.adapter.plugins import get_adapter
+from llmadapt.analysis.parity import loss_parity
+from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.errors import UnknownAdapterError, UnsupportedError
-from llmadapt.launch import run
-from llmadapt.plugins import get_adapter
+from llmadapt.launch.run import run
 from llmadapt.testing import AdapterConformance, environments_unready, standard_workloads
 
 try:

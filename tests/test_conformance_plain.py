@@ -2,7 +2,7 @@
 
 import pytest
 
-from llmadapt.plugins import adapters
+from llmadapt.adapter.plugins import adapters
 from llmadapt.testing import AdapterConformance
 
 if "plain" not in adapters():

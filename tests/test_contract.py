@@ -9,8 +9,10 @@ import attrs
 import pytest
 
 from llmadapt import ContractError, json_schema
-from llmadapt.contract import Failure, JsonlWriter, Memory, Phase, Step, read_jsonl, to_json, validate
-from llmadapt.stats import aggregate, describe, percentile
+from llmadapt.contract.jsonl import JsonlWriter, read_jsonl
+from llmadapt.contract.records import Failure, Memory, Phase, Step
+from llmadapt.contract.schema import to_json, validate
+from llmadapt.contract.stats import aggregate, describe, percentile
 
 
 def step(rank=0, index=0, seconds=1.0, tokens=100, loss=2.0, warmup=False, peak=1000, phases=()):

@@ -3,7 +3,8 @@
 import pytest
 
 from llmadapt import Workload
-from llmadapt.data import IGNORE, TokenData
+from llmadapt.adapter.context import IGNORE
+from llmadapt.runtime.data import TokenData
 from llmadapt.testing import INSTRUCTIONS
 
 torch = pytest.importorskip("torch")

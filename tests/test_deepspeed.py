@@ -28,10 +28,10 @@ from pathlib import Path
 import pytest
 
 from llmadapt import UnsupportedError
-from llmadapt.analysis import expert_load_parity, loss_parity
-from llmadapt.contract import read_jsonl
-from llmadapt.launch import RunResult, run
-from llmadapt.plugins import adapters, get_adapter
+from llmadapt.adapter.plugins import adapters, get_adapter
+from llmadapt.analysis.parity import expert_load_parity, loss_parity
+from llmadapt.contract.jsonl import read_jsonl
+from llmadapt.launch.run import RunResult, run
 from llmadapt.testing import AdapterConformance, standard_workloads
 
 if "deepspeed" not in adapters():
@@ -125,9 +125,9 @@ import json, sys, tempfile
 from pathlib import Path
 import torch
 import deepspeed.runtime.activation_checkpointing.checkpointing as ck
-from llmadapt.data import TokenData
+from llmadapt.runtime.data import TokenData
 from llmadapt.models import canonical_checkpoint
-from llmadapt.runtime import WorkerContext
+from llmadapt.adapter import WorkerContext
 from llmadapt.spec import Workload
 from llmadapt_deepspeed.trainer import DeepSpeedFineTuner, DeepSpeedTrainer
 
@@ -182,7 +182,7 @@ ONE_PROCESS = {
 def engines(tmp_path_factory):
     """Every ONE_PROCESS configuration on one rank, as DeepSpeed engines built one after another in one process
     of the adapter's environment, counting DeepSpeed checkpoint calls in each one's first step."""
-    from llmadapt.environments import process_env, python_for
+    from llmadapt.launch.environments import process_env, python_for
 
     script = tmp_path_factory.mktemp("engines") / "engines.py"
     script.write_text(ENGINES)
@@ -359,10 +359,10 @@ def test_deepspeed_launch_command_shape(tmp_path):
     assert cmd[3:5] == ["/env/bin/python", "-m"] and cmd[5] == "deepspeed.launcher.runner"
     assert {f"--hostfile={tmp_path / 'hostfile'}", "--no_ssh_check", "--master_addr=127.0.0.1",
             "--master_port=29555", "--no_local_rank", "--module"} <= set(cmd)
-    assert cmd[-2:] == ["llmadapt.worker", str(tmp_path)]
+    assert cmd[-2:] == ["llmadapt.runtime.worker", str(tmp_path)]
     assert (tmp_path / "hostfile").read_text() == "localhost slots=2\n"
-    other = deepspeed_launch_command("/env/bin/python", tmp_path, 4, 1, cpu=False, module="llmadapt.microbench")
-    assert other[0] == "/env/bin/python" and other[-2] == "llmadapt.microbench"
+    other = deepspeed_launch_command("/env/bin/python", tmp_path, 4, 1, cpu=False, module="llmadapt.runtime.microbench")
+    assert other[0] == "/env/bin/python" and other[-2] == "llmadapt.runtime.microbench"
     with pytest.raises(ValueError, match="world must be >= 1"):
         deepspeed_launch_command("/env/bin/python", tmp_path, 0, 1)
 

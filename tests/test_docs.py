@@ -12,10 +12,10 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from llmadapt import Workload
 from llmadapt.testing import environments_unready
@@ -56,3 +56,24 @@ def test_runnable_blocks_run_as_written(body, tmp_path):
     done = subprocess.run(["bash", "-e", "-c", body], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=1200)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+def test_the_adapter_reference_is_rendered_from_the_code(tmp_path):
+    """`make reference` renders llmadapt.adapter with pdoc: every name an adapter author is given has its
+    entry, with its docstring, so the reference cannot drift from the code."""
+    import html
+    import inspect
+
+    pdoc = pytest.importorskip("pdoc", reason="pdoc is in the dev extra (pip install -e '.[dev]')")
+    import llmadapt.adapter as api
+
+    pdoc.pdoc("llmadapt.adapter", output_directory=tmp_path)
+    page = (tmp_path / "llmadapt" / "adapter.html").read_text()
+    for name in api.__all__:
+        assert f'id="{name}"' in page, name
+        obj = getattr(api, name)
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            doc = obj.__doc__
+            assert doc and doc.strip(), f"{name} has no docstring of its own"
+            first = " ".join(doc.split("\n\n")[0].split())[:40]
+            assert html.escape(first, quote=False).split("`")[0][:20] in page, (name, first)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from llmadapt import environments
+from llmadapt.launch import environments
+from llmadapt.adapter.declaration import EnvironmentSpec
 from llmadapt.errors import EnvironmentNotReadyError, LlmadaptError
-from llmadapt.interfaces import EnvironmentSpec
 
 
 @pytest.fixture(autouse=True)
@@ -126,7 +126,7 @@ def test_build_steps_in_order(monkeypatch, state):
             (environments.env_dir(s) / "bin").mkdir()
             (environments.env_dir(s) / "bin" / "python").touch()
 
-    monkeypatch.setattr(environments, "_check", check)
+    monkeypatch.setattr(environments, "checked_run", check)
     s = spec(no_deps_requirements=("colossalai==0.5.0",), remove_after_install=("torchvision", "triton"),
              install_env=(("DS_BUILD_OPS", "0"),))
     python = environments.create(s, log=lambda line: None)
@@ -168,17 +168,17 @@ def test_a_second_builder_waits_for_the_first_and_builds_nothing(monkeypatch):
 
 def test_a_download_that_fails_is_tried_again_and_a_recipe_error_is_not(tmp_path):
     """pip failing on a truncated download (its hash check) is transient; any other failure is final."""
-    from llmadapt.environments import _check
+    from llmadapt.launch.environments import checked_run
 
     count = tmp_path / "count"
     script = (f'n=$(cat {count} 2>/dev/null || echo 0); echo $((n+1)) > {count}; '
               'if [ "$n" -lt 1 ]; then echo "ERROR: THESE PACKAGES DO NOT MATCH THE HASHES"; exit 1; fi')
     seen = []
-    _check(["sh", "-c", script], "pip install", stream=seen.append, retries=2)
+    checked_run(["sh", "-c", script], "pip install", stream=seen.append, retries=2)
     assert count.read_text().strip() == "2" and any("trying again" in line for line in seen)
 
     count.unlink()
     with pytest.raises(LlmadaptError, match="ResolutionImpossible"):
-        _check(["sh", "-c", f"echo x >> {count}; echo 'ERROR: ResolutionImpossible'; exit 1"], "pip install",
+        checked_run(["sh", "-c", f"echo x >> {count}; echo 'ERROR: ResolutionImpossible'; exit 1"], "pip install",
                retries=2)
     assert count.read_text().count("x") == 1

@@ -9,11 +9,13 @@ import attrs
 import pytest
 
 from llmadapt import LlmadaptError, Workload
-from llmadapt import estimate as est
-from llmadapt.catalog import device_for_reported, find_device, load_catalog, save_device
-from llmadapt.contract import read_jsonl, to_json, validate
-from llmadapt.flops import model_flops_per_token, param_count
-from llmadapt.opmodel import layer_ops
+from llmadapt.analysis.perf import calibration
+from llmadapt.analysis.perf import estimate as est
+from llmadapt.analysis.perf.opmodel import layer_ops
+from llmadapt.contract.catalog import device_for_reported, find_device, load_catalog, save_device
+from llmadapt.contract.flops import model_flops_per_token, param_count
+from llmadapt.contract.jsonl import read_jsonl
+from llmadapt.contract.schema import to_json, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny-llama.toml"
@@ -253,7 +255,7 @@ def test_calibration_recovers_factors_and_validation_measures_the_error(tmp_path
     text = cli("estimate", "--validate", *held_out, "--calibration", save).stdout
     assert "step time MAPE" in text and "+0." in text or "-0." in text
     # with the default (uncalibrated) factors the same runs are off: validation reports it, per run
-    default = est.validate(held_out, "testcpu")
+    default = calibration.validate(held_out, "testcpu")
     assert default.mape > report["mape"]
 
 

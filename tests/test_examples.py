@@ -15,7 +15,7 @@ FILES = sorted((ROOT / "examples").glob("*.toml")) + sorted((ROOT / "examples").
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_workload_files_load(path):
     """Every example workload file is valid and passes the reference adapter's checks."""
-    from llmadapt.plugins import check_supported, get_adapter
+    from llmadapt.adapter.plugins import check_supported, get_adapter
 
     workload = Workload.from_file(path)
     check_supported(get_adapter("hf" if workload.kind == "serve" else "torch"), workload)
@@ -36,9 +36,9 @@ def test_deepspeed_techniques_command_expands_to_study_a_grid():
     DeepSpeed adapter (when installed) accepts each."""
     import shlex
 
-    from llmadapt.analysis import matrix_variants, parse_matrix
-    from llmadapt.cli import build_parser
-    from llmadapt.plugins import adapters, check_supported, get_adapter
+    from llmadapt.adapter.plugins import adapters, check_supported, get_adapter
+    from llmadapt.analysis.compare import matrix_variants, parse_matrix
+    from llmadapt.cli.main import build_parser
 
     path = ROOT / "examples" / "deepspeed-techniques.toml"
     (line,) = [x[2:] for x in path.read_text().splitlines() if x.startswith("# llmadapt compare ")]
@@ -61,7 +61,7 @@ def test_deepspeed_techniques_command_expands_to_study_a_grid():
 def test_zipped_matrix_axes():
     """--matrix 'a,b=1,x;2,y' sets several fields together per variant (zipped), crossed with other axes;
     a variant with the wrong number of values is one clear error."""
-    from llmadapt.analysis import matrix_variants, parse_matrix
+    from llmadapt.analysis.compare import matrix_variants, parse_matrix
     from llmadapt.errors import LlmadaptError
 
     matrix = parse_matrix(["optimizations.zero_stage,optimizations.offload=1,optimizer;3,optimizer+params",

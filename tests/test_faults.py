@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from llmadapt import run
-from llmadapt.contract import read_jsonl
+from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.testing import environments_unready, interruptible, standard_workloads
 
 pytestmark = pytest.mark.skipif(bool(environments_unready("torch")), reason=environments_unready("torch") or "")
@@ -118,7 +118,7 @@ def test_a_killed_orchestrator_leaves_no_orphans_and_its_folder_can_be_shown(tmp
     run_dir = wait_for_steps(tmp_path, proc, 3, ranks=dp)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate()
-    # The ranks stop within their grace period (llmadapt.lifecycle.ORPHAN_GRACE_S) plus torchrun's exit.
+    # The ranks stop within their grace period (llmadapt.runtime.lifecycle.ORPHAN_GRACE_S) plus torchrun's exit.
     assert wait_until_gone(run_dir, 60) == []
     assert not (run_dir / "summary.json").exists()
     failures = [r for r in read_jsonl(run_dir / "rank-00000.jsonl") if r["type"] == "failure"]

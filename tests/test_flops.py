@@ -3,7 +3,7 @@
 import pytest
 
 from llmadapt import MODEL_PRESETS
-from llmadapt.flops import mfu, model_flops_per_token, param_count, peak_flops
+from llmadapt.contract.flops import mfu, model_flops_per_token, param_count, peak_flops
 from llmadapt.spec import ModelSpec
 
 
@@ -58,7 +58,7 @@ def test_mfu_needs_a_known_peak():
     ("AMD EPYC 7B13", "fp32", None),                  # CPUs: measured, never a datasheet MFU
 ])
 def test_mfu_peaks_come_from_the_device_catalog(reported, precision, peak):
-    from llmadapt.catalog import load_catalog
+    from llmadapt.contract.catalog import load_catalog
 
     if reported.endswith("4090"):
         peak = load_catalog()["RTX4090"].peak(precision)

@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from llmadapt import lifecycle
+from llmadapt.runtime import lifecycle
 
 
 @pytest.fixture

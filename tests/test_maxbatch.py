@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from llmadapt import LlmadaptError, Workload
-from llmadapt.contract import Probe, read_jsonl
-from llmadapt.maxbatch import maxbatch, read_maxbatch
-from llmadapt.studyb import fit_max_batch, maxbatch_points
+from llmadapt.analysis.perf.maxbatch import maxbatch, read_maxbatch
+from llmadapt.analysis.perf.studyb import fit_max_batch, maxbatch_points
+from llmadapt.contract.jsonl import read_jsonl
+from llmadapt.contract.perf import Probe
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = Workload.from_file(ROOT / "examples" / "tiny-llama.toml")

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from llmadapt.analysis import expert_load_parity, loss_parity
-from llmadapt.contract import read_jsonl
+from llmadapt.adapter.plugins import get_adapter
+from llmadapt.analysis.parity import expert_load_parity, loss_parity
+from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.errors import UnknownAdapterError, UnsupportedError
-from llmadapt.launch import run
-from llmadapt.plugins import get_adapter
+from llmadapt.launch.run import run
 from llmadapt.testing import AdapterConformance, standard_workloads
 
 try:

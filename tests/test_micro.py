@@ -8,10 +8,17 @@ from pathlib import Path
 import pytest
 
 from llmadapt import LlmadaptError, Workload
-from llmadapt.catalog import find_device
-from llmadapt.contract import read_jsonl
-from llmadapt.micro import (ATTENTION_BACKENDS, micro_comm, micro_ops, op_specs, parse_sizes, read_micro,
-                            save_measured_device)
+from llmadapt.analysis.perf.micro import (
+    ATTENTION_BACKENDS,
+    micro_comm,
+    micro_ops,
+    op_specs,
+    parse_sizes,
+    read_micro,
+    save_measured_device,
+)
+from llmadapt.contract.catalog import find_device
+from llmadapt.contract.jsonl import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE = Workload.from_file(ROOT / "examples" / "tiny-mixtral.toml").with_overrides(

@@ -2,12 +2,12 @@
 
 import pytest
 
-from llmadapt.analysis import expert_load_parity
+from llmadapt.analysis.parity import expert_load_parity
 from llmadapt.testing import standard_workloads
 
 torch = pytest.importorskip("torch")
 
-from llmadapt.moe import ExpertLoadCounter, near_tie_count  # noqa: E402  (imports torch)
+from llmadapt.adapter.moe import ExpertLoadCounter, near_tie_count
 
 
 def steps(loads, ties):

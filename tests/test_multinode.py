@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from llmadapt import LlmadaptError, run
-from llmadapt.analysis import loss_parity
-from llmadapt.contract import read_jsonl
-from llmadapt.launch import NodeSettings
-from llmadapt.plugins import adapters
+from llmadapt.adapter.plugins import adapters
+from llmadapt.analysis.parity import loss_parity
+from llmadapt.contract.jsonl import read_jsonl
+from llmadapt.launch.settings import NodeSettings
 from llmadapt.testing import standard_workloads
 
 pytest.importorskip("torch")
@@ -195,21 +195,21 @@ def test_hostname_on_loopback_is_warned_about(tmp_path, monkeypatch):
     """The multi-node trap: a hostname that resolves to 127.x is named, with the settings that fix it."""
     import socket
 
-    from llmadapt import launch
+    from llmadapt.launch import multinode
 
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
     events = []
-    launch._warn_loopback(NodeSettings(nnodes=2, master_addr="10.0.0.1"), events.append)
+    multinode.warn_loopback(NodeSettings(nnodes=2, master_addr="10.0.0.1"), events.append)
     (event,) = events
     assert "resolves to 127.0.1.1, a loopback address" in event["message"] and "set --ifname" in event["message"]
     events.clear()
-    launch._warn_loopback(NodeSettings(nnodes=2, master_addr="10.0.0.1", ifname="eth1"), events.append)
+    multinode.warn_loopback(NodeSettings(nnodes=2, master_addr="10.0.0.1", ifname="eth1"), events.append)
     assert events == []
 
 
 def test_workers_find_their_place_from_torchrun_then_slurm():
     """torchrun's variables win (also under srun + torchrun); else Slurm's; else a single process."""
-    from llmadapt.runtime import Place
+    from llmadapt.runtime.device import Place
 
     slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NNODES": "2"}
     assert Place.from_env(slurm) == Place(3, 1, 4, 1, "slurm", 2)
@@ -220,7 +220,7 @@ def test_workers_find_their_place_from_torchrun_then_slurm():
 
 def test_node_0_refuses_a_node_running_another_workload(tmp_path):
     """A node started with a different workload is refused with the reason, and node 0 sees it as a failure."""
-    from llmadapt.collect import AgentLink, Collector
+    from llmadapt.launch.collect import AgentLink, Collector
 
     collector = Collector(("127.0.0.1", 0))
     collector.start(tmp_path, {"run_id": "r", "workload_hash": "aaa"}, nnodes=2)

@@ -8,7 +8,7 @@ import pytest
 
 import llmadapt
 from llmadapt import AdapterInfo, EnvironmentSpec, LlmadaptError, Supports, UnsupportedError, Workload, hookimpl
-from llmadapt.plugins import check_supported, collect_adapters, get_adapter, plugin_manager
+from llmadapt.adapter.plugins import check_supported, collect_adapters, get_adapter, plugin_manager
 
 ENV = EnvironmentSpec(name="x", requirements=("torch==2.13.0",))
 
@@ -113,7 +113,7 @@ def test_adapters_command_lists_roles_supports_and_environment():
     torch = rows["torch"]
     assert torch["roles"] == ["train", "finetune"]
     assert torch["environment"] == "torch"
-    from llmadapt.environments import status
+    from llmadapt.launch.environments import status
 
     assert torch["environment_status"] == status(get_adapter("torch").environment)
     assert "dp" in torch["supports"] and "lora" in torch["supports"]

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from llmadapt import run
-from llmadapt.analysis import expert_load_parity, loss_parity
-from llmadapt.contract import read_jsonl
+from llmadapt.analysis.parity import expert_load_parity, loss_parity
+from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.testing import standard_workloads
 
 pytest.importorskip("torch")

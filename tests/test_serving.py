@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from llmadapt import Workload, run
-from llmadapt.contract import read_jsonl
-from llmadapt.launch import free_port
+from llmadapt.contract.jsonl import read_jsonl
+from llmadapt.host import free_port
 from llmadapt.models import train_tokenizer
-from llmadapt.serving import arrival_offsets, plan_requests
+from llmadapt.runtime.requests import arrival_offsets, plan_requests
 from llmadapt.testing import interruptible
 
 HERE = Path(__file__).parent
@@ -133,7 +133,7 @@ def test_every_request_is_recorded_with_client_side_timings(tmp_path, fake_serve
         assert len(r["chunk_ns"]) == 8 and r["finish_reason"] == "length"
     # Validity follows the measured lag (whether the machine kept up is not this test's business: no timing
     # threshold here), and the verdict is written out.
-    from llmadapt.serving import LAG_P99_LIMIT_MS
+    from llmadapt.contract.stats import LAG_P99_LIMIT_MS
 
     assert s.send_lag_ms.count == 12 and s.valid == (s.send_lag_ms.p99 <= LAG_P99_LIMIT_MS), s.validity
     samples = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "server_sample"]
@@ -149,10 +149,10 @@ def test_every_request_is_recorded_with_client_side_timings(tmp_path, fake_serve
 def test_a_stalled_client_marks_the_run_invalid_and_says_why(tmp_path, fake_server, monkeypatch):
     """A chunk handler that blocks the event loop for 0.3 s (the stall seen beside a busy engine): every stream
     waits meanwhile. The run is invalid, the reason names the stalled loop, the stall is in the trace."""
-    import llmadapt.serving as serving
+    from llmadapt.runtime import loadgen
 
     url, _ = fake_server("--first-ms", "5", "--token-ms", "5")
-    real, calls = serving.check_chunk, []
+    real, calls = loadgen.check_chunk, []
 
     def stalling(chunk):
         calls.append(1)
@@ -160,7 +160,7 @@ def test_a_stalled_client_marks_the_run_invalid_and_says_why(tmp_path, fake_serv
             time.sleep(0.3)
         return real(chunk)
 
-    monkeypatch.setattr(serving, "check_chunk", stalling)
+    monkeypatch.setattr(loadgen, "check_chunk", stalling)
     result = run(serve_workload(url), "openai", out=tmp_path)
     s = result.summary.serving
     assert (s.completed, s.failed) == (12, 0) and not s.valid
@@ -170,7 +170,7 @@ def test_a_stalled_client_marks_the_run_invalid_and_says_why(tmp_path, fake_serv
     (client,) = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "client_load"]
     t, lag, cpu, queued = max(client["stalls"], key=lambda stall: stall[1])
     assert lag >= 250 and 0 <= t <= s.duration_s + 1 and queued is not None
-    from llmadapt.analysis import render_summary
+    from llmadapt.analysis.report import render_summary
 
     shown = render_summary(json.loads((result.run_dir / "summary.json").read_text()))
     assert "validity   invalid: " in shown and "event loop stalled" in shown
@@ -182,7 +182,7 @@ def test_a_stalled_client_marks_the_run_invalid_and_says_why(tmp_path, fake_serv
     ([0.5, 300.0, 2.0, 3.0], "blocked in a system call"),
 ])
 def test_a_stall_is_explained_by_what_the_loops_thread_did_meanwhile(stall, cause):
-    from llmadapt.serving import serving_stats
+    from llmadapt.contract.stats import serving_stats
 
     w = serve_workload("http://127.0.0.1:1", arrival={"process": "closed", "concurrency": 1})
     lag = {"count": 10, "mean": 30.0, "std": 1.0, "min": 0.0, "p50": 0.1, "p90": 0.2, "p95": 0.3, "p99": 300.0,
@@ -212,7 +212,7 @@ def test_bunched_chunks_are_measured_against_the_engines_own_inter_token_latency
     """The engine made tokens 20 ms apart (its histogram between the first and last sample: 400 tokens,
     8 s). One request's chunks arrive 20 ms apart, the other's half in a burst (0.1 ms apart, under a
     tenth of 20 ms). Exact shares: 0 of 9 gaps, then 5 of 18; 28% > 20% makes the run invalid."""
-    from llmadapt.serving import serving_stats
+    from llmadapt.contract.stats import serving_stats
 
     w = serve_workload("http://127.0.0.1:1", arrival={"process": "closed", "concurrency": 2})
     client = {"type": "client_load", "interval_ms": 10.0, "loop_lag_ms": None, "stalls": [], "cpu_s": 0.5,
@@ -471,7 +471,7 @@ def test_sigterm_stops_the_run_like_ctrl_c(tmp_path, fake_server, mark, how, eng
 def test_show_export_and_compare_for_serving(tmp_path, fake_server):
     """Serving runs render, export as per-request CSV and vLLM-bench keys, and compare in one table."""
     from llmadapt import compare
-    from llmadapt.analysis import export, render_summary, show
+    from llmadapt.analysis.report import export, render_summary, show
 
     url, _ = fake_server("--first-ms", "5")
     w = serve_workload(url, requests=4, slo={"ttft_ms": 10000.0})
@@ -593,3 +593,25 @@ def test_a_server_that_answers_but_is_not_ready_is_waited_for(tmp_path, fake_ser
     result = run(serve_workload(url), "openai", out=tmp_path, timeout=8)
     assert [f.message for f in result.summary.failures] == ["the engine was not ready within 8 s"]
     assert marked(run_mark) == []
+
+
+def test_engine_metrics_are_read_as_the_exposition_format_defines_them():
+    """A timestamped sample is its value, not its timestamp (a split at the last space read 1.7e12); labels
+    with escaped quotes keep their value; a line that is no metric costs only itself."""
+    from llmadapt.adapter.sse import parse_prometheus
+
+    text = ("# HELP vllm:e2e_request_latency_seconds Histogram\n# TYPE vllm:e2e_request_latency_seconds histogram\n"
+            'vllm:e2e_request_latency_seconds_bucket{le="0.1",model_name="a\\"b"} 3 1700000000000\n'
+            'vllm:e2e_request_latency_seconds_sum{model_name="m"} 1.5\n'
+            "vllm:e2e_request_latency_seconds_count 4 1700000000000\n"
+            "this is not a metric\n"
+            "# TYPE tgi_request_success counter\ntgi_request_success 13\n"
+            "tgi_queue_size 2\nother_metric 9\n")
+    assert parse_prometheus(text, ("vllm:", "tgi_")) == {
+        'vllm:e2e_request_latency_seconds_bucket{le="0.1",model_name="a\\"b"}': 3.0,
+        'vllm:e2e_request_latency_seconds_sum{model_name="m"}': 1.5,
+        "vllm:e2e_request_latency_seconds_count": 4.0,
+        "tgi_request_success": 13.0,  # as printed: a typed parse would call it tgi_request_success_total
+        "tgi_queue_size": 2.0,
+    }
+    assert parse_prometheus("<html>not metrics</html>", ("vllm:",)) == {}

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from llmadapt import Workload, run
-from llmadapt.contract import read_jsonl
+from llmadapt.contract.jsonl import read_jsonl
 
 pytest.importorskip("aiohttp")
 

@@ -18,15 +18,14 @@ from pathlib import Path
 
 import attrs
 import pytest
+from test_multinode import single_node  # the same one-node run, once per session
 
 from llmadapt import LlmadaptError, run
-from llmadapt.analysis import loss_parity
-from llmadapt.contract import read_jsonl
-from llmadapt.launch import free_port
-from llmadapt.testing import interruptible
-from llmadapt.slurm import SlurmSettings
-from llmadapt.testing import standard_workloads
-from test_multinode import single_node  # the same one-node run, once per session
+from llmadapt.analysis.parity import loss_parity
+from llmadapt.contract.jsonl import read_jsonl
+from llmadapt.host import free_port
+from llmadapt.launch.slurm import SlurmSettings
+from llmadapt.testing import interruptible, standard_workloads
 
 pytest.importorskip("torch")
 
@@ -183,7 +182,7 @@ def test_a_job_that_fails_to_start_is_reported_with_slurms_reason(slurm, two_nod
     """An interpreter missing on the nodes: the job fails at once and the failure carries Slurm's state."""
     monkeypatch.setenv("LLMADAPT_PYTHON_TORCH", "/nonexistent/python")
     # The checkpoint is built before submission with that same interpreter: skip that step here.
-    monkeypatch.setattr("llmadapt.launch.ensure_checkpoint", lambda *a: None, raising=False)
+    monkeypatch.setattr("llmadapt.launch.run.ensure_checkpoint", lambda *a: None, raising=False)
     result = run(WORKLOAD, "torch", launcher="slurm", slurm=two_nodes, out=tmp_path, timeout=120)
     assert not result.ok
     (failure,) = [f for f in result.summary.failures if f.rank is None]

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from llmadapt import LlmadaptError, Workload
-from llmadapt import studyb
-from llmadapt.contract import read_jsonl
+from llmadapt.analysis.perf import studyb
+from llmadapt.contract.jsonl import read_jsonl
 
 
 def cli(*args):

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from llmadapt import UnsupportedError, Workload, run
-from llmadapt.contract import read_jsonl
-from llmadapt.serving import PlannedRequest, RequestFailed, ServeContext
+from llmadapt.adapter.context import PlannedRequest, RequestFailed, ServeContext
+from llmadapt.contract.jsonl import read_jsonl
 
 HERE = Path(__file__).parent
 DATA = HERE.parent.parent / "shared" / "data" / "tgi"  # ../shared/data/tgi from the repository root
@@ -31,7 +31,11 @@ aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("llmadapt_tgi", reason="the tgi adapter package is not installed (pip install -e plugins/tgi)")
 
 from llmadapt_tgi.server import (  # noqa: E402
-    OPENAI_MODEL, TGIOpenAIServer, TGIServer, generate_parameters, parse_stream_event,
+    OPENAI_MODEL,
+    TGIOpenAIServer,
+    TGIServer,
+    generate_parameters,
+    parse_stream_event,
 )
 
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"the TGI reference data is absent ({DATA}: "

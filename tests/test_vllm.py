@@ -14,14 +14,15 @@ from pathlib import Path
 import pytest
 
 from llmadapt import Workload, adapters, compare, run, show
-from llmadapt.contract import read_jsonl
+from llmadapt.contract.jsonl import read_jsonl
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("llmadapt_vllm", reason="the vllm adapter package is not installed (pip install -e plugins/vllm)")
 
-from llmadapt.environments import python_for  # noqa: E402
-from llmadapt.testing import environments_unready  # noqa: E402
 from llmadapt_vllm.server import environment_problem  # noqa: E402
+
+from llmadapt.launch.environments import python_for
+from llmadapt.testing import environments_unready  # noqa: E402
 
 MODEL = {"preset": "tiny-llama", "hidden_size": 128}
 

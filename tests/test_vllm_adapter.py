@@ -11,7 +11,7 @@ import time
 import pytest
 
 from llmadapt import UnsupportedError, Workload, adapters, run
-from llmadapt.serving import PlannedRequest, ServeContext
+from llmadapt.adapter.context import PlannedRequest, ServeContext
 
 pytest.importorskip("llmadapt_vllm", reason="the vllm adapter package is not installed (pip install -e plugins/vllm)")
 

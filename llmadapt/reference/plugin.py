@@ -3,36 +3,20 @@ adapter (see pyproject.toml). Light: nothing here imports torch."""
 
 from __future__ import annotations
 
-from llmadapt import AdapterInfo, EnvironmentSpec, Supports, __version__, hookimpl
-
-REQUIREMENTS = (
-    "torch==2.13.0",
-    "transformers==5.19.0",
-    "tokenizers==0.23.3",
-    "safetensors==0.8.0",
-    "peft==0.21.2",
-    "bitsandbytes==0.50.2",
-    "accelerate==1.15.0",
-    # `transformers serve` (the hf server) needs these next to transformers
-    "fastapi==0.165.0",
-    "uvicorn==0.54.0",
-    "openai==3.57.0",
-    "rich==15.0.0",
-    "requests==2.34.2",
-)
-
-TORCH_ENV = EnvironmentSpec(name="torch", requirements=REQUIREMENTS)
+from llmadapt.adapter import AdapterInfo, Supports, hookimpl
+from llmadapt.host import VERSION
+from llmadapt.launch.environments import REFERENCE_ENVIRONMENT
 
 
 @hookimpl
 def llmadapt_register_adapters(register):
     register(AdapterInfo(
         name="torch",
-        version=__version__,
+        version=VERSION,
         framework="torch",
         roles={"train": "llmadapt.reference.trainer:TorchTrainer",
                "finetune": "llmadapt.reference.trainer:TorchFineTuner"},
-        environment=TORCH_ENV,
+        environment=REFERENCE_ENVIRONMENT,
         supports=Supports(
             precisions=("fp32", "bf16"),
             dp=True,
@@ -47,10 +31,10 @@ def llmadapt_register_adapters(register):
     ))
     register(AdapterInfo(
         name="hf",
-        version=__version__,
+        version=VERSION,
         framework="transformers-serve",
         roles={"serve": "llmadapt.reference.serve:HFServer"},
-        environment=TORCH_ENV,
+        environment=REFERENCE_ENVIRONMENT,
         description="transformers' own OpenAI-compatible server (continuous batching) on the canonical checkpoint, "
                     "as a subprocess: the reference for serving.",
     ))

@@ -11,8 +11,9 @@ import signal
 import subprocess
 from pathlib import Path
 
-from llmadapt.serving import engine_popen_options
-from llmadapt.sse import OpenAICompatibleServer
+from llmadapt.adapter.context import engine_popen_options
+from llmadapt.adapter.sse import OpenAICompatibleServer
+from llmadapt.contract.rundir import RunDir
 
 STOP_GRACE_S = 30.0
 CB_NUM_BLOCKS = 64  # blocks of 256 tokens: 16384 tokens of KV cache
@@ -34,9 +35,9 @@ class HFServer(OpenAICompatibleServer):
                # which on CPU is the machine's RAM: 17 GB resident on a 23 GB machine, OOM-killed in CI
                "--cb-num-blocks", str(CB_NUM_BLOCKS), "--cb-max-batch-tokens", str(CB_MAX_BATCH_TOKENS)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-        self.log = open(ctx.run_dir / "engine.log", "wb")
+        self.log = open(RunDir(ctx.run_dir).engine_log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, **engine_popen_options())
-        (ctx.run_dir / "engine.pid").write_text(str(self.proc.pid))  # its own process group, for tools and tests
+        RunDir(ctx.run_dir).engine_pid.write_text(str(self.proc.pid))  # its own process group, for tools and tests
 
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None

@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 
-from llmadapt.contract import Phase, Span
-from llmadapt.interfaces import FineTuner, StepResult, Trainer
-from llmadapt.moe import ExpertLoadCounter
+from llmadapt.adapter.interfaces import FineTuner, StepResult, Trainer
+from llmadapt.adapter.moe import ExpertLoadCounter
+from llmadapt.contract.records import Phase, Span
 
 
 class TorchTrainer(Trainer):

@@ -22,7 +22,7 @@ REQUIREMENTS = (
 ENVIRONMENT = EnvironmentSpec(
     name="plain",
     requirements=REQUIREMENTS,
-    # This package itself, installed editable into the environment so the worker can import trainer.py.
+    # This package's source folder: workers import trainer.py from it (on PYTHONPATH; nothing is installed).
     local_packages=(str(Path(__file__).resolve().parents[1]),),
 )
 

@@ -5,8 +5,8 @@ Imported only inside the adapter's environment, in the worker process, so torch 
 
 from __future__ import annotations
 
+from llmadapt.adapter import FineTuner, StepResult, Trainer
 from llmadapt.contract import Phase
-from llmadapt.interfaces import FineTuner, StepResult, Trainer
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -39,15 +39,15 @@ class PlainTrainer(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         for mb in batch.micro_batches:
             input_ids, labels = mb.input_ids.to(ctx.device), mb.labels.to(ctx.device)
-            with ctx.phase("forward", timings, "plain"):
+            with ctx.phase("forward", timings):
                 logits = self.model(input_ids=input_ids).logits
                 # The contract's loss: sum of token cross-entropies / loss-bearing tokens of the global batch.
                 token_loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                              ignore_index=-100, reduction="sum")
-            with ctx.phase("backward", timings, "plain"):
+            with ctx.phase("backward", timings):
                 (token_loss / batch.loss_tokens_global).backward()
             loss_sum += token_loss.item()
-        with ctx.phase("optimizer", timings, "plain"):
+        with ctx.phase("optimizer", timings):
             self.optimizer.step()
         phases = [Phase(name, sum(t.seconds for t in timings if t.name == name), "plain") for name in PHASES]
         return StepResult(loss=loss_sum / batch.loss_tokens_global, phases=phases)

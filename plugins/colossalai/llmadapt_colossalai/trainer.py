@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 
+from llmadapt.adapter import FineTuner, StepResult, Trainer
 from llmadapt.contract import Phase, Span
-from llmadapt.interfaces import FineTuner, StepResult, Trainer
 
 from . import cpu_patches
 from .plugin import booster_plugin
@@ -93,7 +93,7 @@ class ColossalAITrainer(Trainer):
         self.skip_sync = plugin.support_no_sync() and w.optimizations.zero_stage != 2
         self.experts = None
         if w.model.is_moe:
-            from llmadapt.moe import ExpertLoadCounter
+            from llmadapt.adapter.moe import ExpertLoadCounter
 
             # After boosting: shardformer swaps the MoE blocks (EPMixtralSparseMoeBlock keeps the HF gate).
             self.experts = ExpertLoadCounter(self.model, w.model.num_experts)

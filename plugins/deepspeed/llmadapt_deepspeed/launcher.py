@@ -11,9 +11,9 @@ then ``deepspeed.launcher.launch``), and why each argument is there:
   only one; with one host it then launches locally (``deepspeed.launcher.launch``), no ssh.
 - ``--master_addr 127.0.0.1 --master_port P``: rendezvous on loopback, on the port llmadapt picked.
 - ``--no_local_rank``: otherwise each worker gets ``--local_rank=N`` appended to its arguments;
-  ``python -m llmadapt.worker`` takes exactly one (the run directory) and reads its place from the
+  ``python -m llmadapt.runtime.worker`` takes exactly one (the run directory) and reads its place from the
   environment instead.
-- ``--module llmadapt.worker RUN_DIR``: each rank runs ``python -u -m llmadapt.worker RUN_DIR`` with
+- ``--module llmadapt.runtime.worker RUN_DIR``: each rank runs ``python -u -m llmadapt.runtime.worker RUN_DIR`` with
   the same interpreter as the runner (the adapter's environment).
 
 Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (what llmadapt's
@@ -36,7 +36,7 @@ HOSTFILE = "hostfile"
 
 
 def deepspeed_launch_command(python: str | Path, run_dir: str | Path, world: int, port: int, *,
-                             cpu: bool = True, module: str = "llmadapt.worker") -> list[str]:
+                             cpu: bool = True, module: str = "llmadapt.runtime.worker") -> list[str]:
     """The command that starts ``world`` ranks of ``python -m MODULE run_dir`` through DeepSpeed's launcher.
 
     Writes ``run_dir/hostfile`` (``localhost slots=world``), which the command names. ``cpu``: pin the

@@ -18,8 +18,8 @@ import time
 from contextlib import nullcontext
 from typing import Any
 
+from llmadapt.adapter import FineTuner, StepResult, Trainer
 from llmadapt.contract import Comm, Metric, Patch, Phase, Span, bandwidths
-from llmadapt.interfaces import FineTuner, StepResult, Trainer
 
 from .config import ADAM_BETAS, ADAM_EPS, build_config, client_cpu_adam, expected_optimizer, gradient_accumulation_steps
 from .plugin import CPU_ADAM_ON_CUDA, FP16_ON_CPU
@@ -123,7 +123,7 @@ class DeepSpeedTrainer(Trainer):
             ))
         self.experts = None
         if w.model.is_moe:
-            from llmadapt.moe import ExpertLoadCounter
+            from llmadapt.adapter.moe import ExpertLoadCounter
 
             self.experts = ExpertLoadCounter(model, w.model.num_experts)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -389,7 +389,7 @@ def _set_extensions_dir() -> None:
         return
     from importlib import metadata
 
-    from llmadapt.environments import state_dir
+    from llmadapt.host import state_dir
 
     tag = (f"deepspeed-{metadata.version('deepspeed')}-torch-{metadata.version('torch')}-"
            f"py{sys.version_info.major}.{sys.version_info.minor}")

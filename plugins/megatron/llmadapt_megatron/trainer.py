@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from functools import partial
 
+from llmadapt.adapter import FineTuner, StepResult, Trainer
 from llmadapt.contract import Phase
-from llmadapt.interfaces import FineTuner, StepResult, Trainer
 
-from .cpu_compat import Compat
 from .convert import hf_to_megatron, load_into
+from .cpu_compat import Compat
 
 SOURCE = "megatron"
 
@@ -66,8 +66,11 @@ class MegatronTrainer(Trainer):
         import torch
         import torch.nn.functional as F
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -269,8 +272,8 @@ class _ExpertCounter:
         return hook
 
     def _tie_counter(self, index: int, router):
-        """The router's own routing, seeing its logits on the way: near-ties as llmadapt.moe counts them."""
-        from llmadapt.moe import near_tie_count
+        """The router's own routing, seeing its logits on the way: near-ties as llmadapt.adapter.moe counts them."""
+        from llmadapt.adapter.moe import near_tie_count
 
         routing = router.routing
 
@@ -287,6 +290,6 @@ class _ExpertCounter:
 
     def global_counts_and_ties(self, tp: int) -> tuple[list[list[int]], list[int]]:
         """Every stage's layers and every data-parallel rank's tokens; tensor-parallel ranks route the same tokens."""
-        from llmadapt.moe import all_reduce_counts
+        from llmadapt.adapter.moe import all_reduce_counts
 
         return all_reduce_counts(self.counts, self.ties, divide=tp)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmadapt.sse import OpenAICompatibleServer
+from llmadapt.adapter.sse import OpenAICompatibleServer
 
 
 class OpenAIServer(OpenAICompatibleServer):

@@ -29,9 +29,8 @@ from typing import Any, AsyncIterator
 
 import attrs
 
-from llmadapt.interfaces import Server
-from llmadapt.serving import Chunk, PlannedRequest, RequestFailed
-from llmadapt.sse import OpenAICompatibleServer, field, http_failure, json_event, parse_prometheus, sse_events
+from llmadapt.adapter import Chunk, PlannedRequest, RequestFailed, Server
+from llmadapt.adapter.sse import OpenAICompatibleServer, field, http_failure, json_event, parse_prometheus, sse_events
 
 API_KEY_ENV = "TGI_API_KEY"
 """A TGI launched with --api-key wants ``Authorization: Bearer KEY``; the key comes from this variable only."""

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmadapt.adapter import Chunk, PlannedRequest, engine_popen_options
+from llmadapt.adapter.sse import OpenAICompatibleServer, field
 from llmadapt.contract import Patch
 from llmadapt.errors import LlmadaptError
-from llmadapt.serving import Chunk, PlannedRequest, engine_popen_options
-from llmadapt.sse import OpenAICompatibleServer, field
 
 from .plugin import REMOVE_AFTER_INSTALL
 

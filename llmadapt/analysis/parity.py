@@ -1,0 +1,160 @@
+"""Loss parity (the proof that a comparison is fair): step-by-step loss agreement within a stated
+tolerance, and expert-load agreement for MoE routers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from llmadapt.adapter.plugins import check_supported, get_adapter
+from llmadapt.analysis.report import read_summary
+from llmadapt.errors import LlmadaptError, TraceMismatchError
+from llmadapt.launch.run import run
+from llmadapt.spec import Workload
+
+# fp32 loss trajectories of two correct stacks differ only by floating-point reduction order
+# (summation order in matmuls, all-reduce order across ranks), which the optimizer carries
+# forward. On the tiny presets over tens of steps that stays below 1e-5 relative; the
+# tolerance leaves a 10x margin yet catches a wrong loss normalisation, a skipped micro-batch
+# or different data (all >= 1e-3 relative).
+PARITY_RTOL = 1e-4
+
+
+PARITY_ATOL = 1e-5
+
+
+@attrs.frozen
+class ParityReport:
+    ok: bool
+    rtol: float
+    atol: float
+    steps: int
+    first_divergence: int | None
+    """First step whose losses differ by more than atol + rtol * |reference|; None when all agree."""
+    max_abs_delta: float
+    reference: list[float | None]
+    candidate: list[float | None]
+
+    def describe(self, names: tuple[str, str] = ("reference", "candidate")) -> str:
+        if self.ok:
+            return (f"parity ok: {names[1]} matches {names[0]} at all {self.steps} steps "
+                    f"(max |delta| {self.max_abs_delta:.3g}; tolerance atol {self.atol:g} + rtol {self.rtol:g})")
+        if self.first_divergence is None:
+            return f"parity failed: {names[0]} has {len(self.reference)} steps, {names[1]} {len(self.candidate)}"
+        i = self.first_divergence
+        return (f"parity failed at step {i}: {names[0]} loss {self.reference[i]!r}, {names[1]} loss "
+                f"{self.candidate[i]!r} (|delta| {abs((self.reference[i] or 0) - (self.candidate[i] or 0)):.3g} > "
+                f"atol {self.atol:g} + rtol {self.rtol:g} x |loss|)")
+
+
+def loss_parity(reference: list[float | None], candidate: list[float | None], *,
+                rtol: float = PARITY_RTOL, atol: float = PARITY_ATOL) -> ParityReport:
+    import math
+
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise LlmadaptError(f"parity {name}: got {value!r}; must be a finite number >= 0 (NaN passes everything)")
+    first, worst = None, 0.0
+    for i, (a, b) in enumerate(zip(reference, candidate)):
+        if a is None or b is None:
+            first = i if first is None else first
+            continue
+        delta = abs(a - b)
+        worst = max(worst, delta)
+        if delta > atol + rtol * abs(a) and first is None:
+            first = i
+    same_length = len(reference) == len(candidate) and len(reference) > 0
+    return ParityReport(ok=first is None and same_length, rtol=rtol, atol=atol, steps=min(len(reference),
+                        len(candidate)), first_divergence=first, max_abs_delta=worst,
+                        reference=list(reference), candidate=list(candidate))
+
+
+@attrs.frozen
+class ExpertLoadReport:
+    """Two runs' expert loads, step by step and layer by layer.
+
+    Exact where the routers' choices are clear; where a layer had near-ties (tokens whose k-th and
+    (k+1)-th logits were within fp noise, llmadapt.adapter.moe), at most that many tokens may have moved
+    between experts: moved = sum |a - b| / 2 (each moved token leaves one expert for another).
+    """
+
+    ok: bool
+    steps: int
+    first_mismatch: tuple[int, int] | None
+    """(step, layer) of the first disagreement beyond the near-ties; None when all agree."""
+    moved: int
+    """At that (step, layer), the tokens that went elsewhere; 0 when all agree."""
+    allowed: int
+    """At that (step, layer), the near-ties (the larger of the two runs' counts)."""
+    near_ties: int
+    """Near-ties over all steps and layers (the larger run's, per layer)."""
+
+    def describe(self, names: tuple[str, str] = ("reference", "candidate")) -> str:
+        if self.ok:
+            return (f"expert load ok: {names[1]} routes as {names[0]} at all {self.steps} steps "
+                    f"({self.near_ties} near-tie tokens allowed to move)")
+        if self.first_mismatch is None:
+            return f"expert load failed: {names[0]} and {names[1]} report different steps or layers"
+        step, layer = self.first_mismatch
+        return (f"expert load failed at step {step}, layer {layer}: {self.moved} tokens routed differently, "
+                f"{self.allowed} near-ties")
+
+
+def expert_load_parity(reference: list[dict[str, Any]], candidate: list[dict[str, Any]]) -> ExpertLoadReport:
+    """Compare the step records (rank 0's, which carry the global counts) of two MoE runs."""
+
+    def by_step(records):
+        return {r["step"]: r for r in records if r.get("type") == "step" and r.get("expert_load") is not None}
+
+    a, b = by_step(reference), by_step(candidate)
+    total_ties = 0
+    if not a or a.keys() != b.keys():
+        return ExpertLoadReport(False, min(len(a), len(b)), None, 0, 0, 0)
+    for step in sorted(a):
+        la, lb = a[step]["expert_load"], b[step]["expert_load"]
+        ta = a[step].get("expert_near_ties") or [0] * len(la)
+        tb = b[step].get("expert_near_ties") or [0] * len(lb)
+        if len(la) != len(lb) or any(len(x) != len(y) for x, y in zip(la, lb)):
+            return ExpertLoadReport(False, len(a), None, 0, 0, total_ties)
+        for layer, (x, y) in enumerate(zip(la, lb)):
+            moved = sum(abs(i - j) for i, j in zip(x, y)) // 2
+            allowed = max(ta[layer], tb[layer])
+            total_ties += allowed
+            if moved > allowed or sum(x) != sum(y):
+                return ExpertLoadReport(False, len(a), (step, layer), moved, allowed, total_ties)
+    return ExpertLoadReport(True, len(a), None, 0, 0, total_ties)
+
+
+def parity_of_runs(reference: str | Path, candidate: str | Path, *, rtol: float = PARITY_RTOL,
+                   atol: float = PARITY_ATOL, allow_mismatch: bool = False) -> ParityReport:
+    a, b = (read_summary(r, needs=("problem_hash", "losses")) for r in (reference, candidate))
+    if a["problem_hash"] != b["problem_hash"] and not allow_mismatch:
+        raise TraceMismatchError(
+            f"{reference} and {candidate} ran different problems (problem hash {a['problem_hash'][:12]} vs "
+            f"{b['problem_hash'][:12]}): their losses are not comparable (pass allow_mismatch to compare anyway)"
+        )
+    return loss_parity(a["losses"], b["losses"], rtol=rtol, atol=atol)
+
+
+def parity(workload: Workload | str | Path, adapters: list[str], *, rtol: float = PARITY_RTOL,
+           atol: float = PARITY_ATOL, **run_options: Any) -> ParityReport:
+    """Run the workload on two adapters (fp32) and check their loss trajectories agree at every step."""
+    if not isinstance(workload, Workload):
+        workload = Workload.from_file(workload)
+    if len(adapters) != 2:
+        raise LlmadaptError(f"parity compares exactly two adapters, got {len(adapters)}: {', '.join(adapters)}")
+    if workload.precision != "fp32":
+        raise LlmadaptError(f"parity needs precision fp32 (got {workload.precision}): lower precisions are not "
+                            "expected to agree step by step")
+    for name in adapters:
+        check_supported(get_adapter(name), workload)
+    results = [run(workload, name, **run_options) for name in adapters]
+    for r in results:
+        if not r.ok:
+            f = r.summary.failures[0] if r.summary.failures else None
+            raise LlmadaptError(f"parity: the {r.summary.adapter} run failed ({f.cause}: {f.message}) - see {r.run_dir}"
+                                if f else f"parity: the {r.summary.adapter} run failed - see {r.run_dir}")
+    return loss_parity(results[0].losses, results[1].losses, rtol=rtol, atol=atol)

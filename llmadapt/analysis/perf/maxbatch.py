@@ -1,0 +1,243 @@
+"""The largest batch that fits, found by real runs in isolated workers (``llmadapt maxbatch``).
+
+Each probe is an ordinary ``llmadapt.run`` of the workload at one per-rank batch (micro-batch
+= per-rank batch, no accumulation), in its own worker process(es): it either completes its
+steps (fits) or fails out of memory. The search grows the batch (doubling from ``start``)
+until the first out-of-memory, then bisects between the largest batch that fitted and the
+smallest that did not. A probe that fails for any other reason (an exception, a crash, a
+kill, a timeout) stops the search and is reported as what it was, never as out of memory.
+
+On CPU, running out of memory is made real by a per-worker address-space cap (RLIMIT_AS,
+``memory_limit_bytes``); each probe's ``launch.json`` and every probe record say a cap was
+used. On GPU the device's own memory is the limit.
+
+The search directory holds ``probes.jsonl`` (a ``probe`` record per probe, then a
+``maxbatch`` record) and each probe's run directory under ``probes/``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import attrs
+
+from llmadapt.adapter.plugins import check_supported, get_adapter
+from llmadapt.analysis.perf.studyb import sparsity_of
+from llmadapt.analysis.table import text_table
+from llmadapt.contract.jsonl import JsonlWriter, read_jsonl
+from llmadapt.contract.perf import MaxBatch, Probe
+from llmadapt.contract.rundir import RunDir
+from llmadapt.contract.schema import to_json
+from llmadapt.errors import LlmadaptError
+from llmadapt.spec import Workload
+
+CAP_KIND = "RLIMIT_AS"
+
+
+@attrs.frozen
+class MaxBatchResult:
+    search_dir: Path
+    result: MaxBatch
+    probes: list[Probe]
+
+    @property
+    def ok(self) -> bool:
+        return self.result.status == "ok"
+
+    def to_dict(self) -> dict:
+        return {"search_dir": str(self.search_dir), "result": to_json(self.result),
+                "probes": [to_json(p) for p in self.probes]}
+
+    def table(self) -> str:
+        head = ["batch", "outcome", "steps", "peak mem MiB", "step s", "samples/s", "probe s", "message"]
+        body = []
+        for p in self.probes:
+            body.append([str(p.batch), p.outcome, str(p.steps_completed),
+                         "-" if p.peak_memory_bytes is None else f"{p.peak_memory_bytes / 2**20:,.0f}",
+                         "-" if p.step_time_s is None else f"{p.step_time_s:.4f}",
+                         "-" if p.samples_per_s is None else f"{p.samples_per_s:,.1f}", f"{p.seconds:.1f}",
+                         (p.message or "")[:90]])
+        lines = text_table(head, body)
+        r = self.result
+        cap = (f"per-worker cap {r.memory_limit_bytes / 2**30:.2f} GiB ({r.memory_limit_kind})"
+               if r.memory_limit_bytes else "no cap (the device's memory)")
+        lines.append(f"result     {r.message}")
+        lines.append(f"limit      {cap}; {r.probes} probes; trace {self.search_dir}")
+        return "\n".join(lines)
+
+    def csv(self) -> str:
+        import csv
+        import io
+
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        keys = ["batch", "outcome", "steps_completed", "peak_memory_bytes", "step_time_s", "samples_per_s",
+                "memory_limit_bytes", "memory_limit_kind", "seconds", "run_dir", "message"]
+        w.writerow(keys)
+        for p in self.probes:
+            w.writerow([getattr(p, k) for k in keys])
+        return buf.getvalue()
+
+
+def gpu_visible() -> bool:
+    """Whether workers will see a GPU (checked without torch): an NVIDIA device node or tool, not forced to CPU."""
+    if os.environ.get("LLMADAPT_DEVICE", "auto") == "cpu" or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return False
+    return Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") is not None
+
+
+def classify(summary) -> tuple[str, str | None]:
+    """A probe's outcome from its run summary: fits, oom, or what else stopped it."""
+    if summary.status == "ok":
+        return "fits", None
+    causes = [f.cause for f in summary.failures]
+    first = next((f for f in summary.failures if f.cause == "oom"), None) or (
+        summary.failures[0] if summary.failures else None)
+    message = first.message if first else "the run ended early"
+    for cause in ("oom", "timeout", "error", "crash", "killed", "interrupted", "unsupported"):
+        if cause in causes:
+            return cause, message[:400]
+    return "crash", message[:400]
+
+
+def maxbatch(workload: Workload | str | Path, adapter: str = "torch", *, memory_limit_bytes: int | None = None,
+             start: int = 1, max_batch: int = 1024, steps: int = 2, warmup_steps: int = 0, out: str | Path = "runs",
+             timeout: float | None = None, launcher: str = "auto", fault: dict | None = None,
+             log: Callable[[str], None] | None = None,
+             probe: Callable[[Workload, int, Path], Probe] | None = None) -> MaxBatchResult:
+    """Find the largest per-rank batch whose run completes, probing in isolated workers (grow, then bisect).
+
+    ``probe`` replaces the real probe (for testing the search); ``fault`` is passed to every
+    probe's run (fault injection, for testing how non-memory failures are reported).
+    """
+    w = workload if isinstance(workload, Workload) else Workload.from_file(workload)
+    if w.kind == "serve":
+        raise LlmadaptError("maxbatch searches training or fine-tuning batches; a serve workload has none "
+                            "(llmadapt estimate reports the KV-cache bound on concurrent sequences)")
+    if start < 1 or max_batch < start:
+        raise LlmadaptError(f"need 1 <= --start ({start}) <= --max-batch ({max_batch})")
+    if steps < 1:
+        raise LlmadaptError("--steps must be >= 1")
+    if memory_limit_bytes is not None and memory_limit_bytes <= 0:
+        raise LlmadaptError("--memory-limit must be positive")
+    info = get_adapter(adapter)
+    probe_of = lambda b: _probe_workload(w, b, steps, warmup_steps)  # noqa: E731
+    check_supported(info, probe_of(start))
+    if probe is None and memory_limit_bytes is not None and gpu_visible():
+        raise LlmadaptError("--memory-limit caps a worker's address space, which CUDA cannot start under: on a GPU "
+                            "the device's memory is the limit (set LLMADAPT_DEVICE=cpu to search on the CPU)")
+    if probe is None and memory_limit_bytes is None and not gpu_visible():
+        raise LlmadaptError("no GPU visible: on CPU, maxbatch needs --memory-limit SIZE, a per-worker address-space "
+                            "cap (RLIMIT_AS) that makes running out of memory real (e.g. --memory-limit 2G)")
+    search_dir = Path(out) / f"{time.strftime('%Y%m%d-%H%M%S')}-maxbatch-{w.content_hash[:8]}-{secrets.token_hex(2)}"
+    search_dir.mkdir(parents=True, exist_ok=False)
+    cap_kind = CAP_KIND if memory_limit_bytes else None
+
+    def real_probe(pw: Workload, b: int, where: Path) -> Probe:
+        from llmadapt.launch.run import run
+
+        t0 = time.monotonic()
+        result = run(pw, adapter, launcher=launcher, out=where, timeout=timeout, fault=fault,
+                     memory_limit_bytes=memory_limit_bytes)
+        s = result.summary
+        outcome, message = classify(s)
+        return Probe(batch=b, outcome=outcome, run_dir=str(result.run_dir), message=message,
+                     steps_completed=s.steps_completed, peak_memory_bytes=s.peak_memory_bytes,
+                     step_time_s=s.step_time_s.p50 if s.step_time_s else None,
+                     samples_per_s=s.samples_per_s.mean if s.samples_per_s else None,
+                     memory_limit_bytes=memory_limit_bytes, memory_limit_kind=cap_kind,
+                     seconds=time.monotonic() - t0)
+
+    run_probe = probe or real_probe
+    probes: list[Probe] = []
+    capacity: list[int | None] = [memory_limit_bytes]
+    writer = JsonlWriter(search_dir / "probes.jsonl")
+
+    def try_batch(b: int) -> str:
+        p = run_probe(probe_of(b), b, search_dir / "probes")
+        probes.append(p)
+        writer.write(p)
+        if capacity[0] is None and p.run_dir and RunDir(p.run_dir).summary_file.is_file():
+            import json
+
+            dev = json.loads(RunDir(p.run_dir).summary_file.read_text()).get("device") or {}
+            capacity[0] = dev.get("memory_bytes")
+        if log:
+            extra = f" (peak {p.peak_memory_bytes / 2**20:,.0f} MiB)" if p.peak_memory_bytes else ""
+            log(f"  batch {b:>6}: {p.outcome}{extra}" + (f" - {p.message[:160]}" if p.message and p.outcome != "fits"
+                                                         else ""))
+        return p.outcome
+
+    fits, fails, stop = 0, None, None
+    try:
+        b = start
+        while True:
+            outcome = try_batch(b)
+            if outcome == "fits":
+                fits = b
+                if b >= max_batch:
+                    break
+                b = min(b * 2, max_batch)
+            elif outcome == "oom":
+                fails = b
+                break
+            else:
+                stop = probes[-1]
+                break
+        while stop is None and fails is not None and fails - fits > 1:
+            mid = (fits + fails) // 2
+            outcome = try_batch(mid)
+            if outcome == "fits":
+                fits = mid
+            elif outcome == "oom":
+                fails = mid
+            else:
+                stop = probes[-1]
+        cap = (f" under a {memory_limit_bytes / 2**30:.2f} GiB per-worker cap ({CAP_KIND})"
+               if memory_limit_bytes else "")
+        if stop is not None:
+            status, message = "failed", (f"probe at batch {stop.batch} failed for a reason other than memory "
+                                         f"({stop.outcome}: {stop.message}); not counted as out of memory; "
+                                         f"see {stop.run_dir}")
+        elif fits == 0:
+            status, message = "failed", (f"{w.label} does not fit at batch 1{cap}: the probe at batch 1 ran out of "
+                                         f"memory (see {probes[-1].run_dir})")
+        elif fails is None:
+            status, message = "ok", (f"max batch >= {fits} per rank{cap}: every probe up to --max-batch "
+                                     f"{max_batch} fitted")
+        else:
+            status, message = "ok", f"max batch {fits} per rank{cap} (batch {fails} ran out of memory)"
+        result = MaxBatch(workload_hash=w.content_hash, label=w.label, adapter=adapter, status=status,
+                          max_batch=fits or None, first_failing=fails, max_tried=max(p.batch for p in probes),
+                          probes=len(probes), seq_len=w.train.seq_len, sparsity=sparsity_of(w.model),
+                          memory_limit_bytes=memory_limit_bytes, memory_limit_kind=cap_kind,
+                          capacity_bytes=capacity[0], message=message)
+        writer.write(result)
+    finally:
+        writer.close()
+    return MaxBatchResult(search_dir=search_dir, result=result, probes=probes)
+
+
+def _probe_workload(w: Workload, b: int, steps: int, warmup: int) -> Workload:
+    dp = w.parallelism.dp
+    probe = w.with_overrides([f"train.global_batch={b * dp}", f"train.micro_batch={b}", f"train.steps={steps}",
+                              f"train.warmup_steps={warmup}"])
+    return attrs.evolve(probe, name=f"{w.label}-maxbatch-b{b}")
+
+
+def read_maxbatch(search_dir: str | Path) -> MaxBatchResult:
+    path = Path(search_dir) / "probes.jsonl"
+    if not path.is_file():
+        raise LlmadaptError(f"{search_dir} is not a maxbatch result (no probes.jsonl)")
+    records = read_jsonl(path)
+    probes = [Probe(**{k: v for k, v in r.items() if k != "type"}) for r in records if r["type"] == "probe"]
+    results = [r for r in records if r["type"] == "maxbatch"]
+    if not results:
+        raise LlmadaptError(f"{search_dir}: the search has no result record (it was interrupted)")
+    return MaxBatchResult(search_dir=Path(search_dir), result=MaxBatch(**{k: v for k, v in results[-1].items()
+                                                                          if k != "type"}), probes=probes)

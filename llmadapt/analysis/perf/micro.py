@@ -1,0 +1,433 @@
+"""Micro-benchmarks: operators with a workload's shapes, device peaks, collectives (orchestrator side).
+
+Each suite runs as a worker in the reference adapter's environment (``python_for`` of the
+``torch`` environment; the orchestrator never imports torch): one process for ``ops`` and
+``peak``, torchrun with N ranks (gloo on CPU, NCCL on GPU, 127.0.0.1, a free port) for
+``comm``. The worker streams contract records to ``RUN_DIR/rank-NNNNN.jsonl``:
+
+- ``op_bench`` per operator, direction and backend (time statistics, raw times, FLOPs, bytes);
+- ``metric`` for each measured peak (``peak.flops_per_s.<dtype>``, ``peak.memory_bytes_per_s``);
+- ``comm`` per collective and message size (algbw and busbw with the nccl-tests factors);
+- ``failure`` when something stops the worker.
+
+``read_micro(run_dir)`` rebuilds the result (and the roofline position of every operator)
+from those records; ``micro.json`` is a convenience copy.
+
+Size: over 400 lines because the operator list, the shapes each takes from a workload and the roofline
+that reads their timings must agree, and do so in one place.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+
+from llmadapt.analysis.perf.opmodel import DTYPE_BYTES, Op, attention_ops, layer_ops
+from llmadapt.analysis.table import text_table
+from llmadapt.contract.catalog import save_device, today
+from llmadapt.contract.records import Failure
+from llmadapt.contract.rundir import RunDir
+from llmadapt.errors import LlmadaptError
+from llmadapt.spec import Workload
+
+OPS = ("qkv", "output", "fc1", "fc2", "lm_head", "attention", "rmsnorm", "rotary", "swiglu", "moe_router",
+       "moe_dispatch", "cross_entropy")
+
+
+ATTENTION_BACKENDS = ("eager", "math", "flash", "efficient", "cudnn")
+
+
+COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+DEFAULT_SIZES = tuple(1 << k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB, x4
+
+
+TIMING = {"warmup": 2, "repeats": 10, "min_time_s": 0.05, "max_time_s": 2.0}
+
+
+PEAK = {"dtypes": None, "gemm_sizes_cpu": [256, 512, 1024], "gemm_sizes_gpu": [2048, 4096, 8192],
+        "copy_bytes_cpu": 128 << 20, "copy_bytes_gpu": 2 << 30}
+
+
+# operator calls each micro implementation makes (forward, backward): fits the per-call overhead
+MICRO_LAUNCHES = {"gemm": (1, 2), "moe_router": (7, 6), "rmsnorm": (7, 10), "rotary": (12, 12), "swiglu": (2, 4),
+                  "cross_entropy": (3, 4), "eager": (10, 10), "sdpa": (1, 1)}
+
+
+@attrs.frozen
+class MicroResult:
+    run_dir: Path
+    suite: str
+    status: str
+    device_name: str | None
+    device_kind: str | None
+    device_memory_bytes: int | None
+    world_size: int
+    peaks: dict[str, float]
+    """'flops_per_s.<dtype>' and 'memory_bytes_per_s', as measured by this run (empty if it measured none)."""
+    ops: list[dict[str, Any]]
+    """op_bench records of operators, each with its roofline position added."""
+    peak_runs: list[dict[str, Any]]
+    comm: list[dict[str, Any]]
+    unsupported: list[dict[str, Any]]
+    failures: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = attrs.asdict(self)
+        d["run_dir"] = str(self.run_dir)
+        return d
+
+    # -- text ----------------------------------------------------------------------------------
+    def table(self) -> str:
+        lines = [f"micro {self.suite}  [{self.status}]  {self.run_dir}",
+                 f"device     {self.device_kind}: {self.device_name}" + (f" x {self.world_size} ranks"
+                                                                          if self.world_size > 1 else "")]
+        for k, v in sorted(self.peaks.items()):
+            unit = "GB/s" if k.startswith("memory") else "GFLOP/s"
+            lines.append(f"peak       {k:<24} {v / 1e9:,.1f} {unit} (measured)")
+        if self.ops:
+            head = ["op", "dir", "backend", "dtype", "shape", "p50 us", "min us", "GFLOP/s", "GB/s", "F/B", "bound",
+                    "of roof"]
+            body = []
+            for r in self.ops:
+                st = r["seconds"]
+                body.append([r["op"], r["direction"][:3], r.get("backend") or "-", r["dtype"], _shape(r["shape"]),
+                             f"{st['p50'] * 1e6:,.1f}" if st else r["status"], f"{st['min'] * 1e6:,.1f}" if st else "-",
+                             _num(r.get("flops_per_s"), 1e9, ",.2f"), _num(r.get("bytes_per_s"), 1e9, ",.2f"),
+                             f"{r['intensity']:.2f}" if r.get("intensity") is not None else "-",
+                             r.get("bound") or "-",
+                             f"{r['roof_fraction']:.1%}" if r.get("roof_fraction") is not None else "-"])
+            lines += text_table(head, body)
+        if self.comm:
+            head = ["op", "bytes", "time us", "algbw GB/s", "busbw GB/s"]
+            body = [[c["op"], f"{c['message_bytes']:,}", f"{c['total_seconds'] / c['count'] * 1e6:,.1f}",
+                     f"{c['algbw_gbytes_per_s']:.3f}", f"{c['busbw_gbytes_per_s']:.3f}"] for c in self.comm]
+            lines += text_table(head, body)
+        seen = set()
+        for u in self.unsupported:
+            key = (u["op"], u.get("backend"), u.get("note"))
+            if key not in seen:
+                seen.add(key)
+                lines.append(f"{u['status']} {u['op']}{' ' + u['backend'] if u.get('backend') else ''}: {u.get('note')}")
+        for f in self.failures:
+            lines.append(f"failure    {f['cause']} (rank {f.get('rank')}): {f['message']}")
+        return "\n".join(lines)
+
+    def csv(self) -> str:
+        import csv
+        import io
+
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        if self.suite == "comm":
+            w.writerow(["op", "ranks", "message_bytes", "count", "mean_s", "algbw_gbytes_per_s", "busbw_gbytes_per_s"])
+            for c in self.comm:
+                w.writerow([c["op"], self.world_size, c["message_bytes"], c["count"], c["total_seconds"] / c["count"],
+                            c["algbw_gbytes_per_s"], c["busbw_gbytes_per_s"]])
+            return buf.getvalue()
+        w.writerow(["op", "direction", "backend", "dtype", "shape", "status", "count", "p50_s", "mean_s", "min_s",
+                    "flops", "bytes", "flops_per_s", "bytes_per_s", "intensity", "bound", "roof_fraction"])
+        for r in self.peak_runs + self.ops:
+            st = r["seconds"] or {}
+            w.writerow([r["op"], r["direction"], r.get("backend") or "", r["dtype"], _shape(r["shape"]), r["status"],
+                        st.get("count", 0), st.get("p50", ""), st.get("mean", ""), st.get("min", ""), r["flops"],
+                        r["bytes"], r.get("flops_per_s") or "", r.get("bytes_per_s") or "", r.get("intensity", ""),
+                        r.get("bound", ""), r.get("roof_fraction", "")])
+        return buf.getvalue()
+
+
+def _num(v, scale, fmt) -> str:
+    return "-" if not v else format(v / scale, fmt)
+
+
+def _shape(shape: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in shape.items())
+
+
+# -- operator specs from a workload -----------------------------------------------------------------
+def _cost(op: Op, micro: tuple[int, int]) -> dict[str, dict[str, float]]:
+    return {"forward": {"flops": op.fwd_flops, "bytes": op.fwd_bytes, "launches": micro[0]},
+            "backward": {"flops": op.bwd_flops, "bytes": op.bwd_bytes, "launches": micro[1]}}
+
+
+def op_specs(workload: Workload, *, dtype: str | None = None, ops: tuple[str, ...] | list[str] | None = None,
+             backward: bool = True, backends: tuple[str, ...] = ATTENTION_BACKENDS) -> list[dict[str, Any]]:
+    """The operators of one micro-batch of the workload, with shapes, FLOPs and bytes from llmadapt.analysis.perf.opmodel."""
+    w = workload
+    if dtype and dtype != w.precision:
+        if dtype not in DTYPE_BYTES:
+            raise LlmadaptError(f"dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+        w = w.with_overrides([f"precision={dtype}"])
+    wanted = list(ops or OPS)
+    unknown = [o for o in wanted if o not in OPS]
+    if unknown:
+        raise LlmadaptError(f"unknown operator {unknown[0]!r}; known: {', '.join(OPS)}")
+    m = w.model
+    b, s = w.micro_batch, w.train.seq_len
+    t = b * s
+    e = DTYPE_BYTES[w.precision]
+    model_ops: dict[str, Op] = {}
+    for op in layer_ops(w, b):
+        model_ops.setdefault(op.name, op)
+    trainable = not w.lora.rank
+    directions = ["forward", "backward"] if backward else ["forward"]
+    specs: list[dict[str, Any]] = []
+
+    def add(name: str, kind: str, shape: dict[str, int], cost: dict, **extra: Any) -> None:
+        specs.append({"op": name, "kind": kind, "dtype": w.precision, "shape": shape, "cost": cost,
+                      "directions": directions, **extra})
+
+    for name in wanted:
+        if name in ("moe_router", "moe_dispatch") and not m.is_moe:
+            continue
+        op = model_ops.get(name)
+        if name in ("qkv", "output", "fc1", "fc2", "lm_head"):
+            add(name, "gemm", dict(op.shape), _cost(op, MICRO_LAUNCHES["gemm"] if trainable else (1, 1)),
+                trainable=trainable)
+        elif name == "moe_router":
+            cost = _cost(op, MICRO_LAUNCHES["moe_router"])
+            for d in cost.values():  # + fp32 softmax, top-k and renormalisation over t x experts
+                d["flops"] += 5.0 * t * m.num_experts
+                d["bytes"] += 4.0 * t * m.num_experts * 4
+            add(name, "gemm", dict(op.shape), cost, extra={"k": m.experts_per_token}, trainable=trainable)
+        elif name == "attention":
+            for backend in backends:
+                flash = backend not in ("eager", "math")
+                variant = w.with_overrides([f"optimizations.flash_attention={'true' if flash else 'false'}"])
+                a = attention_ops(variant, b, e, 1, w.precision)
+                add(name, "attention", {"b": b, "heads": m.num_heads, "kv_heads": m.num_kv_heads, "s": s,
+                                        "d": m.head_dim}, _cost(a, MICRO_LAUNCHES["eager" if backend == "eager"
+                                                                                  else "sdpa"]), backend=backend)
+        elif name == "rotary":
+            add(name, "memory", {"b": b, "s": s, "heads": m.num_heads, "kv_heads": m.num_kv_heads, "d": m.head_dim},
+                _cost(op, MICRO_LAUNCHES["rotary"]))
+        elif name == "moe_dispatch":
+            hit = min(m.num_experts, t * m.experts_per_token)
+            add(name, "memory", {"t": t, "h": m.hidden_size, "experts": m.num_experts, "k": m.experts_per_token},
+                _cost(op, (4 + 5 * hit, 4 * hit)))
+        else:  # rmsnorm, swiglu, cross_entropy
+            shape = dict(op.shape)
+            if name == "swiglu" and m.is_moe:
+                shape = {"t": t * m.experts_per_token // m.num_experts or 1, "i": m.intermediate_size}
+            add(name, "memory", shape, _cost(op, MICRO_LAUNCHES[name]))
+    return specs
+
+
+# -- running a suite ------------------------------------------------------------------------------
+def _torch_python() -> Path:
+    from llmadapt.launch.environments import REFERENCE_ENVIRONMENT, python_for
+
+    return python_for(REFERENCE_ENVIRONMENT)
+
+
+def _start(suite: str, spec: dict[str, Any], out: str | Path, world: int = 1, timeout: float | None = None,
+           progress: Callable[[dict[str, Any]], None] | None = None) -> MicroResult:
+    from llmadapt.launch.environments import REFERENCE_ENVIRONMENT
+    from llmadapt.launch.summary import write_launcher_failures
+    from llmadapt.launch.supervise import supervise, worker_command, worker_env
+
+    python = _torch_python()  # fails before anything is written
+    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-micro-{suite}-{secrets.token_hex(2)}"
+    run_dir = Path(out) / run_id
+    run_dir.mkdir(parents=True, exist_ok=False)
+    launcher = "torchrun" if world > 1 else "subprocess"
+    launch = {"run_id": run_id, "suite": suite, "kind": "micro", "launcher": launcher, "world_size": world,
+              "python": str(python), "created": time.time(), "spec": spec}
+    RunDir(run_dir).write_launch(launch)
+    if progress:
+        progress({"type": "start", "run_dir": str(run_dir), "suite": suite, "world_size": world})
+    cmd = worker_command(launcher, python, run_dir, per_node=world, module="llmadapt.runtime.microbench")
+    failures: list[Failure] = []
+    try:
+        failures = supervise(cmd, env=worker_env(world, REFERENCE_ENVIRONMENT), log=RunDir(run_dir).worker_log,
+                              tail=run_dir / "rank-00000.jsonl", timeout=timeout, memory_limit_bytes=None,
+                              progress=progress)
+    except KeyboardInterrupt:
+        failures = [Failure(cause="interrupted", message="interrupted (Ctrl-C) in the orchestrator")]
+        write_launcher_failures(run_dir, failures)
+        raise
+    write_launcher_failures(run_dir, failures)
+    result = read_micro(run_dir)
+    (run_dir / "micro.json").write_text(json.dumps(result.to_dict(), indent=2))
+    return result
+
+
+def read_micro(run_dir: str | Path) -> MicroResult:
+    """Rebuild a micro-benchmark result from its records on disk."""
+    from llmadapt.launch.summary import load_records
+
+    run_dir = Path(run_dir)
+    launch_path = RunDir(run_dir).launch_file
+    if not launch_path.is_file():
+        raise LlmadaptError(f"{run_dir} is not a micro-benchmark run directory (no launch.json)")
+    launch = json.loads(launch_path.read_text())
+    if launch.get("kind") != "micro":
+        raise LlmadaptError(f"{run_dir} is not a micro-benchmark run (a {launch.get('role', 'workload')} run)")
+    records = load_records(run_dir)
+    headers = [r for r in records if r["type"] == "header"]
+    head = min(headers, key=lambda h: h["rank"]) if headers else None
+    device = (head or {}).get("device") or {}
+    peaks = {r["name"].removeprefix("peak."): r["value"] for r in records
+             if r["type"] == "metric" and r["name"].startswith("peak.")}
+    bench = [r for r in records if r["type"] == "op_bench"]
+    peak_runs = [r for r in bench if r["source"] == "llmadapt.micro peak" and r["status"] == "ok"]
+    ops = [dict(r) for r in bench if r["source"] == "llmadapt.micro" and r["status"] == "ok"]
+    unsupported = [r for r in bench if r["status"] != "ok"]
+    bw = peaks.get("memory_bytes_per_s")
+    for r in ops:
+        _roofline(r, peaks.get(f"flops_per_s.{r['dtype']}"), bw)
+    comm = [r for r in records if r["type"] == "comm"]
+    failures = [r for r in records if r["type"] == "failure"]
+    worker_failed = any(f.get("rank") is not None for f in failures)
+    if worker_failed:  # the worker's own record says more than the launcher's exit code
+        failures = [f for f in failures if not (f.get("rank") is None and f["cause"] in ("crash", "killed"))]
+    return MicroResult(run_dir=run_dir, suite=launch["suite"], status="failed" if failures or not head else "ok",
+                       device_name=device.get("name"), device_kind=device.get("kind"),
+                       device_memory_bytes=device.get("memory_bytes"), world_size=launch.get("world_size", 1),
+                       peaks=peaks, ops=ops, peak_runs=peak_runs, comm=comm, unsupported=unsupported,
+                       failures=failures)
+
+
+def _roofline(r: dict[str, Any], peak: float | None, bw: float | None) -> None:
+    """Arithmetic intensity, the bound, and the achieved fraction of the attainable roof."""
+    flops, by = r["flops"], r["bytes"]
+    r["intensity"] = flops / by if by else None
+    if not peak or not bw or not r["seconds"]:
+        r["bound"] = r["roof_fraction"] = None
+        return
+    t = r["seconds"]["p50"]
+    attainable = min(peak, (flops / by) * bw) if (by and flops) else (peak if flops else None)
+    if flops and attainable:
+        r["bound"] = "compute" if attainable >= peak else "memory"
+        r["roof_fraction"] = flops / t / attainable
+    else:
+        r["bound"] = "memory"
+        r["roof_fraction"] = by / t / bw if by else None
+
+
+def micro_ops(workload: Workload | str | Path, *, dtype: str | None = None, ops: list[str] | None = None,
+              backward: bool = True, peak: bool | dict[str, Any] = True, timing: dict[str, float] | None = None,
+              out: str | Path = "runs", timeout: float | None = None,
+              progress: Callable[[dict[str, Any]], None] | None = None) -> MicroResult:
+    """Benchmark the workload's operators (forward and backward) and place each on the measured roofline."""
+    w = workload if isinstance(workload, Workload) else Workload.from_file(workload)
+    if w.kind == "serve":
+        raise LlmadaptError("micro ops takes a training or fine-tuning workload (its shapes come from train.seq_len "
+                            "and the micro-batch)")
+    specs = op_specs(w, dtype=dtype, ops=ops, backward=backward)
+    if not specs:
+        raise LlmadaptError(f"none of the operators {', '.join(ops or [])} exists in this model")
+    peak_spec = None
+    if peak:  # the peaks of the dtype the operators run in (True), or given options (a dict)
+        peak_spec = {**PEAK, "dtypes": [specs[0]["dtype"]], **(peak if isinstance(peak, dict) else {})}
+    spec = {"workload": w.to_dict(), "workload_hash": w.content_hash, "problem_hash": w.problem_hash,
+            "ops": specs, "timing": {**TIMING, **(timing or {})}, "peak": peak_spec}
+    return _start("ops", spec, out, 1, timeout, progress)
+
+
+def micro_peak(*, dtypes: list[str] | None = None, timing: dict[str, float] | None = None,
+               gemm_sizes: list[int] | None = None, copy_bytes: int | None = None, out: str | Path = "runs",
+               timeout: float | None = None, progress=None) -> MicroResult:
+    """Measure the device's peaks: best GEMM FLOP/s per dtype, memory bandwidth (copy)."""
+    for d in dtypes or []:
+        if d not in ("fp32", "tf32", "bf16", "fp16"):
+            raise LlmadaptError(f"dtype {d!r}: use fp32, tf32, bf16 or fp16")
+    peak = {**PEAK, "dtypes": dtypes}
+    if gemm_sizes:
+        peak["gemm_sizes_cpu"] = peak["gemm_sizes_gpu"] = list(gemm_sizes)
+    if copy_bytes:
+        peak["copy_bytes_cpu"] = peak["copy_bytes_gpu"] = int(copy_bytes)
+    spec = {"peak": peak, "timing": {**TIMING, **(timing or {})}}
+    return _start("peak", spec, out, 1, timeout, progress)
+
+
+def micro_comm(*, ranks: int = 2, ops: list[str] | None = None, sizes: list[int] | None = None, iters: int = 5,
+               warmup: int = 2, out: str | Path = "runs", timeout: float | None = None, progress=None) -> MicroResult:
+    """Collectives over message sizes across ``ranks`` processes (gloo on CPU, NCCL on GPU)."""
+    if ranks < 2:
+        raise LlmadaptError(f"--ranks {ranks}: collectives need at least 2 ranks")
+    wanted = list(ops or COMM_OPS)
+    unknown = [o for o in wanted if o not in COMM_OPS]
+    if unknown:
+        raise LlmadaptError(f"unknown collective {unknown[0]!r}; known: {', '.join(COMM_OPS)}")
+    if iters < 1:
+        raise LlmadaptError("--iters must be >= 1")
+    spec = {"comm": {"ops": wanted, "sizes": list(sizes or DEFAULT_SIZES), "iters": iters, "warmup": warmup},
+            "timing": dict(TIMING)}
+    return _start("comm", spec, out, ranks, timeout, progress)
+
+
+def parse_size(text: str) -> int:
+    """'4K', '16MiB', '1G', '2.5GiB', '1048576' -> bytes (binary multiples)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    number = t[:-1] if t[-1:] in "KMGT" else t
+    try:
+        value = float(number)
+    except ValueError:
+        raise LlmadaptError(f"size {text!r}: use a number of bytes, optionally with K, M, G (binary), e.g. 16M")
+    if value <= 0:
+        raise LlmadaptError(f"size {text!r} must be positive")
+    return int(value * mult)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'1K..16M' (x4 steps, or '1K..16M:x2'), or a comma list '1K,64K,1M'."""
+    if ".." in text:
+        span, _, step = text.partition(":")
+        lo, _, hi = span.partition("..")
+        factor = int(step.lstrip("xX")) if step else 4
+        if factor < 2:
+            raise LlmadaptError(f"sizes {text!r}: the step must be x2 or more")
+        a, b = parse_size(lo), parse_size(hi)
+        out = []
+        while a <= b:
+            out.append(a)
+            a *= factor
+        return out
+    return [parse_size(s) for s in text.split(",") if s.strip()]
+
+
+# -- describing a device by measurement -----------------------------------------------------------------
+def save_measured_device(name: str, result: MicroResult, *, price_per_hour: float | None = None,
+                         path: str | Path | None = None) -> Path:
+    """Write (or update) a catalog entry from measured peaks (micro peak/ops) or bandwidth (micro comm)."""
+    if result.status != "ok":
+        raise LlmadaptError(f"{result.run_dir}: the measurement failed; nothing saved")
+    host = socket.gethostname()
+    src = {"ref": f"measured by llmadapt micro {result.suite} on {host} ({result.run_dir})", "date": today()}
+    fields: dict[str, Any] = {"sources": {}}
+    if result.suite == "comm":
+        busbw = [c["busbw_gbytes_per_s"] for c in result.comm if c["op"] == "all_reduce"]
+        if not busbw:
+            raise LlmadaptError(f"{result.run_dir} measured no all_reduce: nothing to save as the interconnect")
+        fields["interconnect"] = f"measured all_reduce busbw ({result.world_size} ranks)"
+        fields["interconnect_bandwidth"] = max(busbw) * 1e9
+        fields["sources"]["interconnect_bandwidth"] = src
+    else:
+        flops = {k.removeprefix("flops_per_s."): v for k, v in result.peaks.items() if k.startswith("flops_per_s.")}
+        if not flops or "memory_bytes_per_s" not in result.peaks:
+            raise LlmadaptError(f"{result.run_dir} has no measured peaks (run `llmadapt micro peak`)")
+        kind = "cpu" if result.device_kind == "cpu" else "gpu"
+        fields.update(kind=kind, description=f"{result.device_name} (measured)", measured=True,
+                      match=[result.device_name] if result.device_name else [], peak_flops=flops,
+                      memory_bandwidth=result.peaks["memory_bytes_per_s"], shared_by_ranks=kind == "cpu")
+        if result.device_memory_bytes:
+            fields["memory_bytes"] = float(result.device_memory_bytes)
+            fields["sources"]["memory_bytes"] = {"ref": f"reported by the device on {host}", "date": today()}
+        fields["sources"]["peak_flops"] = fields["sources"]["memory_bandwidth"] = src
+    if price_per_hour is not None:
+        fields["price_per_hour"] = price_per_hour
+        fields["sources"]["price_per_hour"] = {"ref": "given by the user (--price)", "date": today()}
+    return save_device(name, fields, path)
+
+
+__all__ = ["MicroResult", "micro_ops", "micro_peak", "micro_comm", "read_micro", "op_specs", "save_measured_device",
+           "parse_size", "parse_sizes"]

@@ -1,0 +1,3 @@
+from llmadapt.cli.main import main
+
+main()

@@ -1,0 +1,74 @@
+"""What every command shares: reading the workload and its --set overrides, --json output, run options,
+progress lines, and the helpers that register a command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from llmadapt.errors import LlmadaptError
+
+
+def workload_of(args):
+    from llmadapt.spec import Workload
+
+    return Workload.from_file(args.workload).with_overrides(args.set or [])
+
+
+def emit(args, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=2, default=str) if args.json else text)
+
+
+def run_options(args) -> dict[str, Any]:
+    opts: dict[str, Any] = {"launcher": args.launcher, "out": args.out, "timeout": args.timeout}
+    opts["progress"] = _progress
+    return opts
+
+
+def _progress(record: dict[str, Any]) -> None:
+    if record.get("type") == "warning":
+        print(f"warning: {record['message']}", file=sys.stderr, flush=True)
+    elif record.get("type") == "node":
+        print(record["message"], file=sys.stderr, flush=True)
+    elif record.get("type") == "slurm":
+        reason = f" ({record['reason']})" if record.get("reason") not in (None, "", "None") else ""
+        print(f"  slurm job {record['job_id']}: {record['state'] or 'gone'}{reason}", file=sys.stderr, flush=True)
+    elif record.get("type") == "start":
+        print(f"running {record['label']} on {record['adapter']} (world size {record['world_size']}, "
+              f"{record['launcher']}) -> {record['run_dir']}", file=sys.stderr, flush=True)
+    elif record.get("type") == "step":
+        tag = " (warm-up)" if record["warmup"] else ""
+        print(f"  step {record['step']:>4}  loss {record['loss']:.4f}  {record['seconds']:.4f} s{tag}",
+              file=sys.stderr, flush=True)
+    elif record.get("type") == "failure":
+        print(f"  failure on rank {record.get('rank')}: {record['cause']}: {record['message']}", file=sys.stderr)
+
+
+def name_list(text: str, *, distinct: bool = False) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise LlmadaptError(f"--adapters {text[:80]!r} names no adapter: give comma-separated names, e.g. torch,plain")
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if distinct and duplicate:
+        raise LlmadaptError(f"--adapters names {duplicate!r} twice: give each adapter once (use --matrix for variants)")
+    return names
+
+
+class Once(argparse.Action):
+    """An option that may be given once: a second value is an error, not a silent override."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)!r} and {values!r}): give one")
+        setattr(namespace, self.dest, values)
+
+
+def add_command(subparsers, name: str, func, help: str) -> argparse.ArgumentParser:
+    """A (sub)command with its help, a --json switch and the function that runs it."""
+    p = subparsers.add_parser(name, help=help, description=help)
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=func)
+    return p

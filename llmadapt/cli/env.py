@@ -1,0 +1,84 @@
+"""Commands about what is installed: adapters, schema, env create/list/prune."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from llmadapt.analysis.table import text_table
+from llmadapt.cli.common import emit
+from llmadapt.errors import LlmadaptError
+
+
+def cmd_adapters(args) -> int:
+    from llmadapt.adapter.plugins import adapters
+    from llmadapt.launch import environments
+
+    rows = []
+    for info in adapters().values():
+        env = info.environment
+        rows.append({
+            "name": info.name, "version": info.version, "framework": info.framework, "roles": list(info.roles),
+            "supports": info.supports.summary() if set(info.roles) - {"serve"} else "-",
+            "environment": env.name if env else "-",
+            "environment_status": environments.status(env) if env else "attach only",
+            "description": info.description,
+        })
+    lines = text_table(["name", "version", "roles", "environment", "supports"],
+                       [[r["name"], r["version"], ",".join(r["roles"]), f"{r['environment']} ({r['environment_status']})",
+                         r["supports"]] for r in rows])
+    emit(args, rows, "\n".join(lines))
+    return 0
+
+
+def cmd_schema(args) -> int:
+    from llmadapt.contract.schema import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def _environment(name: str):
+    from llmadapt.adapter.plugins import adapters
+
+    for info in adapters().values():
+        if info.environment and name in (info.environment.name, info.name):
+            return info.environment
+    known = sorted({i.environment.name for i in adapters().values() if i.environment})
+    raise LlmadaptError(f"unknown environment {name!r}; known: {', '.join(known)}")
+
+
+def cmd_env_create(args) -> int:
+    from llmadapt.launch.environments import create
+
+    python = create(_environment(args.name), force=args.force, log=lambda m: print(m, file=sys.stderr, flush=True))
+    emit(args, {"environment": args.name, "python": str(python)}, f"{args.name}: {python}")
+    return 0
+
+
+def cmd_env_list(args) -> int:
+    from llmadapt.adapter.plugins import adapters
+    from llmadapt.launch import environments
+
+    envs = {info.environment.name: info.environment for info in adapters().values() if info.environment}
+    rows = [{"environment": name, "status": environments.status(spec), "path": str(environments.env_dir(spec)),
+             "requirements": list(spec.requirements),
+             "older_builds": [str(p) for p in environments.older_builds(spec)]} for name, spec in sorted(envs.items())]
+    lines = [f"{r['environment']:<16} {r['status']:<9} {r['path']}" for r in rows]
+    older = sum(len(r["older_builds"]) for r in rows)
+    if older and not args.json:
+        lines.append(f"({older} builds from other recipes: `llmadapt env prune` removes them)")
+    emit(args, rows, "\n".join(lines))
+    return 0
+
+
+def cmd_env_prune(args) -> int:
+    from llmadapt.adapter.plugins import adapters
+    from llmadapt.launch import environments
+
+    specs = {info.environment.name: info.environment for info in adapters().values() if info.environment}
+    if args.name:
+        specs = {args.name: _environment(args.name)}
+    removed = [str(p) for spec in specs.values() for p in environments.prune(spec)]
+    emit(args, removed, "\n".join(f"removed {p}" for p in removed) or "nothing to remove")
+    return 0

@@ -1,0 +1,140 @@
+"""``llmadapt``: the parser, the entry point, and how Ctrl-C and SIGTERM end a command."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import signal
+import sys
+
+from llmadapt.cli.common import Once, add_command
+from llmadapt.cli.env import cmd_adapters, cmd_env_create, cmd_env_list, cmd_env_prune, cmd_schema
+from llmadapt.cli.runs import cmd_compare, cmd_export, cmd_parity, cmd_run, cmd_show
+from llmadapt.errors import LlmadaptError, Terminated
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from llmadapt.host import VERSION
+
+    parser = argparse.ArgumentParser(prog="llmadapt", description="Run one LLM workload on several stacks and "
+                                     "compare the traces.")
+    parser.add_argument("--version", action="version", version=f"llmadapt {VERSION}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    command = functools.partial(add_command, sub)
+
+    def workload_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("workload", help="workload file (.toml, .yaml, .json)")
+        p.add_argument("--set", action="append", metavar="PATH=VALUE", help="override a field, e.g. train.steps=5")
+        p.add_argument("--launcher", default="auto", metavar="LAUNCHER",
+                       help="auto (default), inline, subprocess, torchrun, slurm, or one an adapter brings "
+                            "(deepspeed)")
+        p.add_argument("--out", default="runs", help="folder for run directories (default: ./runs)")
+        p.add_argument("--timeout", type=float, default=None, help="seconds before a run is stopped")
+
+    p = command("run", cmd_run, "run a workload on one adapter")
+    workload_args(p)
+    p.add_argument("--adapter", default="torch", help="adapter name (default: torch)")
+    g = p.add_argument_group("several nodes (torchrun: the same command on every node, changing --node-rank; "
+                             "slurm: one command, one job); see docs/distributed.md")
+    g.add_argument("--nnodes", "--nodes", type=int, default=1, help="number of nodes (default: 1)")
+    g.add_argument("--nproc-per-node", "--ntasks-per-node", type=int, default=None,
+                   help="ranks per node (default: world size / nnodes)")
+    g.add_argument("--node-rank", type=int, default=0, help="torchrun: this node's rank; node 0 gathers the records")
+    g.add_argument("--master-addr", help="torchrun: node 0's address, reachable from every node (static rendezvous)")
+    g.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (default: 29500)")
+    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="torchrun: c10d rendezvous on node 0 instead")
+    g.add_argument("--local-addr", help="torchrun: this node's address as the others reach it")
+    g.add_argument("--ifname", help="torchrun: network interface for gloo/NCCL (GLOO_SOCKET_IFNAME)")
+    g.add_argument("--collect-port", type=int, help="torchrun: port on node 0 for records (default: rendezvous+1)")
+    g.add_argument("--partition", help="slurm: partition")
+    g.add_argument("--time", help="slurm: time limit, e.g. 30 or 1:00:00")
+    g.add_argument("--sbatch-option", action="append", metavar="OPTION",
+                   help="slurm: another sbatch option, e.g. --sbatch-option=--account=abc (repeat)")
+    g.add_argument("--collect-addr", help="slurm: this machine's address as the compute nodes reach it")
+
+    p = command("compare", cmd_compare, "run a workload on several adapters and option variants; one table")
+    workload_args(p)
+    p.add_argument("--adapters", required=True, help="comma-separated adapter names, e.g. torch,deepspeed")
+    p.add_argument("--matrix", action="append", metavar="PATH=V1,V2",
+                   help="option variants, e.g. optimizations.recompute=none,full (repeat for a grid)")
+
+    p = command("parity", cmd_parity, "check two adapters' fp32 loss trajectories agree at every step")
+    workload_args(p)
+    p.add_argument("--adapters", required=True, help="two comma-separated adapter names")
+    p.add_argument("--rtol", type=float, default=None)
+    p.add_argument("--atol", type=float, default=None)
+
+    p = command("show", cmd_show, "show a run's summary")
+    p.add_argument("run", help="run directory")
+
+    p = command("export", cmd_export, "export a run as JSON, CSV, a Chrome trace (Perfetto) or vLLM-bench keys")
+    p.add_argument("run", help="run directory")
+    p.add_argument("--format", required=True, choices=["json", "csv", "chrome-trace", "vllm-bench"], action=Once,
+                   help="vllm-bench: a serving run's summary under `vllm bench serve`'s result keys")
+    p.add_argument("-o", "--output", help="file to write (default: stdout)")
+
+    command("adapters", cmd_adapters, "list registered adapters, what they support and their environments")
+    command("schema", cmd_schema, "print the JSON Schema of trace records")
+
+    env = sub.add_parser("env", help="build and list adapter environments")
+    env_sub = env.add_subparsers(dest="env_command", required=True, metavar="ACTION")
+    p = env_sub.add_parser("create", help="build an adapter's environment (virtualenv with pinned requirements)")
+    p.add_argument("name", help="environment (or adapter) name")
+    p.add_argument("--force", action="store_true", help="rebuild even if ready")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_env_create)
+    p = env_sub.add_parser("list", help="list environments and whether they are built")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_env_list)
+    p = env_sub.add_parser("prune", help="remove builds from other recipes (older pins, other checkouts' code)")
+    p.add_argument("name", nargs="?", help="one environment (default: all)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_env_prune)
+
+    from llmadapt.cli.perf import register
+
+    register(sub, command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    for name in ("rtol", "atol"):
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            print(f"error: --{name}: got {value!r}; must be a finite number >= 0", file=sys.stderr)
+            raise SystemExit(2)
+    if getattr(args, "rtol", "absent") is None or getattr(args, "atol", "absent") is None:
+        from llmadapt.analysis.parity import PARITY_ATOL, PARITY_RTOL
+
+        args.rtol = PARITY_RTOL if args.rtol is None else args.rtol
+        args.atol = PARITY_ATOL if args.atol is None else args.atol
+    # SIGTERM (a scheduler's cancel, `kill`) unwinds like Ctrl-C: workers and engines stopped, partial summary kept.
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        code = args.func(args)
+    except LlmadaptError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt as exc:
+        print(f"{'terminated (SIGTERM)' if isinstance(exc, Terminated) else 'interrupted'}: the partial trace "
+              "was kept", file=sys.stderr)
+        code = getattr(exc, "exit_code", 130)
+    raise SystemExit(code)
+
+
+def _terminated(signum, frame) -> None:
+    # One is enough: a second must not cut the unwinding (and its summary) short, also when the first was
+    # raised by a handler of its own (a serving run's) and is being handled now.
+    if _terminated.seen or isinstance(sys.exc_info()[1], KeyboardInterrupt):
+        return
+    _terminated.seen = True
+    raise Terminated("terminated by SIGTERM")
+
+
+_terminated.seen = False
+
+
+if __name__ == "__main__":
+    main()

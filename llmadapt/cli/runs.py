@@ -1,0 +1,89 @@
+"""Commands that make or read runs: run, compare, parity, show, export."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from llmadapt.cli.common import emit, name_list, run_options, workload_of
+from llmadapt.contract.rundir import RunDir
+from llmadapt.errors import LlmadaptError
+
+
+def cmd_run(args) -> int:
+    import attrs
+
+    from llmadapt.analysis.report import render_summary
+    from llmadapt.launch.run import run
+
+    result = run(workload_of(args), args.adapter, **run_options(args), **_node_options(args))
+    summary = attrs.asdict(result.summary)
+    nodes = RunDir(result.run_dir).read_launch().get("nodes", {}).get("seen")
+    where = "".join(f"\nnode {n['node_rank']:<6} {n['node']}, ranks {', '.join(map(str, n['ranks']))}"
+                    for n in nodes or [])
+    emit(args, {"run_dir": str(result.run_dir), "summary": summary},
+          render_summary(summary) + where + f"\ntrace      {result.run_dir}")
+    return 0 if result.ok else 1
+
+
+def _node_options(args) -> dict[str, Any]:
+    """Multi-node torchrun or Slurm settings from the `run` options; only what was given."""
+    if args.launcher == "slurm":
+        from llmadapt.launch.slurm import SlurmSettings
+
+        return {"slurm": SlurmSettings(
+            nnodes=args.nnodes, ntasks_per_node=args.nproc_per_node, partition=args.partition, time=args.time,
+            options=tuple(args.sbatch_option or ()), collect_addr=args.collect_addr, master_port=args.master_port)}
+    if args.nnodes == 1 and not (args.master_addr or args.rdzv_endpoint or args.nproc_per_node):
+        return {}
+    from llmadapt.launch.settings import NodeSettings
+
+    return {"nodes": NodeSettings(
+        nnodes=args.nnodes, node_rank=args.node_rank, nproc_per_node=args.nproc_per_node,
+        master_addr=args.master_addr, master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint,
+        local_addr=args.local_addr, ifname=args.ifname, collect_port=args.collect_port)}
+
+
+def cmd_compare(args) -> int:
+    from llmadapt.analysis.compare import compare, parse_matrix
+
+    comparison = compare(workload_of(args), name_list(args.adapters, distinct=True), matrix=parse_matrix(args.matrix or []),
+                         log=None if args.json else (lambda m: print(m, file=sys.stderr, flush=True)),
+                         **run_options(args))
+    emit(args, comparison.to_dict(), comparison.table())
+    return 0 if all(r.status == "ok" for r in comparison.rows) else 1
+
+
+def cmd_parity(args) -> int:
+    import attrs
+
+    from llmadapt.analysis.parity import parity
+
+    names = name_list(args.adapters)
+    report = parity(workload_of(args), names, rtol=args.rtol, atol=args.atol, **run_options(args))
+    emit(args, attrs.asdict(report), report.describe((names[0], names[1])))
+    return 0 if report.ok else 1
+
+
+def cmd_show(args) -> int:
+    from llmadapt.analysis.report import render_summary, show
+
+    summary = show(args.run)
+    emit(args, summary, render_summary(summary))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from llmadapt.analysis.report import export
+
+    text = export(args.run, args.format)
+    if args.output:
+        try:
+            with open(args.output, "w") as f:
+                f.write(text)
+        except OSError as exc:
+            raise LlmadaptError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0

@@ -1,0 +1,81 @@
+"""JSONL files of records: the writer (one flushed line per record, so a crash keeps every earlier one),
+the reader (schema-checked, old names upgraded), and ``from_json``, which rebuilds records from JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from llmadapt.contract.schema import to_json, upgrade, validate
+from llmadapt.errors import ContractError
+
+
+# -- JSONL ----------------------------------------------------------------------------------
+class JsonlWriter:
+    """Appends one JSON object per line and flushes each, so nothing written is lost on a crash."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: Any) -> None:
+        data = record if isinstance(record, dict) else to_json(record)
+        self._file.write(json.dumps(data, separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> JsonlWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | Path, *, check: bool = True) -> list[dict[str, Any]]:
+    """Read and (by default) validate every record. A torn last line (killed mid-write) is skipped."""
+    records = []
+    # Bytes, not text: a file with binary garbage is named by its line below, not a UnicodeDecodeError.
+    lines = Path(path).read_bytes().decode("utf-8", errors="replace").splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break  # the writer was killed mid-line; everything before it stands
+            raise ContractError(f"{path}:{number}: not valid JSON") from None
+        record = upgrade(record)
+        if check:
+            try:
+                validate(record)
+            except ContractError as exc:
+                raise ContractError(f"{path}:{number}: {exc}") from None
+        records.append(record)
+    return records
+
+
+def from_json(hint: Any, value: Any) -> Any:
+    """An attrs instance from its JSON form (nested attrs classes, lists, optionals): node 0's summary."""
+    if value is None:
+        return None
+    if attrs.has(hint):
+        hints = typing.get_type_hints(hint)
+        return hint(**{k: from_json(hints[k], v) for k, v in value.items() if k in hints})
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list:
+        return [from_json(args[0], v) for v in value]
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            if attrs.has(arg) and isinstance(value, dict):
+                return from_json(arg, value)
+    return value

@@ -1,0 +1,390 @@
+"""The trace records: what a run writes, one frozen attrs class per record type.
+
+The single source of truth for field names and units. Units are in the names: seconds
+(``*_s``/``seconds``), bytes (``*_bytes``), tokens, nanoseconds (``*_ns``, from the process's
+monotonic clock; each header carries one wall-clock anchor per process to align ranks).
+
+A trace is a run directory of JSONL files, one per rank (``rank-00000.jsonl``) plus
+``launcher.jsonl`` for what the orchestrator saw, and ``summary.json``. Writers flush every
+record, so a crash leaves every record made before it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import attrs
+
+from llmadapt.host import node_name, utc_now
+
+SCHEMA_VERSION = "1.2"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving
+
+
+@attrs.frozen
+class Phase:
+    """Time spent in one part of a step, as measured by `source` (llmadapt or the framework's own timer)."""
+
+    name: str
+    seconds: float
+    source: str
+
+
+@attrs.frozen
+class Span:
+    """An interval on this process's monotonic clock, for timelines (Chrome trace)."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    source: str = "llmadapt"
+
+
+@attrs.frozen
+class Memory:
+    """Memory at the end of a step. On CUDA: torch.cuda peak stats; on CPU: process RSS (peak and current)."""
+
+    kind: Literal["cuda", "cpu-rss"]
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    rss_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+
+
+@attrs.frozen
+class Patch:
+    """A compatibility patch a run applied to its framework."""
+
+    framework: str
+    name: str
+    description: str
+    kind: Literal["cpu-equivalent", "shim", "fix"] = "cpu-equivalent"
+    """'cpu-equivalent' provides a real CPU implementation; 'shim' fakes something (e.g. a type string);
+    'fix' corrects a framework bug on every device."""
+
+
+@attrs.frozen
+class Device:
+    kind: Literal["cpu", "cuda"]
+    name: str
+    count: int
+    memory_bytes: int | None = None
+
+
+@attrs.frozen
+class Header:
+    """First record of each rank's file: who ran what, where, with which software."""
+
+    run_id: str
+    rank: int
+    local_rank: int
+    world_size: int
+    node: str
+    role: str
+    adapter: str
+    adapter_version: str
+    framework: str
+    framework_version: str
+    launcher: str
+    workload_hash: str
+    problem_hash: str
+    workload: dict[str, Any]
+    checkpoint_hash: str | None
+    device: Device | None
+    """The device the measured code ran on; None where the client cannot know (an attached server)."""
+    software: dict[str, str]
+    patches: list[Patch]
+    start_time: str
+    """ISO 8601 wall-clock time the process started measuring."""
+    wall_anchor_ns: int
+    """time.time_ns() read together with mono_anchor_ns: maps this process's monotonic clock to wall time."""
+    mono_anchor_ns: int
+    schema_version: str = SCHEMA_VERSION
+    type: Literal["header"] = "header"
+
+    @classmethod
+    def starting_now(cls, **fields: Any) -> Header:
+        """The header of a process that starts measuring now: its start time and clock anchors read here,
+        together, and its node named as every record names it."""
+        wall, mono = time.time_ns(), time.monotonic_ns()
+        fields.setdefault("node", node_name())
+        return cls(**fields, start_time=utc_now(), wall_anchor_ns=wall, mono_anchor_ns=mono)
+
+
+@attrs.frozen
+class Step:
+    """One global step on one rank (all its micro-batches and the optimizer step)."""
+
+    rank: int
+    step: int
+    warmup: bool
+    start_ns: int
+    end_ns: int
+    seconds: float
+    tokens: int
+    """Input tokens this rank processed in the step (padding excluded)."""
+    samples: int
+    loss: float | None
+    """Loss of the whole global batch: mean over every loss-bearing token of all ranks."""
+    phases: list[Phase] = attrs.Factory(list)
+    memory: Memory | None = None
+    expert_load: list[list[int]] | None = None
+    """MoE: tokens routed to each expert, per layer ([layer][expert]), over the global batch."""
+    spans: list[Span] = attrs.Factory(list)
+    expert_near_ties: list[int] | None = None
+    """MoE: per layer, tokens whose k-th and (k+1)-th router logits were within fp noise (llmadapt.adapter.moe):
+    another stack may route these differently and be equally right."""
+    type: Literal["step"] = "step"
+
+
+@attrs.frozen
+class Request:
+    """One request as the load generator saw it (serving). Times are ns on the generator's monotonic clock."""
+
+    index: int
+    warmup: bool
+    scheduled_ns: int
+    """When the arrival process said to send it."""
+    sent_ns: int | None
+    """When it was actually sent (None: never sent); sent - scheduled is the generator's own lag."""
+    first_token_ns: int | None
+    """First chunk carrying content."""
+    end_ns: int | None
+    chunk_ns: list[int]
+    """Arrival time of every content-bearing chunk."""
+    chunk_tokens: list[int | None]
+    """Tokens in each chunk where the protocol says (TGI: one event per token); None where it does not."""
+    input_tokens: int
+    """Prompt tokens by the canonical tokenizer."""
+    output_tokens: int | None
+    """Generated tokens: the engine's usage count where given, else the sum of known chunk counts."""
+    requested_output_tokens: int
+    output_forced: bool
+    """True when the engine was asked to ignore EOS (output length forced)."""
+    finish_reason: str | None
+    status: Literal["ok", "error", "timeout", "cancelled"]
+    error: str | None = None
+    error_cause: str | None = None
+    """http_429, http_4xx, http_5xx, in_band, malformed, connection, timeout, engine_dead, cancelled."""
+    server_input_tokens: int | None = None
+    type: Literal["request"] = "request"
+
+
+@attrs.frozen
+class ServerSample:
+    """The engine's own metrics, scraped during the run (e.g. Prometheus /metrics), labelled by source."""
+
+    t_ns: int
+    source: str
+    values: dict[str, float]
+    type: Literal["server_sample"] = "server_sample"
+
+
+@attrs.frozen
+class Comm:
+    """A framework's own record of one collective (e.g. DeepSpeed's comms logger), per rank.
+
+    Bandwidths follow the nccl-tests conventions and unit: algbw = message bytes / time, busbw = algbw x
+    the op's factor (all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; others 1),
+    in GB/s (10^9 bytes/s), as nccl-tests prints them; computed by ``bandwidths`` for every source
+    (DeepSpeed's own logger prints Gbit/s: 8 x these). For all-gather and reduce-scatter,
+    message_bytes is the gathered (total) size.
+    """
+
+    rank: int
+    op: str
+    message_bytes: int
+    count: int
+    total_seconds: float
+    source: str
+    step: int | None = None
+    """The step it was logged in; None for a whole-run aggregate."""
+    algbw_gbytes_per_s: float | None = None
+    """GB/s (10^9 bytes per second)."""
+    busbw_gbytes_per_s: float | None = None
+    """GB/s (10^9 bytes per second)."""
+    type: Literal["comm"] = "comm"
+
+
+# nccl-tests' bus-bandwidth factors by collective, under the names torch.distributed and DeepSpeed log.
+_ALL_REDUCE = ("all_reduce", "all_reduce_coalesced", "inference_all_reduce")
+
+
+_N_MINUS_1 = ("all_gather", "all_gather_into_tensor", "allgather_fn", "all_gather_base", "reduce_scatter",
+              "reduce_scatter_tensor", "reduce_scatter_fn", "reduce_scatter_base", "all_to_all", "all_to_all_single")
+
+
+def bus_factor(op: str, world: int) -> float:
+    if op in _ALL_REDUCE:
+        return 2 * (world - 1) / world
+    if op in _N_MINUS_1:
+        return (world - 1) / world
+    return 1.0  # broadcast and the rest
+
+
+def bandwidths(op: str, message_bytes: float, count: int, seconds: float, world: int
+               ) -> tuple[float | None, float | None]:
+    """(algbw, busbw) in GB/s for ``count`` calls taking ``seconds`` in all: the one place they are computed."""
+    if seconds <= 0 or message_bytes <= 0 or count <= 0:
+        return None, None
+    algbw = message_bytes * count / seconds / 1e9
+    return algbw, algbw * bus_factor(op, world)
+
+
+@attrs.frozen
+class Metric:
+    """A named figure a framework reports once (e.g. its FLOPs profiler's total), beside ours, never instead."""
+
+    rank: int
+    name: str
+    value: float
+    unit: str
+    source: str
+    step: int | None = None
+    type: Literal["metric"] = "metric"
+
+
+@attrs.frozen
+class Failure:
+    """Why a rank, a worker or the run stopped early. Written by the worker when it can, else by the launcher."""
+
+    cause: Literal["error", "crash", "killed", "timeout", "oom", "interrupted", "unsupported"]
+    message: str
+    rank: int | None = None
+    """None when the launcher saw it (not attributable to one rank)."""
+    step: int | None = None
+    exit_code: int | None = None
+    time: str | None = None
+    type: Literal["failure"] = "failure"
+
+
+@attrs.frozen
+class End:
+    """A rank's last record: everything it measured was written before it.
+
+    A run in which every rank wrote one is complete, whatever happens in the teardown after it (a rank
+    that then dies is a warning in the summary, not a failed run)."""
+
+    rank: int
+    time: str
+    type: Literal["end"] = "end"
+
+
+@attrs.frozen
+class Stats:
+    """Statistics over the measured values of one metric."""
+
+    count: int
+    mean: float
+    std: float
+    min: float
+    p50: float
+    p90: float
+    p95: float
+    p99: float
+    max: float
+
+
+@attrs.frozen
+class ClientLoad:
+    """The load generator's own health over a serving run: how late its event loop woke, and its CPU.
+
+    A sampler sleeps ``interval_ms`` at a time on the generator's event loop; a wake-up late by
+    ``loop_lag_ms`` means every stream and every due send waited that long too.
+    """
+
+    interval_ms: float
+    loop_lag_ms: Stats | None
+    stalls: list[list[float]]
+    """[seconds since the run started, lag ms, process CPU ms meanwhile, ms the loop's thread waited runnable for
+    a CPU meanwhile (Linux; else null)] of each wake-up later than the validity limit (the first 200). CPU near
+    the lag: a busy loop; run-queue wait near it: a starved process; neither: blocked in a system call."""
+    cpu_s: float
+    """The client process's CPU time (user + system, all threads) over the run."""
+    wall_s: float
+    requests_sent: int
+    engine_itl_metric: str | None = None
+    """The engine's inter-token latency histogram (Prometheus, seconds) among the server samples, if it has one."""
+    sched_autogroup: bool | None = None
+    """Linux schedules by session (autogroup) on the client's machine: an engine in another session then has a
+    CPU share equal to this whole session's (None: not Linux)."""
+    type: Literal["client_load"] = "client_load"
+
+
+@attrs.frozen
+class ServingStats:
+    """Serving figures as the field defines them (see docs/contract.md); latencies in milliseconds."""
+
+    completed: int
+    failed: int
+    failures_by_cause: dict[str, int]
+    duration_s: float
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    request_goodput: float | None
+    ttft_ms: Stats | None
+    tpot_ms: Stats | None
+    itl_ms: Stats | None
+    e2el_ms: Stats | None
+    send_lag_ms: Stats | None
+    valid: bool
+    """False when the generator fell behind its schedule (see validity)."""
+    validity: str
+    output_length_forced: bool
+    total_input_tokens: int
+    total_output_tokens: int
+    loop_lag_ms: Stats | None = None
+    """How late the client's event loop woke while the run was on (see ClientLoad); None in older traces."""
+    client_cpu_s: float | None = None
+    client_cpu_ms_per_request: float | None = None
+    engine_itl_ms: float | None = None
+    """The engine's own mean inter-token latency over the run, from its metrics (None without them)."""
+    bunched_share: float | None = None
+    """Share of inter-chunk gaps below a tenth of the engine's inter-token latency: chunks that reached the
+    client together although the engine made them apart (None without the engine's figure)."""
+
+
+@attrs.frozen
+class Summary:
+    """The run's aggregate, computed by the orchestrator from every rank's records."""
+
+    run_id: str
+    status: Literal["ok", "failed"]
+    role: str
+    adapter: str
+    framework: str
+    framework_version: str
+    launcher: str
+    workload_hash: str
+    problem_hash: str
+    world_size: int
+    device: Device | None
+    patches: list[Patch]
+    steps_completed: int
+    measured_steps: int
+    losses: list[float | None]
+    """Global-batch loss at every completed step (warm-up included), by step index."""
+    step_time_s: Stats | None
+    """Per step, the slowest rank's time."""
+    tokens_per_s: Stats | None
+    samples_per_s: Stats | None
+    tokens_per_step: int | None
+    peak_memory_bytes: int | None
+    """Max over ranks of the peak (device allocated on CUDA, RSS on CPU)."""
+    peak_memory_per_rank: list[int | None]
+    memory_kind: str | None
+    model_flops_per_token: float | None
+    """PaLM convention (see llmadapt.contract.flops)."""
+    achieved_flops_per_s: float | None
+    mfu: float | None
+    """None where the device peak is unknown (e.g. CPUs) or the convention does not apply."""
+    phase_means_s: dict[str, float]
+    """Mean over measured steps and ranks, per 'source:name'."""
+    failures: list[Failure]
+    serving: ServingStats | None = None
+    """Serving runs only: client-side latency, throughput and goodput."""
+    warnings: list[str] = attrs.field(factory=list)
+    """What cost no measurement but a reader must know, e.g. a rank that died in teardown after its last record."""
+    schema_version: str = SCHEMA_VERSION
+    type: Literal["summary"] = "summary"

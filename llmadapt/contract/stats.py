@@ -1,0 +1,314 @@
+"""Statistics and cross-rank aggregation: how every number in a summary is computed.
+
+Rules: a step's time is the slowest rank's; tokens and samples are summed over ranks (and divided
+by tp * pp, since the model-parallel ranks of one replica see the same tokens); memory
+is the max over ranks plus each rank's own; the loss is the global-batch loss (identical on
+every rank, taken from the lowest rank that reported it). Warm-up steps are excluded from
+statistics but kept in the loss trajectory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Iterable
+
+from llmadapt.contract.flops import mfu, model_flops_per_token, peak_flops
+from llmadapt.contract.records import Device, Failure, Patch, Stats, Summary
+from llmadapt.spec import Workload
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default method)."""
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def describe(values: Iterable[float]) -> Stats | None:
+    """count, mean, std (sample, n-1), min, p50, p90, p95, p99, max; None for no values."""
+    data = sorted(float(v) for v in values)
+    if not data:
+        return None
+    n = len(data)
+    mean = sum(data) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in data) / (n - 1)) if n > 1 else 0.0
+    p = {q: percentile(data, q) for q in (50, 90, 95, 99)}
+    return Stats(count=n, mean=mean, std=std, min=data[0], p50=p[50], p90=p[90], p95=p[95], p99=p[99], max=data[-1])
+
+
+def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]) -> Summary:
+    """Build the run summary from every record of every rank (plus the launcher's failures)."""
+    headers = {r["rank"]: r for r in records if r["type"] == "header"}
+    failures = [Failure(**r) for r in records if r["type"] == "failure"]
+    steps_by_index: dict[int, dict[int, dict]] = defaultdict(dict)
+    for r in records:
+        if r["type"] == "step":
+            steps_by_index[r["step"]][r["rank"]] = r
+
+    workload = Workload.from_dict(launch["workload"])
+    if workload.kind == "serve":
+        return _aggregate_serve(run_id, records, launch, workload, headers, failures)
+    world = workload.world_size
+    model_parallel = workload.parallelism.tp * workload.parallelism.pp
+    # A step counts as completed when every rank finished it.
+    complete = sorted(i for i, by_rank in steps_by_index.items() if len(by_rank) == world)
+    losses: list[float | None] = []
+    times, tokens_s, samples_s, tokens_per_step = [], [], [], None
+    phase_sums: dict[str, list[float]] = defaultdict(list)
+    for i in complete:
+        by_rank = steps_by_index[i]
+        loss = next((by_rank[r]["loss"] for r in sorted(by_rank) if by_rank[r]["loss"] is not None), None)
+        losses.append(loss)
+        if by_rank[min(by_rank)]["warmup"]:
+            continue
+        seconds = max(s["seconds"] for s in by_rank.values())
+        # Every rank reports its data-parallel share; the tp*pp ranks of one replica share the same tokens.
+        tokens = sum(s["tokens"] for s in by_rank.values()) // model_parallel
+        samples = sum(s["samples"] for s in by_rank.values()) // model_parallel
+        times.append(seconds)
+        tokens_s.append(tokens / seconds)
+        samples_s.append(samples / seconds)
+        tokens_per_step = tokens
+        for s in by_rank.values():
+            for ph in s["phases"]:
+                phase_sums[f"{ph['source']}:{ph['name']}"].append(ph["seconds"])
+
+    peaks_by_rank: dict[int, list[int]] = defaultdict(list)
+    memory_kind = None
+    for r in records:
+        if r["type"] == "step" and r["memory"]:
+            memory_kind = r["memory"]["kind"]
+            if (peak := _peak(r["memory"])) is not None:
+                peaks_by_rank[r["rank"]].append(peak)
+    per_rank_peak = [max(peaks_by_rank[rank]) if peaks_by_rank[rank] else None for rank in range(world)]
+    known_peaks = [p for p in per_rank_peak if p is not None]
+
+    head = headers.get(0) or (next(iter(headers.values())) if headers else None)
+    device = Device(**head["device"]) if head else None
+    fpt = model_flops_per_token(workload.model, workload.train.seq_len)
+    tok_stats = describe(tokens_s)
+    achieved = fpt * tok_stats.mean if tok_stats else None
+    peak = peak_flops(device.name, workload.precision) if device else None
+    # MFU is meaningless for quantized or LoRA runs under the 6N convention: leave it out.
+    plain = workload.optimizations.quantization == "none" and not workload.lora.rank
+    run_mfu = mfu(fpt, tok_stats.mean, peak, world) if (tok_stats and plain) else None
+
+    # Every rank wrote its last record: the run is complete, and whatever the launcher saw go wrong after
+    # that (a rank dying in teardown, a timeout while the ranks exited) is a warning, not a lost run.
+    ended = {r["rank"] for r in records if r["type"] == "end"}
+    warnings = []
+    if len(ended) == world and len(complete) == workload.train.total_steps:
+        warnings = [f"after every rank wrote its last record: {f.message} (nothing measured was lost)"
+                    for f in failures]
+        failures = []
+    status = "ok" if not failures and len(complete) == workload.train.total_steps else "failed"
+    if status == "failed" and not failures:
+        failures.append(Failure(cause="crash", message="the run ended before every step completed"))
+    return Summary(
+        run_id=run_id,
+        status=status,
+        role=launch["role"],
+        adapter=launch["adapter"],
+        framework=head["framework"] if head else launch.get("framework", ""),
+        framework_version=head["framework_version"] if head else "",
+        launcher=launch["launcher"],
+        workload_hash=workload.content_hash,
+        problem_hash=workload.problem_hash,
+        world_size=world,
+        device=device,
+        patches=_patches(headers.values()),
+        steps_completed=len(complete),
+        measured_steps=len(times),
+        losses=losses,
+        step_time_s=describe(times),
+        tokens_per_s=tok_stats,
+        samples_per_s=describe(samples_s),
+        tokens_per_step=tokens_per_step,
+        peak_memory_bytes=max(known_peaks) if known_peaks else None,
+        peak_memory_per_rank=per_rank_peak,
+        memory_kind=memory_kind,
+        model_flops_per_token=fpt,
+        achieved_flops_per_s=achieved,
+        mfu=run_mfu,
+        phase_means_s={k: sum(v) / len(v) for k, v in sorted(phase_sums.items())},
+        failures=failures,
+        warnings=warnings,
+    )
+
+
+def _peak(memory: dict[str, Any]) -> int | None:
+    return memory["peak_allocated_bytes"] if memory["kind"] == "cuda" else memory["peak_rss_bytes"]
+
+
+def _patches(headers: Iterable[dict[str, Any]]) -> list[Patch]:
+    seen, out = set(), []
+    for h in headers:
+        for p in h["patches"]:
+            key = (p["framework"], p["name"])
+            if key not in seen:
+                seen.add(key)
+                out.append(Patch(**p))
+    return out
+
+
+def _aggregate_serve(run_id, records, launch, workload, headers, failures) -> Summary:
+    from llmadapt.contract.stats import serving_stats
+
+    serving = serving_stats(records, workload)
+    head = headers.get(0)
+    if serving.failures_by_cause.get("engine_dead"):
+        failures.append(Failure(cause="crash", message="the engine died during the run: "
+                                f"{serving.failures_by_cause['engine_dead']} requests failed because of it"))
+    status = "ok" if not failures and serving.completed else "failed"
+    return Summary(
+        run_id=run_id, status=status, role="serve", adapter=launch["adapter"],
+        framework=head["framework"] if head else launch.get("framework", ""),
+        framework_version=head["framework_version"] if head else "", launcher=launch["launcher"],
+        workload_hash=workload.content_hash, problem_hash=workload.problem_hash, world_size=1,
+        device=Device(**head["device"]) if head and head["device"] else None,
+        patches=_patches(headers.values()), steps_completed=0, measured_steps=0, losses=[], step_time_s=None,
+        tokens_per_s=None, samples_per_s=None, tokens_per_step=None, peak_memory_bytes=None,
+        peak_memory_per_rank=[], memory_kind=None, model_flops_per_token=None, achieved_flops_per_s=None, mfu=None,
+        phase_means_s={}, failures=failures, serving=serving,
+    )
+
+
+LAG_P99_LIMIT_MS = 10.0  # a run whose p99 send lag (or event-loop lag) exceeds this did not deliver its load
+
+
+BUNCHED_GAP = 0.1  # an inter-chunk gap below this fraction of the engine's inter-token latency is a bunched arrival
+
+
+BUNCHED_LIMIT = 0.2  # a run with more bunched gaps than this share measured its own client, not the engine
+
+
+# -- statistics ---------------------------------------------------------------------------------
+def serving_stats(records: list[dict[str, Any]], workload: Workload):
+    """Client-side serving figures from request records (measured requests only)."""
+    from llmadapt.contract.records import ServingStats, Stats
+    from llmadapt.contract.stats import describe
+
+    reqs = [r for r in records if r["type"] == "request" and not r["warmup"]]
+    ok = [r for r in reqs if r["status"] == "ok"]
+    failed = [r for r in reqs if r["status"] != "ok"]
+    causes: dict[str, int] = {}
+    for r in failed:
+        causes[r["error_cause"] or r["status"]] = causes.get(r["error_cause"] or r["status"], 0) + 1
+    sent = [r for r in reqs if r["sent_ns"] is not None]
+    if sent:
+        start = min(r["sent_ns"] for r in sent)
+        end = max(r["end_ns"] for r in sent if r["end_ns"] is not None)
+        duration = max((end - start) / 1e9, 1e-9)
+    else:
+        duration = 0.0
+    ms = 1e-6
+    ttft = [(r["first_token_ns"] - r["sent_ns"]) * ms for r in ok]
+    e2el = [(r["end_ns"] - r["sent_ns"]) * ms for r in ok]
+    tpot = [((r["end_ns"] - r["first_token_ns"]) * ms) / (r["output_tokens"] - 1)
+            for r in ok if r["output_tokens"] and r["output_tokens"] > 1]
+    itl = [(b - a) * ms for r in ok for a, b in zip(r["chunk_ns"], r["chunk_ns"][1:])]
+    lags = [(r["sent_ns"] - r["scheduled_ns"]) * ms for r in sent]
+    out_tokens = sum(r["output_tokens"] or 0 for r in ok)
+    in_tokens = sum(r["input_tokens"] for r in ok)
+    slo = workload.serve.slo
+    goodput = None
+    if any(v is not None for v in (slo.ttft_ms, slo.tpot_ms, slo.e2el_ms)) and duration:
+        def meets(r) -> bool:
+            t = (r["first_token_ns"] - r["sent_ns"]) * ms
+            e = (r["end_ns"] - r["sent_ns"]) * ms
+            p = ((r["end_ns"] - r["first_token_ns"]) * ms) / (r["output_tokens"] - 1) \
+                if r["output_tokens"] and r["output_tokens"] > 1 else 0.0
+            return ((slo.ttft_ms is None or t <= slo.ttft_ms) and (slo.tpot_ms is None or p <= slo.tpot_ms)
+                    and (slo.e2el_ms is None or e <= slo.e2el_ms))
+        goodput = sum(1 for r in ok if meets(r)) / duration
+    lag_stats = describe(lags)
+    client = next((r for r in reversed(records) if r["type"] == "client_load"), None)
+    loop = Stats(**client["loop_lag_ms"]) if client and client["loop_lag_ms"] else None
+    cpu_s = client["cpu_s"] if client else None
+    cpu_per_request = cpu_s * 1e3 / client["requests_sent"] if client and client["requests_sent"] else None
+    engine_itl = _engine_mean_ms(records, client["engine_itl_metric"]) if client else None
+    bunched = sum(1 for gap in itl if gap < BUNCHED_GAP * engine_itl) / len(itl) if engine_itl and itl else None
+
+    problems = []
+    if workload.serve.arrival.process != "closed" and lag_stats and lag_stats.p99 > LAG_P99_LIMIT_MS:
+        problems.append(f"the generator fell behind its schedule (p99 send lag {lag_stats.p99:.1f} ms > "
+                        f"{LAG_P99_LIMIT_MS:.0f} ms): the arrival process asked for was not delivered")
+    if loop and loop.p99 > LAG_P99_LIMIT_MS:
+        problems.append(f"the client's event loop stalled (loop lag p99 {loop.p99:.1f} ms, max {loop.max:.0f} ms > "
+                        f"{LAG_P99_LIMIT_MS:.0f} ms): open streams were not read meanwhile" + _stall_cause(client))
+    if bunched is not None and bunched > BUNCHED_LIMIT:
+        problems.append(f"{bunched:.0%} of inter-chunk gaps were under a tenth of the engine's own inter-token "
+                        f"latency ({engine_itl:.2f} ms): chunks reached the client in bursts")
+    if problems:
+        cpu = f" (client CPU {cpu_per_request:.2f} ms per request)" if cpu_per_request is not None else ""
+        valid, why = False, "invalid: " + "; ".join(problems) + cpu
+    elif workload.serve.arrival.process == "closed":
+        valid, why = True, "closed loop: requests are sent as slots free up (no schedule to fall behind)"
+    else:
+        valid, why = True, "the generator met its schedule (p99 send lag within %.0f ms)" % LAG_P99_LIMIT_MS
+    if not reqs:
+        valid, why = False, "no measured request was sent"
+    return ServingStats(
+        completed=len(ok), failed=len(failed), failures_by_cause=causes, duration_s=duration,
+        request_throughput=len(ok) / duration if duration else 0.0,
+        output_throughput=out_tokens / duration if duration else 0.0,
+        total_token_throughput=(in_tokens + out_tokens) / duration if duration else 0.0,
+        request_goodput=goodput, ttft_ms=describe(ttft), tpot_ms=describe(tpot), itl_ms=describe(itl),
+        e2el_ms=describe(e2el), send_lag_ms=lag_stats, valid=valid, validity=why,
+        output_length_forced=all(r["output_forced"] for r in reqs) if reqs else False,
+        total_input_tokens=in_tokens, total_output_tokens=out_tokens, loop_lag_ms=loop, client_cpu_s=cpu_s,
+        client_cpu_ms_per_request=cpu_per_request, engine_itl_ms=engine_itl, bunched_share=bunched,
+    )
+
+
+def _stall_cause(client: dict[str, Any]) -> str:
+    """What the loop's thread did during its stalls, when one thing explains most of them."""
+    stalls = client.get("stalls") or []
+    lagged = sum(s[1] for s in stalls)
+    queued = sum(s[3] for s in stalls if len(s) > 3 and s[3] is not None)
+    busy = sum(s[2] for s in stalls)
+    if not lagged:
+        return ""
+    if queued > lagged / 2:
+        hint = (" (Linux autogroup is on: an engine started in another session, e.g. another terminal, has a CPU "
+                "share equal to this whole session's; start it from this one, see docs/serving.md)"
+                if client.get("sched_autogroup") else "")
+        return f"; it waited runnable for a CPU {queued:.0f} of those {lagged:.0f} ms: starved by other processes{hint}"
+    if busy > lagged / 2:
+        return f"; it was busy {busy:.0f} of those {lagged:.0f} ms: work on the event loop"
+    return f"; it neither ran nor waited for a CPU most of those {lagged:.0f} ms: blocked in a system call"
+
+
+def _engine_mean_ms(records: list[dict[str, Any]], histogram: str | None) -> float | None:
+    """The engine's mean of a Prometheus histogram (seconds) between its first and last sample, in ms."""
+    if not histogram:
+        return None
+    samples = [r["values"] for r in records if r["type"] == "server_sample"]
+
+    def total(values: dict[str, float], suffix: str) -> float:
+        return sum(v for k, v in values.items() if k.partition("{")[0] == histogram + suffix)
+
+    if len(samples) < 2:
+        return None
+    count = total(samples[-1], "_count") - total(samples[0], "_count")
+    return (total(samples[-1], "_sum") - total(samples[0], "_sum")) / count * 1e3 if count > 0 else None
+
+
+def vllm_bench_keys(summary: dict[str, Any]) -> dict[str, Any]:
+    """The serving summary under `vllm bench serve`'s result keys, for tools that read those."""
+    s = summary["serving"]
+    out = {
+        "completed": s["completed"], "failed": s["failed"], "duration": s["duration_s"],
+        "request_throughput": s["request_throughput"], "request_goodput": s["request_goodput"],
+        "output_throughput": s["output_throughput"], "total_token_throughput": s["total_token_throughput"],
+        "total_input_tokens": s["total_input_tokens"], "total_output_tokens": s["total_output_tokens"],
+    }
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        st = s[f"{metric}_ms"]
+        for key, field in (("mean", "mean"), ("median", "p50"), ("std", "std"), ("p50", "p50"), ("p90", "p90"),
+                           ("p99", "p99")):
+            out[f"{key}_{metric}_ms"] = st[field] if st else math.nan
+    return out

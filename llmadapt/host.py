@@ -1,0 +1,69 @@
+"""Facts about this process and machine that every layer needs: the release, the state folder, the clock,
+the node's name, a free port. Imports nothing of llmadapt but errors."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import random
+import socket
+from pathlib import Path
+
+VERSION = "0.1.0"
+"""This release of llmadapt (``llmadapt.__version__``)."""
+
+
+def state_dir() -> Path:
+    if os.environ.get("LLMADAPT_HOME"):
+        return Path(os.environ["LLMADAPT_HOME"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "llmadapt"
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat()
+
+
+def local_hostname_is_loopback() -> tuple[str, str] | None:
+    """(hostname, address) when this host's name resolves to a loopback address, the multi-node trap."""
+    name = socket.gethostname()
+    try:
+        addr = socket.gethostbyname(name)
+    except OSError:
+        return None
+    return (name, addr) if addr.startswith("127.") or addr == "::1" else None
+
+
+def node_name() -> str:
+    """The node's name as the scheduler knows it (Slurm's node name where set), else the hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def free_port() -> int:
+    """A free TCP port for a process we start next (an engine, a rendezvous store).
+
+    Not the kernel's ``bind(0)``: that port comes from the ephemeral range and, once released, is handed out
+    again to the next ``bind(0)`` or outgoing connection, so another server could take it in the seconds
+    before our engine binds it, and our health check would then be answered by a stranger. A random port
+    below the ephemeral range is not reissued that way.
+    """
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range: the kernel's choice
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default

@@ -1,0 +1,177 @@
+"""The orchestrator: check, make the run directory, start workers, supervise them, summarise.
+
+Launchers: ``inline`` (in this process, for embedding and debugging; one rank), ``subprocess``
+(one rank in the adapter's environment), ``torchrun`` (several ranks on this machine: gloo on
+CPU, NCCL on GPU, 127.0.0.1 and a free port; or several machines, with ``NodeSettings``: the
+same ``llmadapt run`` on every node, node 0 gathers the records), ``slurm`` (a batch job, see
+llmadapt.launch.slurm). ``auto`` picks subprocess or torchrun by world size. Workers run in their own
+process group; whatever happens (crash, kill, timeout, Ctrl-C) the group is gone afterwards,
+and the records made before plus a failure record remain. Across nodes, records are streamed
+to the orchestrator as they are written (llmadapt.launch.collect), so no shared disk is needed.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from llmadapt.adapter.plugins import check_supported, get_adapter
+from llmadapt.contract.records import Failure
+from llmadapt.contract.rundir import RunDir
+from llmadapt.contract.schema import to_json
+from llmadapt.errors import LlmadaptError
+from llmadapt.host import free_port
+from llmadapt.launch import slurm as slurm_
+from llmadapt.launch.collect import Collector
+from llmadapt.launch.environments import python_for
+from llmadapt.launch.multinode import gather, run_node_agent, run_node_zero, warn_loopback
+from llmadapt.launch.prepare import ensure_checkpoint
+from llmadapt.launch.serve import run_serving
+from llmadapt.launch.settings import LAUNCHERS, NodeSettings, check_run_options, make_run_id
+from llmadapt.launch.slurm import SlurmSettings, run_slurm_job, slurm_job
+from llmadapt.launch.summary import RunResult, summarise
+from llmadapt.launch.supervise import interrupt_text, supervise, worker_command, worker_env
+from llmadapt.spec import Workload
+
+
+def run(
+    workload: Workload | str | Path,
+    adapter: str = "torch",
+    *,
+    launcher: str = "auto",
+    out: str | Path = "runs",
+    run_id: str | None = None,
+    timeout: float | None = None,
+    fault: dict[str, Any] | None = None,
+    memory_limit_bytes: int | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    nodes: NodeSettings | None = None,
+    slurm: SlurmSettings | None = None,
+) -> RunResult:
+    """Run one workload on one adapter; returns when the workers are gone, with the summary.
+
+    ``progress`` receives a ``{"type": "start", ...}`` event once the run directory exists,
+    then rank 0's records as they are written (and ``warning``, ``node`` and ``slurm`` events).
+
+    ``nodes``: several machines under torchrun, the same call on each (see NodeSettings);
+    on node 0 it returns the run's result, on the others a copy of node 0's summary.
+    ``slurm``: the layout and options of the Slurm job (``launcher="slurm"``).
+
+    A failed run is a result (``summary.status == 'failed'`` with its failures), not an
+    exception. Exceptions are for bad input, raised before any process starts.
+    """
+    if not isinstance(workload, Workload):
+        workload = Workload.from_file(workload)
+    info = get_adapter(adapter)
+    check_supported(info, workload)
+    if launcher not in LAUNCHERS and launcher not in info.launchers:
+        known = ", ".join([*LAUNCHERS, *info.launchers])
+        raise LlmadaptError(f"unknown launcher {launcher!r} for adapter {adapter!r}; known: {known}")
+    check_run_options(fault, timeout, memory_limit_bytes)
+    world = workload.world_size
+    if workload.kind == "serve":
+        return run_serving(workload, info, out, run_id, timeout, progress)
+    nodes = nodes or NodeSettings()
+    if launcher == "auto":
+        launcher = "slurm" if slurm else "torchrun" if world > 1 or nodes.nnodes > 1 else "subprocess"
+    if launcher in ("inline", "subprocess") and world > 1:
+        raise LlmadaptError(f"launcher {launcher!r} runs one rank, but the workload needs world size {world}: "
+                            "use --launcher torchrun (or auto)")
+    if nodes.nnodes > 1 and launcher != "torchrun":
+        raise LlmadaptError(f"--nnodes {nodes.nnodes} needs --launcher torchrun (or auto), not {launcher!r}")
+    # Every check before anything is written or submitted.
+    if launcher == "slurm":
+        slurm = slurm or SlurmSettings()
+        per_node = slurm.tasks_per_node(world)
+        slurm_.require_slurm()
+    else:
+        per_node = nodes.procs_per_node(world)
+    python = None if launcher == "inline" else python_for(info.environment)
+    if python is not None:
+        ensure_checkpoint(workload, info.environment)
+    multinode = launcher == "torchrun" and nodes.nnodes > 1
+    if multinode:
+        warn_loopback(nodes, progress)
+    if multinode and nodes.node_rank > 0:
+        return run_node_agent(workload, python, info.environment, nodes, per_node, out, timeout, memory_limit_bytes,
+                               progress)
+
+    launch = {
+        "run_id": run_id or make_run_id(adapter, workload), "adapter": adapter, "adapter_version": info.version,
+        "framework": info.framework,
+        "role": workload.kind, "worker_class": info.roles[workload.kind],
+        "launcher": launcher, "world_size": world, "workload": workload.to_dict(),
+        "workload_hash": workload.content_hash, "fault": fault, "memory_limit_bytes": memory_limit_bytes,
+        "python": str(python) if python else None, "created": time.time(),
+    }
+    # Other nodes' records arrive here. Bound before anything is written, so a taken port fails cleanly.
+    collector = None
+    if launcher == "slurm":
+        collector = Collector(("0.0.0.0", 0))
+    elif multinode:
+        collector = Collector(("0.0.0.0", nodes.collect_address()[1]))
+        launch["nodes"] = {"nnodes": nodes.nnodes, "nproc_per_node": per_node,
+                           "rendezvous": "c10d" if nodes.rdzv_endpoint else "static"}
+    try:  # the collector's socket is closed on every way out, an early error included
+        return _run_launched(workload, info, launcher, launch, python, per_node, nodes, collector, out, timeout,
+                             memory_limit_bytes, progress, slurm)
+    finally:
+        if collector:
+            collector.close()
+
+
+def _run_launched(workload, info, launcher, launch, python, per_node, nodes, collector, out, timeout,
+                  memory_limit_bytes, progress, slurm) -> RunResult:
+    """From the checked request to the summary: the run directory, the workers, their supervision."""
+    world, multinode, run_id = workload.world_size, collector is not None and launcher == "torchrun", launch["run_id"]
+    job = slurm_job(slurm, launch, python, info.environment, per_node, collector, progress) if launcher == "slurm" else None
+    run_dir = Path(out) / run_id
+    adapter_cmd = None
+    try:
+        run_dir.mkdir(parents=True, exist_ok=False)
+        if launcher in info.launchers:  # the adapter's own launcher; its command goes into the trace
+            adapter_cmd = info.launchers[launcher](python, run_dir, world, free_port())
+            launch["command"] = adapter_cmd
+        RunDir(run_dir).write_launch(launch)
+    except OSError as exc:  # before any worker: nothing measured yet, nothing lost
+        raise LlmadaptError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}") from None
+    if progress:
+        progress({"type": "start", "run_dir": str(run_dir), "adapter": info.name, "label": workload.label,
+                  "world_size": world, "launcher": launcher})
+
+    failures: list[Failure] = []
+    interrupted: KeyboardInterrupt | None = None
+    if collector:
+        collector.start(run_dir, launch, nodes.nnodes if multinode else 1)
+    try:
+        if launcher == "inline":
+            from llmadapt.runtime.device import Place
+            from llmadapt.runtime.worker import run_worker
+
+            # The worker records its own failures; an interrupt is re-raised once the summary is written.
+            if run_worker(run_dir, Place(0, 0, 1, 0, "inline")) == 130:
+                interrupted = KeyboardInterrupt()
+        elif launcher == "slurm":
+            failures += run_slurm_job(job, run_dir, timeout, memory_limit_bytes, progress)
+        elif multinode:
+            failures += run_node_zero(python, info.environment, nodes, per_node, run_dir, collector, timeout, memory_limit_bytes,
+                                       progress)
+        else:
+            cmd = adapter_cmd or worker_command(launcher, python, run_dir, per_node=world)
+            failures += supervise(cmd, env=worker_env(world, info.environment), log=RunDir(run_dir).worker_log,
+                                   tail=run_dir / "rank-00000.jsonl", timeout=timeout,
+                                   memory_limit_bytes=memory_limit_bytes, progress=progress)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM from a scheduler (llmadapt.errors.Terminated)
+        interrupted = exc
+        failures.append(Failure(cause="interrupted", message=f"{interrupt_text(exc)} in the orchestrator"))
+    finally:
+        if collector:
+            gather(collector, run_dir, failures, progress)
+
+    summary = summarise(run_dir, failures)
+    if collector:
+        collector.send_summary(to_json(summary))
+    if interrupted is not None:
+        raise interrupted
+    return RunResult(run_dir=run_dir, summary=summary)

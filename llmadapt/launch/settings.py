@@ -1,0 +1,104 @@
+"""The options of a launch, checked before anything starts: launchers, multi-node settings, run ids, and
+the fault injection used by tests.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import attrs
+
+from llmadapt.contract.stream import parse_address
+from llmadapt.errors import LlmadaptError
+from llmadapt.spec import Workload
+
+LAUNCHERS = ("auto", "inline", "subprocess", "torchrun", "slurm")
+
+
+@attrs.frozen
+class NodeSettings:
+    """This node's part in a multi-node torchrun run; the names are torchrun's.
+
+    Run the same ``llmadapt run`` on every node, changing only ``node_rank``. Node 0 gathers
+    every node's records into its run directory and hosts the rendezvous.
+    """
+
+    nnodes: int = 1
+    node_rank: int = 0
+    nproc_per_node: int | None = None
+    """Ranks on each node; default: the workload's world size / nnodes."""
+    master_addr: str | None = None
+    """Node 0's address, reachable from every node (static rendezvous)."""
+    master_port: int = 29500
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of torchrun's elastic c10d rendezvous, on node 0, instead of the static one."""
+    local_addr: str | None = None
+    """This node's address as the other nodes reach it (torchrun --local-addr)."""
+    ifname: str | None = None
+    """Network interface for gloo's and NCCL's sockets (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)."""
+    collect_port: int | None = None
+    """Port on node 0 where the records are gathered; default: the rendezvous port + 1."""
+    join_timeout: float = 300.0
+    """Seconds a node waits for node 0 to answer."""
+
+    def procs_per_node(self, world: int) -> int:
+        """Ranks per node, after checking the layout; one clear error if it does not fit the workload."""
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise LlmadaptError(f"--node-rank must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, "
+                                f"got {self.node_rank}")
+        per_node = self.nproc_per_node or world // self.nnodes
+        if per_node < 1 or per_node * self.nnodes != world:
+            raise LlmadaptError(f"{self.nnodes} nodes x {per_node} ranks per node = {self.nnodes * per_node} ranks, "
+                                f"but the workload's world size is {world}: choose --nnodes and --nproc-per-node "
+                                "to match")
+        if self.nnodes > 1 and not (self.master_addr or self.rdzv_endpoint):
+            raise LlmadaptError("several nodes need node 0's address: set --master-addr (static rendezvous) "
+                                "or --rdzv-endpoint HOST:PORT (c10d)")
+        if self.rdzv_endpoint:
+            parse_address(self.rdzv_endpoint)
+        return per_node
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Node 0's (address, port) for the rendezvous; the records are gathered on the next port."""
+        if self.rdzv_endpoint:
+            return parse_address(self.rdzv_endpoint)
+        return self.master_addr or "127.0.0.1", self.master_port
+
+    def collect_address(self) -> tuple[str, int]:
+        host, port = self.rendezvous()
+        return host, self.collect_port or port + 1
+
+
+def make_run_id(adapter: str, workload: Workload) -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{adapter}-{workload.content_hash[:8]}-{secrets.token_hex(2)}"
+
+
+FAULT_KINDS = ("error", "exit", "kill", "hang", "stop", "oom")
+
+
+def check_run_options(fault, timeout, memory_limit_bytes) -> None:
+    """The run's own options, before anything starts: one line naming what is wrong."""
+    import math
+
+    if timeout is not None and not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise LlmadaptError(f"--timeout: got {str(timeout)[:40]!r}; must be a number of seconds > 0")
+    if memory_limit_bytes is not None and not (isinstance(memory_limit_bytes, int) and memory_limit_bytes > 0):
+        raise LlmadaptError(f"memory limit: got {str(memory_limit_bytes)[:40]!r}; must be a number of bytes > 0")
+    if fault is None:
+        return
+    if not isinstance(fault, dict) or fault.get("kind") not in FAULT_KINDS:
+        raise LlmadaptError(f"fault: got {str(fault)[:80]!r}; needs 'kind', one of {', '.join(FAULT_KINDS)}")
+    if fault["kind"] == "oom" and not memory_limit_bytes:
+        # Without a cap the worker allocates until the kernel's OOM killer picks a process, maybe not ours.
+        raise LlmadaptError("fault 'oom' needs a memory limit (memory_limit_bytes / --memory-limit): without one "
+                            "it grows until the kernel's out-of-memory killer ends some process on the machine")
+
+
+def warn(message: str, progress) -> None:
+    if progress:
+        progress({"type": "warning", "message": message})
+    else:
+        import warnings
+
+        warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -1,0 +1,87 @@
+"""A run folder read back: its records (rank files and the launcher's), the failures the launcher saw, and
+the summary written from them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from llmadapt.contract.jsonl import JsonlWriter, read_jsonl
+from llmadapt.contract.records import Failure, Summary
+from llmadapt.contract.rundir import RunDir
+from llmadapt.contract.schema import to_json
+from llmadapt.contract.stats import aggregate
+from llmadapt.errors import LlmadaptError
+from llmadapt.launch.supervise import EXIT_PREFIXES
+
+
+@attrs.frozen
+class RunResult:
+    run_dir: Path
+    summary: Summary
+
+    @property
+    def ok(self) -> bool:
+        return self.summary.status == "ok"
+
+    @property
+    def losses(self) -> list[float | None]:
+        return self.summary.losses
+
+
+def write_launcher_failures(run_dir: Path, failures: list[Failure]) -> None:
+    """Append what the orchestrator saw go wrong (timeout, interrupt, exit codes) to launcher.jsonl."""
+    if failures:
+        with JsonlWriter(RunDir(run_dir).launcher_file) as w:
+            for f in failures:
+                w.write(f)
+
+
+def summarise(run_dir: str | Path, launcher_failures: list[Failure] = (), *, write: bool = True) -> Summary:
+    """(Re)build the run's summary from the records on disk plus ``launcher_failures``.
+
+    ``write``: append the launcher failures to launcher.jsonl and write summary.json. A disk that
+    refuses them (full, read-only) is one clear error; every record already written stays readable.
+    """
+    run_dir = Path(run_dir)
+    launch = RunDir(run_dir).read_launch()
+    rank_records, launcher_records = load_records(run_dir, split=True)
+    launcher_records += [to_json(f) for f in launcher_failures]
+    summary = aggregate(launch["run_id"], rank_records + _launcher_view(rank_records, launcher_records), launch)
+    if write:
+        target = RunDir(run_dir).launcher_file
+        try:
+            write_launcher_failures(run_dir, list(launcher_failures))
+            target = RunDir(run_dir).summary_file
+            target.write_text(json.dumps(to_json(summary), indent=2))
+        except OSError as exc:
+            raise LlmadaptError(f"could not write {target}: {exc.strerror or exc}; every record written before is "
+                                f"kept in {run_dir} (`llmadapt show {run_dir}` reads them)") from None
+    return summary
+
+
+def _launcher_view(rank_records: list[dict[str, Any]], launcher_records: list[dict[str, Any]]) -> list[dict]:
+    """The launcher's failures that add something to what the ranks recorded themselves.
+
+    A rank's own failure record says more than torchrun's "rank 1 exited with code 1", and a bare
+    "worker exited / killed" says less than either; a timeout, an interrupt, a node or Slurm's reason stay.
+    """
+    failed_ranks = {r["rank"] for r in rank_records if r["type"] == "failure"}
+    return [r for r in launcher_records
+            if not (r["type"] == "failure" and (r["rank"] in failed_ranks or (
+                failed_ranks and r["rank"] is None and r["cause"] in ("crash", "killed")
+                and r["message"].startswith(EXIT_PREFIXES))))]
+
+
+def load_records(run_dir: Path, *, split: bool = False):
+    """Every record of the run: the ranks' files, then launcher.jsonl (``split``: as two lists)."""
+    ranks: list[dict[str, Any]] = []
+    for path in RunDir(run_dir).rank_files():
+        ranks += read_jsonl(path)
+    path = RunDir(run_dir).launcher_file
+    launcher = read_jsonl(path) if path.is_file() else []
+    return (ranks, launcher) if split else ranks + launcher

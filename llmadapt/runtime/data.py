@@ -1,0 +1,106 @@
+"""Token data for training workers: synthetic or from a file, cut into the same global batches in the same
+order whatever the data-parallel layout (each rank takes its share of every global step).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from llmadapt.adapter.context import IGNORE, MicroBatch, Sample, StepBatch
+from llmadapt.spec import Workload
+
+RESERVED = 4  # token ids below this are special tokens; synthetic data avoids them
+
+
+class TokenData:
+    def __init__(self, workload: Workload, tokenizer=None) -> None:
+        self.w = workload
+        self.seq_len = workload.train.seq_len
+        self._examples: list[tuple[list[int], list[int]]] | None = None
+        self._orders: dict[int, list[int]] = {}
+        if workload.data.source == "jsonl":
+            if tokenizer is None:
+                raise ValueError("jsonl data needs the canonical tokenizer")
+            self._examples = self._load_jsonl(Path(workload.data.path), tokenizer)
+            self._pad = tokenizer.pad_token_id
+
+    # -- global order ---------------------------------------------------------------
+    def sample(self, index: int) -> Sample:
+        if self._examples is None:
+            return self._synthetic(index)
+        epoch, pos = divmod(index, len(self._examples))
+        prompt, answer = self._examples[self._order(epoch)[pos]]
+        return self._pack(prompt, answer)
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self._examples)))
+            random.Random(f"{self.w.seed}:epoch:{epoch}").shuffle(order)
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+    def global_samples(self, step: int) -> list[Sample]:
+        g = self.w.train.global_batch
+        return [self.sample(step * g + j) for j in range(g)]
+
+    def step_batch(self, step: int, dp_rank: int, dp_size: int) -> StepBatch:
+        import torch
+
+        samples = self.global_samples(step)
+        loss_tokens = sum(sum(1 for t in s.labels if t != IGNORE) for s in samples)
+        per_rank = len(samples) // dp_size
+        mine = samples[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        mb = self.w.train.micro_batch or per_rank
+        micro = []
+        for i in range(0, per_rank, mb):
+            chunk = mine[i : i + mb]
+            micro.append(
+                MicroBatch(
+                    input_ids=torch.tensor([s.input_ids for s in chunk], dtype=torch.long),
+                    labels=torch.tensor([s.labels for s in chunk], dtype=torch.long),
+                )
+            )
+        return StepBatch(
+            step=step,
+            micro_batches=micro,
+            loss_tokens_global=loss_tokens,
+            tokens=sum(s.length for s in mine),
+            samples=len(mine),
+        )
+
+    # -- sources ----------------------------------------------------------------------
+    def _synthetic(self, index: int) -> Sample:
+        rng = random.Random(f"{self.w.seed}:sample:{index}")
+        vocab = self.w.model.vocab_size - RESERVED
+        start, stride = rng.randrange(vocab), rng.randrange(1, 17)
+        x = [RESERVED + (start + stride * t) % vocab for t in range(self.seq_len + 1)]
+        for t in range(len(x)):
+            if rng.random() < 0.1:
+                x[t] = RESERVED + rng.randrange(vocab)
+        return Sample(input_ids=x[:-1], labels=x[1:], length=self.seq_len)
+
+    def _load_jsonl(self, path: Path, tokenizer) -> list[tuple[list[int], list[int]]]:
+        d = self.w.data
+        examples = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if d.prompt_field not in row or d.answer_field not in row:
+                raise ValueError(f"{path}:{number}: needs fields {d.prompt_field!r} and {d.answer_field!r}")
+            prompt = [tokenizer.bos_token_id] + tokenizer.encode(row[d.prompt_field] + "\n", add_special_tokens=False)
+            answer = tokenizer.encode(row[d.answer_field], add_special_tokens=False) + [tokenizer.eos_token_id]
+            examples.append((prompt, answer))
+        if not examples:
+            raise ValueError(f"{path}: no examples")
+        return examples
+
+    def _pack(self, prompt: list[int], answer: list[int]) -> Sample:
+        x = (prompt + answer)[: self.seq_len + 1]
+        # label position t predicts x[t+1]: no loss while x[t+1] is still part of the prompt
+        labels = [tok if t + 1 >= len(prompt) else IGNORE for t, tok in enumerate(x[1:])]
+        length = len(x) - 1
+        pad = self.seq_len - length
+        return Sample(input_ids=x[:-1] + [self._pad] * pad, labels=labels + [IGNORE] * pad, length=length)

