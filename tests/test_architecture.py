@@ -71,3 +71,22 @@ def test_a_long_module_says_why():
         if lines > MAX_LINES and f"over {MAX_LINES} lines" not in doc:
             unexplained.append(f"{path.relative_to(ROOT)} ({lines} lines)")
     assert unexplained == []
+
+
+def test_the_old_module_paths_still_give_the_same_objects():
+    """Adapters written against 0.1 keep importing from the flat paths for one release."""
+    import importlib
+
+    import llmadapt.adapter as adapter
+
+    old = {"llmadapt.interfaces": ["Trainer", "FineTuner", "Server", "StepResult", "AdapterInfo", "Supports"],
+           "llmadapt.serving": ["ServeContext", "PlannedRequest", "Chunk", "RequestFailed", "engine_popen_options"],
+           "llmadapt.data": ["StepBatch", "MicroBatch"], "llmadapt.runtime": ["WorkerContext"],
+           "llmadapt.hookspecs": ["hookimpl"]}
+    for module, names in old.items():
+        for name in names:
+            assert getattr(importlib.import_module(module), name) is getattr(adapter, name), f"{module}.{name}"
+    from llmadapt.adapter.sse import OpenAICompatibleServer
+    from llmadapt.sse import OpenAICompatibleServer as old_server
+
+    assert old_server is OpenAICompatibleServer

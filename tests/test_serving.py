@@ -131,11 +131,13 @@ def test_every_request_is_recorded_with_client_side_timings(tmp_path, fake_serve
     for r in records:
         assert r["scheduled_ns"] <= r["sent_ns"] < r["first_token_ns"] <= r["end_ns"]
         assert len(r["chunk_ns"]) == 8 and r["finish_reason"] == "length"
-    # Validity follows the measured lag (whether the machine kept up is not this test's business: no timing
-    # threshold here), and the verdict is written out.
+    # Validity follows the measured send lag and event-loop lag (whether the machine kept up is not this
+    # test's business: no timing threshold here), and each reason is written out.
     from llmadapt.contract.stats import LAG_P99_LIMIT_MS
 
-    assert s.send_lag_ms.count == 12 and s.valid == (s.send_lag_ms.p99 <= LAG_P99_LIMIT_MS), s.validity
+    late, stalled = s.send_lag_ms.p99 > LAG_P99_LIMIT_MS, s.loop_lag_ms.p99 > LAG_P99_LIMIT_MS
+    assert s.send_lag_ms.count == 12 and s.valid == (not late and not stalled), s.validity
+    assert ("was not delivered" in s.validity) == late and ("event loop stalled" in s.validity) == stalled, s.validity
     samples = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "server_sample"]
     assert samples and samples[-1]["values"]["fake_requests_total"] == 13
     # The client's own health, sampled throughout: every request sent, its CPU, its event loop's wake-ups.
