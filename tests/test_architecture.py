@@ -90,3 +90,37 @@ def test_the_old_module_paths_still_give_the_same_objects():
     from llmadapt.sse import OpenAICompatibleServer as old_server
 
     assert old_server is OpenAICompatibleServer
+
+
+def test_no_import_cycles():
+    """Counting every import, function-level and TYPE_CHECKING ones too; `from package import name` counts as
+    importing the package's __init__ (which may still be half-run). The layers contract alone does not see
+    cycles inside a package."""
+    names = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p for p in modules()}
+    edges: dict[str, set[str]] = {name: set() for name in names}
+    for name, path in names.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("llmadapt"):
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("llmadapt")]
+            edges[name] |= {t for t in targets if t in names and t != name}
+
+    cycles, stack, state = [], [], {}
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    assert cycles == []

@@ -12,7 +12,7 @@ from importlib import metadata
 
 import pluggy
 
-from llmadapt.adapter import hookspecs
+import llmadapt.adapter.hookspecs as hookspecs
 from llmadapt.adapter.declaration import AdapterInfo
 from llmadapt.errors import LlmadaptError, UnknownAdapterError, UnsupportedError
 

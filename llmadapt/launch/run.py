@@ -22,14 +22,13 @@ from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json
 from llmadapt.errors import LlmadaptError
 from llmadapt.host import free_port
-from llmadapt.launch import slurm as slurm_
 from llmadapt.launch.collect import Collector
 from llmadapt.launch.environments import python_for
 from llmadapt.launch.multinode import gather, run_node_agent, run_node_zero, warn_loopback
 from llmadapt.launch.prepare import ensure_checkpoint
 from llmadapt.launch.serve import run_serving
 from llmadapt.launch.settings import LAUNCHERS, NodeSettings, check_run_options, make_run_id
-from llmadapt.launch.slurm import SlurmSettings, run_slurm_job, slurm_job
+from llmadapt.launch.slurm import SlurmSettings, require_slurm, run_slurm_job, slurm_job
 from llmadapt.launch.summary import RunResult, summarise
 from llmadapt.launch.supervise import interrupt_text, supervise, worker_command, worker_env
 from llmadapt.spec import Workload
@@ -84,7 +83,7 @@ def run(
     if launcher == "slurm":
         slurm = slurm or SlurmSettings()
         per_node = slurm.tasks_per_node(world)
-        slurm_.require_slurm()
+        require_slurm()
     else:
         per_node = nodes.procs_per_node(world)
     python = None if launcher == "inline" else python_for(info.environment)
