@@ -24,6 +24,20 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat()
 
 
+def software_versions(packages: tuple[str, ...]) -> dict[str, str]:
+    """Python's and llmadapt's versions, and those of PACKAGES that are installed here (for a header)."""
+    import platform
+    from importlib import metadata
+
+    out = {"python": platform.python_version(), "llmadapt": VERSION}
+    for name in packages:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
 def local_hostname_is_loopback() -> tuple[str, str] | None:
     """(hostname, address) when this host's name resolves to a loopback address, the multi-node trap."""
     name = socket.gethostname()

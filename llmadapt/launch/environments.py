@@ -30,7 +30,7 @@ import tomllib
 
 from llmadapt.adapter.declaration import EnvironmentSpec
 from llmadapt.errors import EnvironmentNotReadyError, LlmadaptError
-from llmadapt.host import state_dir
+from llmadapt.host import VERSION, state_dir
 
 MARKER = "llmadapt-env.json"
 
@@ -54,7 +54,6 @@ REFERENCE_REQUIREMENTS = (
 REFERENCE_ENVIRONMENT = EnvironmentSpec(name="torch", requirements=REFERENCE_REQUIREMENTS)
 """The reference adapter's environment (``torch``, ``hf``): it also builds the canonical checkpoint for adapters
 whose transformers cannot (``EnvironmentSpec.builds_checkpoint``) and runs the micro-benchmarks."""
-
 
 
 def env_dir(spec: EnvironmentSpec) -> Path:
@@ -97,8 +96,6 @@ def _declared_dependencies(source: Path) -> list[str]:
 
 def recipe(spec: EnvironmentSpec) -> dict:
     """What goes into the environment; no paths, so any clone of the same code computes the same recipe."""
-    from llmadapt.host import VERSION
-
     sources = local_sources(spec)
     dependencies = sorted({d for source in sources for d in _declared_dependencies(source)})
     if core_source() is None:

@@ -16,6 +16,7 @@ from llmadapt.contract.jsonl import JsonlWriter
 from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, Terminated
+from llmadapt.host import software_versions
 from llmadapt.launch.environments import python_for
 from llmadapt.launch.settings import make_run_id
 from llmadapt.launch.summary import RunResult, summarise
@@ -193,7 +194,7 @@ def _serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: str, 
                 adapter=info.name, adapter_version=info.version, framework=info.framework,
                 framework_version=redact(server.engine_version(), secrets), launcher=launcher,
                 workload_hash=workload.content_hash, problem_hash=workload.problem_hash, workload=workload.to_dict(),
-                checkpoint_hash=_recorded_hash(checkpoint), device=None, software=_client_software(),
+                checkpoint_hash=_recorded_hash(checkpoint), device=None, software=software_versions(("aiohttp", "tokenizers")),
                 patches=list(server.patches),
             ))
             run = LoadGenerator(server, workload, plan, writer, progress).run(session)
@@ -264,16 +265,3 @@ def _recorded_hash(checkpoint: Path | None) -> str | None:
     from llmadapt.models import recorded_weights_hash
 
     return recorded_weights_hash(checkpoint)
-
-
-def _client_software() -> dict[str, str]:
-    import platform
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for name in ("llmadapt", "aiohttp", "tokenizers"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return out

