@@ -12,10 +12,10 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from llmadapt import Workload
 from llmadapt.testing import environments_unready

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from llmadapt.launch import environments
 from llmadapt.adapter.declaration import EnvironmentSpec
 from llmadapt.errors import EnvironmentNotReadyError, LlmadaptError
+from llmadapt.launch import environments
 
 
 @pytest.fixture(autouse=True)

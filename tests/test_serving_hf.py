@@ -67,3 +67,37 @@ def test_engine_killed_mid_run_is_reported(tmp_path):
     assert "engine_dead" in s.failures_by_cause
     assert result.summary.status == "failed"
     assert any(f.cause == "crash" for f in result.summary.failures)
+
+
+SLOW_TO_DIE = """
+import subprocess, sys, time
+# A child that ignores SIGTERM and holds memory: after SIGKILL it takes a moment to tear its pages down,
+# the window in which a stop that only waited for the engine itself returned with the child still there.
+child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "hold = b'x' * (256 << 20); print('held', flush=True); time.sleep(600)"], stdout=subprocess.PIPE)
+assert child.stdout.readline() == b"held\\n"
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_stop_returns_when_nothing_of_the_engine_group_is_left(tmp_path, attempt):
+    """The hf server's stop: SIGTERM to the engine, SIGKILL to what is left of its group, and it returns only
+    when /proc shows no live process of that group (CI once found an engine child alive right after a run)."""
+    import subprocess
+    import sys
+
+    from llmadapt.adapter import engine_popen_options, group_members
+    from llmadapt.reference import serve as hf_serve
+
+    server = hf_serve.HFServer.__new__(hf_serve.HFServer)
+    server.log = open(tmp_path / "engine.log", "wb")
+    server.proc = subprocess.Popen([sys.executable, "-c", SLOW_TO_DIE], stdout=subprocess.PIPE,
+                                   **engine_popen_options())
+    assert server.proc.stdout.readline() == b"ready\n"
+    pgid = server.proc.pid
+    assert len(group_members(pgid)) == 2
+    server.stop()
+    assert group_members(pgid) == []
+    assert server.log.closed

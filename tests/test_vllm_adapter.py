@@ -17,7 +17,9 @@ pytest.importorskip("llmadapt_vllm", reason="the vllm adapter package is not ins
 
 from llmadapt_vllm import server as vllm_server  # noqa: E402
 from llmadapt_vllm.plugin import CPU_ATTENTION_HEAD_SIZES, DTYPES, check  # noqa: E402
-from llmadapt_vllm.server import VLLMServer, diagnose, group_members  # noqa: E402
+from llmadapt_vllm.server import VLLMServer, diagnose  # noqa: E402
+
+from llmadapt.adapter import group_members  # noqa: E402
 
 
 def workload(model=None, **top):

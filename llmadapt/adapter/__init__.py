@@ -6,7 +6,8 @@ classes an adapter names in ``AdapterInfo.roles``, inside its own environment.
 - declaration: ``AdapterInfo``, ``EnvironmentSpec``, ``Supports``, ``ROLES``
 - interfaces: ``Trainer``, ``FineTuner``, ``Server``, ``StepResult``
 - context: ``WorkerContext``, ``StepBatch`` (``MicroBatch``, ``Sample``), ``ServeContext``, ``PlannedRequest``,
-  ``Chunk``, ``RequestFailed``, ``WrongServer``, ``engine_popen_options``
+  ``Chunk``, ``RequestFailed``, ``WrongServer``; for engines an adapter starts, ``engine_popen_options``,
+  ``stop_engine`` and ``group_members``
 - hookspecs: ``hookimpl`` and the one hook, ``llmadapt_register_adapters``
 - plugins: how adapters are found (``adapters()``, ``get_adapter``, ``check_supported``)
 - helpers: ``sse`` (an OpenAI-compatible streaming server client), ``moe`` (expert-load counting)
@@ -26,6 +27,8 @@ from llmadapt.adapter.context import (
     WorkerContext,
     WrongServer,
     engine_popen_options,
+    group_members,
+    stop_engine,
 )
 from llmadapt.adapter.declaration import ROLES, AdapterInfo, EnvironmentSpec, Supports
 from llmadapt.adapter.hookspecs import hookimpl
@@ -35,5 +38,6 @@ from llmadapt.adapter.plugins import adapters, check_supported, get_adapter
 __all__ = [
     "IGNORE", "ROLES", "AdapterInfo", "Chunk", "EnvironmentSpec", "FineTuner", "MicroBatch", "PlannedRequest",
     "RequestFailed", "Sample", "ServeContext", "Server", "StepBatch", "StepResult", "Supports", "Trainer",
-    "WorkerContext", "WrongServer", "adapters", "check_supported", "engine_popen_options", "get_adapter", "hookimpl",
+    "WorkerContext", "WrongServer", "adapters", "check_supported", "engine_popen_options", "get_adapter",
+    "group_members", "hookimpl", "stop_engine",
 ]

@@ -166,3 +166,55 @@ def engine_popen_options() -> dict[str, Any]:
     if sys.version_info >= (3, 11):
         return {"process_group": 0, "stdin": subprocess.DEVNULL}
     return {"preexec_fn": os.setpgrp, "stdin": subprocess.DEVNULL}
+
+
+CHILDREN_GRACE_S = 5.0
+
+
+def stop_engine(proc, grace_s: float) -> None:
+    """Stop an engine started with ``engine_popen_options`` and return only when nothing of its group is left.
+
+    SIGTERM goes to the engine only (it shuts its own children down; a SIGTERM to a whole vLLM group at once was
+    seen to hang); after ``grace_s``, or CHILDREN_GRACE_S after the engine exited, whatever of the group is
+    still there gets SIGKILL. A killed child may take a
+    moment to die, and a caller that looks at once must not find it: hence the wait for the group to empty.
+    """
+    import signal
+    import subprocess
+
+    pgid = proc.pid
+    deadline = time.monotonic() + grace_s
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    deadline = min(deadline, time.monotonic() + CHILDREN_GRACE_S)  # the engine is gone: its children follow or not
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:  # in uninterruptible sleep: nothing more a signal can do
+        pass
+    deadline = time.monotonic() + 10
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in a process group, from /proc (Linux)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            stat = (p / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # state ppid pgrp ...
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(p.name))
+    return out

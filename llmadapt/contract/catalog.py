@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import attrs
-import tomllib
 
 from llmadapt.errors import LlmadaptError
 from llmadapt.host import state_dir

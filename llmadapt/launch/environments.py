@@ -22,11 +22,10 @@ import re
 import subprocess
 import sys
 import time
+import tomllib
 from glob import escape as glob_escape
 from pathlib import Path
 from typing import Callable
-
-import tomllib
 
 from llmadapt.adapter.declaration import EnvironmentSpec
 from llmadapt.errors import EnvironmentNotReadyError, LlmadaptError

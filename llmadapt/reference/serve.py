@@ -7,11 +7,10 @@ Runs in the orchestrator (no torch import here): the engine is the subprocess.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 from pathlib import Path
 
-from llmadapt.adapter.context import engine_popen_options
+from llmadapt.adapter.context import engine_popen_options, stop_engine
 from llmadapt.adapter.sse import OpenAICompatibleServer
 from llmadapt.contract.rundir import RunDir
 
@@ -46,17 +45,7 @@ class HFServer(OpenAICompatibleServer):
         proc = getattr(self, "proc", None)
         if proc is None:
             return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        stop_engine(proc, STOP_GRACE_S)
         self.log.close()
 
     def engine_version(self) -> str:

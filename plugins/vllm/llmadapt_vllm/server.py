@@ -16,14 +16,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from llmadapt.adapter import Chunk, PlannedRequest, engine_popen_options
+from llmadapt.adapter import Chunk, PlannedRequest, engine_popen_options, stop_engine
 from llmadapt.adapter.sse import OpenAICompatibleServer, field
 from llmadapt.contract import Patch
 from llmadapt.errors import LlmadaptError
@@ -222,23 +220,7 @@ class VLLMServer(OpenAICompatibleServer):
         proc = self.proc
         if proc is None:
             return
-        # SIGTERM to the API server only: it shuts its engine-core and worker processes down itself (a SIGTERM
-        # to the whole group at once was seen to hang). Whatever of the group is still there after the grace
-        # period (a hung server, a straggling child) gets SIGKILL.
-        pgid = proc.pid
-        deadline = time.monotonic() + STOP_GRACE_S
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        while (proc.poll() is None or group_members(pgid)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        deadline = time.monotonic() + 10
-        while group_members(pgid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        stop_engine(proc, STOP_GRACE_S)  # SIGTERM to the API server: it shuts its engine-core down itself
         self.log.close()
         self.proc = None
         if self.tmp is not None:
@@ -250,19 +232,3 @@ class VLLMServer(OpenAICompatibleServer):
 
     def metrics_source(self) -> str:
         return "vllm"
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes in a process group, from /proc (Linux)."""
-    out = []
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            stat = (p / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()  # state ppid pgrp ...
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(p.name))
-    return out
