@@ -304,9 +304,23 @@ class Workload:
     optimizations: Optimizations = attrs.field(factory=Optimizations)
     lora: LoraSpec = attrs.field(factory=LoraSpec)
     serve: ServeSpec = attrs.field(factory=ServeSpec)
+    adapters: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    """Settings for one adapter only: adapter name -> {dotted path: value} (``[adapters.megatron]`` in a file,
+    ``--set megatron:parallelism.tp=2``). They wait here until `for_adapter` applies one adapter's; not part of
+    either hash."""
+    sources: dict[str, str] = attrs.field(factory=dict, eq=False)
+    """Where each field that was set explicitly came from: dotted path -> 'file', 'file [adapters.NAME]',
+    '--set', '--set NAME:', 'cell', 'matrix'. Settings still waiting for their adapter are under 'NAME:path'.
+    Recorded in every trace header with the final workload; not part of either hash."""
 
     def __attrs_post_init__(self) -> None:
         _check_workload(self)
+        known = self.to_dict() if self.adapters else {}
+        for name, settings in self.adapters.items():
+            if not isinstance(settings, dict):
+                raise WorkloadError(f"adapters.{name}", settings, "must be a table of settings for that adapter")
+            for path, value in settings.items():
+                _field_at(known, path, value, name)  # an unknown field is refused now, not at for_adapter
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -345,41 +359,91 @@ class Workload:
             raise WorkloadError("file", str(path), "the top level must be a table/mapping")
         if not data:  # running the defaults is never what an empty file meant
             raise WorkloadError("file", str(path), "is empty: it sets no field of the workload")
+        if "sources" in data:
+            raise WorkloadError("sources", data["sources"], "is recorded by llmadapt (where each setting came "
+                                "from), not set in a file")
+        sections = data.get("adapters", {})
+        if not isinstance(sections, dict) or not all(isinstance(v, dict) for v in sections.values()):
+            raise WorkloadError("adapters", sections, "must hold one table per adapter, e.g. [adapters.megatron] "
+                                "with parallelism.tp = 2")
+        data = {**data, "adapters": {name: _flatten(section) for name, section in sections.items()}}
+        data["sources"] = {p: "file" for p in _flatten({k: v for k, v in data.items() if k != "adapters"})}
+        data["sources"].update({f"{name}:{p}": f"file [adapters.{name}]"
+                                for name, section in data["adapters"].items() for p in section})
         section = data.get("data")
         if isinstance(section, dict) and isinstance(section.get("path"), str) and not Path(section["path"]).is_absolute():
             # Data paths in a file are relative to that file, so examples run from anywhere.
             data = {**data, "data": {**section, "path": str((path.parent / section["path"]).resolve())}}
         return cls.from_dict(data)
 
-    def with_overrides(self, assignments: list[str] | tuple[str, ...]) -> Workload:
-        """Apply ``path=value`` assignments (values parsed as YAML scalars/lists)."""
+    def with_overrides(self, assignments: list[str] | tuple[str, ...], *, source: str = "override") -> Workload:
+        """Apply ``path=value`` assignments (values parsed as YAML scalars/lists), in order.
+
+        ``NAME:path=value`` is a setting for adapter NAME only: it waits in ``adapters`` until `for_adapter`.
+        A setting for all adapters replaces any earlier one-adapter setting of the same field: the last
+        setting of a field wins. ``source`` is recorded in ``sources`` ('--set', 'cell', 'matrix', ...).
+        """
         if not assignments:
             return self
         import yaml
 
-        data = self.to_dict()
+        items = []
         for assignment in assignments:
             key, sep, raw = assignment.partition("=")
-            if not sep or not key:
-                raise WorkloadError("--set", assignment, "use path=value, e.g. train.steps=5")
+            adapter, colon, path = key.strip().rpartition(":")
+            if not sep or not path or (colon and not adapter):
+                raise WorkloadError(source, assignment, "use path=value, e.g. train.steps=5, or adapter:path=value "
+                                    "for one adapter, e.g. megatron:parallelism.tp=2")
             try:
                 value = load_yaml(raw) if raw else ""
             except yaml.YAMLError:
                 value = raw
-            parts = key.strip().split(".")
-            target = data
-            for i, part in enumerate(parts[:-1]):
-                if not isinstance(target.get(part), dict):
-                    raise WorkloadError(".".join(parts[: i + 1]), part, "is not a section of the workload")
-                target = target[part]
-            if parts[-1] not in target and not (parts == ["model", "preset"]):
-                known = ", ".join(sorted(target))
-                raise WorkloadError(key, value, f"unknown field; known here: {known}")
-            if parts == ["model", "preset"]:
+            items.append((adapter.strip() or None, path.strip(), value))
+        return self._with_values(items, source)
+
+    def for_adapter(self, name: str) -> Workload:
+        """This workload as adapter ``name`` runs it: its own settings applied, in order, after the settings
+        for all; no adapter's settings left waiting. Errors name the adapter ('megatron:parallelism.tp')."""
+        own = self.adapters.get(name, {})
+        base = attrs.evolve(self, adapters={}, sources={k: v for k, v in self.sources.items() if ":" not in k})
+        origins = {path: self.sources.get(f"{name}:{path}", f"{name}:") for path in own}
+        return base._with_values([(None, path, value) for path, value in own.items()], origins, scope=name)
+
+    def _with_values(self, items: list[tuple[str | None, str, Any]], source: str | dict[str, str], *,
+                     scope: str | None = None) -> Workload:
+        """Apply (adapter or None, dotted path, value) settings in order. ``source``: what to record for each
+        (one label, or one per path); ``scope``: the adapter every error names."""
+        if not items:
+            return self
+        data = self.to_dict()
+        waiting, sources = data["adapters"], data["sources"]
+        for adapter, path, value in items:
+            origin = source.get(path, "") if isinstance(source, dict) else f"{source} {adapter}:" if adapter else source
+            target = _field_at(data, path, value, adapter or scope)
+            if adapter:  # waits for its adapter; a field set again moves to the end (applied in the order given)
+                waiting.setdefault(adapter, {}).pop(path, None)
+                waiting[adapter][path] = value
+                sources[f"{adapter}:{path}"] = origin
+                continue
+            if path == "model.preset":  # a preset replaces the whole model section
                 data["model"] = {"preset": value}
+                for key in [k for k in sources if k.startswith("model.")]:
+                    del sources[key]
             else:
-                target[parts[-1]] = value
-        return Workload.from_dict(data)
+                target[path.split(".")[-1]] = value
+            sources[path] = origin
+            for name in list(waiting):  # a later setting for all wins over an earlier one for one adapter
+                if path in waiting[name]:
+                    del waiting[name][path]
+                    sources.pop(f"{name}:{path}", None)
+                if not waiting[name]:
+                    del waiting[name]
+        try:
+            return Workload.from_dict(data)
+        except WorkloadError as exc:
+            if scope and not exc.field.startswith(f"{scope}:"):
+                raise WorkloadError(f"{scope}:{exc.field}", exc.value, exc.allowed) from None
+            raise
 
     # -- identity -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -387,17 +451,21 @@ class Workload:
 
     @property
     def content_hash(self) -> str:
-        """Stable hash of everything that defines the workload (labels excluded)."""
+        """Stable hash of everything that defines the workload (labels, per-adapter settings and sources
+        excluded: apply `for_adapter` first)."""
         data = self.to_dict()
-        data.pop("name")
+        for key in ("name", "adapters", "sources"):
+            data.pop(key)
         data["model"].pop("name")
         return _hash(data)
 
-    @property
-    def problem_hash(self) -> str:
-        """Hash of what determines the loss trajectory: layout and memory techniques excluded."""
+    def problem_dict(self) -> dict[str, Any]:
+        """What determines the loss trajectory, the problem hash's input: layout and memory techniques (the
+        parallelism section, micro-batch, optimizer implementation, ZeRO, offload, recompute, flash attention),
+        labels and per-adapter settings left out."""
         data = self.to_dict()
-        data.pop("name")
+        for key in ("name", "adapters", "sources"):
+            data.pop(key)
         data["model"].pop("name")
         for section, fields in _LAYOUT_FIELDS.items():
             if fields is None:
@@ -405,7 +473,12 @@ class Workload:
             else:
                 for field in fields:
                     data[section].pop(field)
-        return _hash(data)
+        return data
+
+    @property
+    def problem_hash(self) -> str:
+        """Hash of what determines the loss trajectory: layout and memory techniques excluded."""
+        return _hash(self.problem_dict())
 
     @property
     def world_size(self) -> int:
@@ -422,6 +495,43 @@ class Workload:
     @property
     def label(self) -> str:
         return self.name or f"{self.kind}-{self.model.name}"
+
+
+def problem_difference(a: Workload, b: Workload) -> list[str]:
+    """The fields (dotted paths, with both values) where two workloads pose different problems."""
+    fa, fb = _flatten(a.problem_dict()), _flatten(b.problem_dict())
+    return [f"{k} ({fa.get(k)!r} vs {fb.get(k)!r})" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"parallelism": {"tp": 2}} -> {"parallelism.tp": 2}; keys that are dotted paths already stay as they are."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def _field_at(data: dict[str, Any], path: str, value: Any, scope: str | None = None) -> dict[str, Any]:
+    """The section of a workload's dict that holds the field at ``path``; one line naming it when none does
+    (as 'scope:path' for a setting of one adapter)."""
+    parts = path.split(".")
+    named = (lambda p: f"{scope}:{p}") if scope else (lambda p: p)
+    if parts[0] in ("adapters", "sources"):
+        raise WorkloadError(named(path), value, "is not a field to set (settings for one adapter are "
+                            "adapter:path=value)")
+    target = data
+    for i, part in enumerate(parts[:-1]):
+        if not isinstance(target.get(part), dict):
+            raise WorkloadError(named(".".join(parts[: i + 1])), part, "is not a section of the workload")
+        target = target[part]
+    if parts[-1] not in target and path != "model.preset":
+        known = ", ".join(sorted(k for k in target if k not in ("adapters", "sources")))
+        raise WorkloadError(named(path), value, f"unknown field; known here: {known}")
+    return target
 
 
 def _hash(data: dict[str, Any]) -> str:

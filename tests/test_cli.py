@@ -104,9 +104,12 @@ def test_compare_matrix_gives_one_row_per_variant(tmp_path):
     text = cli("compare", EXAMPLE, *SMALL, "--adapters", "torch", "--matrix", "train.micro_batch=1,2",
                "--out", tmp_path).stdout
     head, _, *body = text.splitlines()
-    assert head.split()[:2] == ["run", "status"] and head.rstrip().endswith("parity delta")
-    assert len(body) == 2 and all(" ok " in row for row in body)
-    assert float(body[1].split()[-1]) < 1e-4  # the text table shows the same parity delta as the JSON
+    assert head.split()[:3] == ["problem", "run", "status"] and head.rstrip().endswith("parity delta")
+    rows, footer = body[:2], body[2]
+    assert all(row.startswith("P1 ") and " ok " in row for row in rows)  # one problem: micro-batch is layout
+    assert [row.split()[1:4] for row in rows] == [["torch", "dp1", "mb1"], ["torch", "dp1", "mb2"]]
+    assert float(rows[1].split()[-1]) < 1e-4  # the text table shows the same parity delta as the JSON
+    assert footer.startswith("2 cells: 2 ok, 0 failed, 0 not supported (not run)")
 
 
 def test_parity_command_passes_and_fails(tmp_path):
@@ -131,7 +134,7 @@ def _one_error_line(out):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["compare", EXAMPLE], "the following arguments are required: --adapters"),
+    (["compare", EXAMPLE], "error: name what to run: --adapters torch,deepspeed, or cells such as --cell"),
     (["compare", EXAMPLE, "--adapters", ","], "error: --adapters ',' names no adapter"),
     (["compare", EXAMPLE, "--adapters", "torch,torch"], "error: --adapters names 'torch' twice"),
     (["parity", EXAMPLE, "--adapters", "torch,plain", "--rtol", "nan"], "error: --rtol: got nan"),

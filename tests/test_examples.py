@@ -26,7 +26,7 @@ def test_python_example_runs(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "compare_from_python.py")], cwd=tmp_path,
                          capture_output=True, text=True, check=False, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "recompute=full,micro_batch=4" in out.stdout
+    assert "torch dp1 recompute=full mb4" in out.stdout  # each row labelled by its layout
     assert (tmp_path / "runs" / "first-run.csv").read_text().startswith("rank,step,warmup")
 
 

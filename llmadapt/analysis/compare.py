@@ -4,32 +4,35 @@ table that puts them side by side.
 
 from __future__ import annotations
 
-import itertools
-import json
 from pathlib import Path
 from typing import Any, Callable
 
 import attrs
 
-from llmadapt.adapter.plugins import check_supported, get_adapter
+from llmadapt.analysis.cells import Cell, as_cells, matrix_settings, plan
 from llmadapt.analysis.parity import loss_parity
 from llmadapt.analysis.table import text_table
 from llmadapt.errors import LlmadaptError
 from llmadapt.launch.run import RunResult, run
-from llmadapt.spec import Workload
+from llmadapt.spec import Workload, problem_difference
 
 
 # -- compare ----------------------------------------------------------------------------------
 @attrs.frozen
 class Row:
     label: str
+    """The run's layout ('megatron tp2'), and a serving run's matrix variant."""
     adapter: str
     variant: str
     run_dir: str | None
     status: str
+    """ok, failed, or unsupported (declared impossible by its adapter: not run, not a failure)."""
     metrics: dict[str, float | int | str | None]
     """TRAIN_COLUMNS or SERVE_COLUMNS keys, by the workload's kind."""
     note: str = ""
+    problem_hash: str = ""
+    cell: str = ""
+    """The cell as given ('megatron:parallelism.tp=2')."""
 
 
 # (key, heading, format) of the comparison table, per kind
@@ -80,18 +83,45 @@ def row_metrics(summary, baseline_losses: list[float | None] | None) -> dict[str
 @attrs.frozen
 class Comparison:
     rows: list[Row]
+    """Grouped by problem, in the order the problems first appear."""
+    workloads: dict[str, Workload] = attrs.field(factory=dict, repr=False, eq=False)
+    """One workload per problem hash, to name how problems differ."""
+
+    def problems(self) -> list[str]:
+        return list(dict.fromkeys(r.problem_hash for r in self.rows))
+
+    def counts(self) -> dict[str, int]:
+        out = {"cells": len(self.rows), "ok": 0, "failed": 0, "unsupported": 0}
+        for r in self.rows:
+            out[r.status if r.status in out else "failed"] += 1
+        return out
 
     def table(self) -> str:
         serve = any("request_throughput" in r.metrics for r in self.rows)
         columns = SERVE_COLUMNS if serve else TRAIN_COLUMNS
-        head = ["run", "status"] + [title for _, title, _ in columns]
-        body = [[r.label, r.status] + [_f(r.metrics.get(key), fmt) for key, _, fmt in columns] for r in self.rows]
+        problems = {h: f"P{i}" for i, h in enumerate(self.problems(), 1)}
+        head = ["problem", "run", "status"] + [title for _, title, _ in columns]
+        body = [[problems[r.problem_hash], r.label, r.status] + [_f(r.metrics.get(key), fmt) for key, _, fmt in columns]
+                for r in self.rows]
         lines = text_table(head, body)
-        notes = [f"{r.label}: {r.note}" for r in self.rows if r.note]
-        return "\n".join(lines + notes)
+        c = self.counts()
+        lines.append(f"{c['cells']} cells: {c['ok']} ok, {c['failed']} failed, {c['unsupported']} not supported "
+                     "(not run)" + ("; parity delta: max |loss delta| against the first row of its problem"
+                                    if not serve else ""))
+        lines += [f"{problems[h]}: problem {h[:12]}{self._difference(h)}" for h in problems]
+        lines += [f"{r.label}: {r.note}" for r in self.rows if r.note]
+        return "\n".join(lines)
+
+    def _difference(self, problem: str) -> str:
+        first = self.problems()[0]
+        if problem == first or not self.workloads:
+            return ""
+        fields = problem_difference(self.workloads[first], self.workloads[problem])
+        return f", unlike P1 in {'; '.join(fields[:4])}" + (f" and {len(fields) - 4} more" if len(fields) > 4 else "")
+
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rows": [attrs.asdict(r) for r in self.rows]}
+        return {"rows": [attrs.asdict(r) for r in self.rows], "counts": self.counts()}
 
 
 def _f(value: Any, fmt: str) -> str:
@@ -101,38 +131,8 @@ def _f(value: Any, fmt: str) -> str:
 
 
 def matrix_variants(workload: Workload, matrix: dict[str, list[Any]]) -> list[tuple[str, Workload]]:
-    """Every combination of the matrix values, applied as overrides; labels like 'dp=2,recompute=full'.
-
-    A key naming several comma-separated paths is one axis whose values are tuples, one value per
-    path, taken together (zipped, not crossed): {"optimizations.zero_stage,optimizations.offload":
-    [(0, "none"), (2, "optimizer")]} is two variants. That names configurations a cross product
-    cannot, because some combinations are invalid (offload without ZeRO).
-    """
-    if not matrix:
-        return [("", workload)]
-    axes = []
-    for key, values in matrix.items():
-        paths = [p.strip() for p in key.split(",")]
-        if not values:
-            raise LlmadaptError(f"matrix {key!r}: no values")
-        options = []
-        for v in values:
-            v = tuple(v) if len(paths) > 1 and isinstance(v, (list, tuple)) else (v,)
-            if len(v) != len(paths):
-                raise LlmadaptError(f"matrix {key!r}: value {v!r} needs {len(paths)} parts, one per path")
-            options.append(list(zip(paths, v)))
-        axes.append(options)
-    out = []
-    for combination in itertools.product(*axes):
-        pairs = [pair for option in combination for pair in option]
-        sets = [f"{k}={_yaml_scalar(v)}" for k, v in pairs]
-        label = ",".join(f"{k.split('.')[-1]}={_yaml_scalar(v)}" for k, v in pairs)
-        out.append((label, workload.with_overrides(sets)))
-    return out
-
-
-def _yaml_scalar(v: Any) -> str:
-    return json.dumps(v) if not isinstance(v, str) else v
+    """Every combination of the matrix values applied to the workload (see `cells.matrix_settings`)."""
+    return [(label, workload.with_overrides(sets, source="matrix")) for label, sets in matrix_settings(matrix)]
 
 
 def parse_matrix(items: list[str]) -> dict[str, list[Any]]:
@@ -175,34 +175,48 @@ def parse_matrix(items: list[str]) -> dict[str, list[Any]]:
     return matrix
 
 
-def compare(workload: Workload | str | Path, adapters: list[str], *, matrix: dict[str, list[Any]] | None = None,
-            log: Callable[[str], None] | None = None, **run_options: Any) -> Comparison:
-    """Run every adapter on every matrix variant, side by side; one row each.
+def compare(workload: Workload | str | Path, adapters: list[str] | None = None, *,
+            cells: list[Cell | str] | None = None, matrix: dict[str, list[Any]] | None = None,
+            refuse_unsupported: bool = False, log: Callable[[str], None] | None = None,
+            **run_options: Any) -> Comparison:
+    """Run every cell on every matrix variant, side by side; one row each, grouped by problem.
 
-    Every (adapter, variant) pair is checked before the first run starts, so a bad
-    combination fails at once instead of after an hour of measurements.
+    ``adapters``: one cell per adapter, with the workload's settings (and each adapter's own: ``[adapters.NAME]``,
+    ``NAME:path=value``); ``cells``: more, each an adapter with settings of its own ("megatron:parallelism.tp=2",
+    or `Cell`). Every cell is resolved and checked before the first run starts (`cells.plan`): a cell an adapter
+    declares it cannot run is an error by itself, and in a grid (with ``matrix``) a row marked unsupported,
+    not run, unless ``refuse_unsupported``.
     """
     if not isinstance(workload, Workload):
         workload = Workload.from_file(workload)
-    plan = []
-    for label, variant in matrix_variants(workload, matrix or {}):
-        for name in adapters:
-            check_supported(get_adapter(name), variant)
-            plan.append((name, label, variant))
-    rows: list[Row] = []
+    planned = plan(workload, as_cells(adapters, cells), matrix, refuse_unsupported=refuse_unsupported)
+    skipped = [p for p in planned if p.unsupported]
+    if log and skipped:
+        log(f"not supported, not run ({len(skipped)} of {len(planned)} cells):")
+        for p in skipped:
+            log(f"  {p.title}: {p.unsupported}")
+    rows: dict[int, Row] = {}
     baselines: dict[str, list[float | None]] = {}
-    for i, (name, label, variant) in enumerate(plan, 1):
-        title = f"{name}" + (f" [{label}]" if label else "")
+    to_run = [(i, p) for i, p in enumerate(planned) if not p.unsupported]
+    for n, (i, p) in enumerate(to_run, 1):
         if log:
-            log(f"[{i}/{len(plan)}] {title}")
-        result: RunResult = run(variant, name, **run_options)
+            log(f"[{n}/{len(to_run)}] {p.title}")
+        result: RunResult = run(p.workload, p.cell.adapter, **run_options)
         s = result.summary
-        base = baselines.setdefault(s.problem_hash, s.losses)
+        base = baselines.setdefault(s.problem_hash, s.losses) if s.losses else baselines.get(s.problem_hash)
         notes = [f"{f.cause}: {f.message}" for f in s.failures] + [f"warning: {w}" for w in s.warnings]
         if s.serving is not None and s.serving.failures_by_cause:
             notes.append("failed requests: " + ", ".join(f"{k}={n}" for k, n in sorted(s.serving.failures_by_cause.items())))
         if s.serving is not None and not s.serving.valid:
             notes.append(s.serving.validity)
-        rows.append(Row(label=title, adapter=name, variant=label, run_dir=str(result.run_dir), status=s.status,
-                        metrics=row_metrics(s, base), note="; ".join(notes)[:400]))
-    return Comparison(rows=rows)
+        rows[i] = Row(label=p.title, adapter=p.cell.adapter, variant=p.variant, run_dir=str(result.run_dir),
+                      status=s.status, metrics=row_metrics(s, base), note="; ".join(notes)[:400],
+                      problem_hash=s.problem_hash, cell=str(p.cell))
+    for i, p in enumerate(planned):
+        if p.unsupported:
+            rows[i] = Row(label=p.title, adapter=p.cell.adapter, variant=p.variant, run_dir=None, status="unsupported",
+                          metrics={}, note=p.unsupported, problem_hash=p.workload.problem_hash, cell=str(p.cell))
+    problems = list(dict.fromkeys(p.workload.problem_hash for p in planned))
+    order = sorted(rows, key=lambda i: (problems.index(planned[i].workload.problem_hash), i))
+    return Comparison(rows=[rows[i] for i in order],
+                      workloads={p.workload.problem_hash: p.workload for p in reversed(planned)})

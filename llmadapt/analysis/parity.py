@@ -9,11 +9,12 @@ from typing import Any
 
 import attrs
 
-from llmadapt.adapter.plugins import check_supported, get_adapter
+from llmadapt.analysis.cells import Cell, as_cells, plan
 from llmadapt.analysis.report import read_summary
+from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, TraceMismatchError
 from llmadapt.launch.run import run
-from llmadapt.spec import Workload
+from llmadapt.spec import Workload, problem_difference
 
 # fp32 loss trajectories of two correct stacks differ only by floating-point reduction order
 # (summation order in matmuls, all-reduce order across ranks), which the optimizer carries
@@ -37,8 +38,11 @@ class ParityReport:
     max_abs_delta: float
     reference: list[float | None]
     candidate: list[float | None]
+    names: tuple[str, str] = ("reference", "candidate")
+    """What ran each trajectory (`parity` gives the layouts: 'torch dp2', 'megatron tp2')."""
 
-    def describe(self, names: tuple[str, str] = ("reference", "candidate")) -> str:
+    def describe(self, names: tuple[str, str] | None = None) -> str:
+        names = names or self.names
         if self.ok:
             return (f"parity ok: {names[1]} matches {names[0]} at all {self.steps} steps "
                     f"(max |delta| {self.max_abs_delta:.3g}; tolerance atol {self.atol:g} + rtol {self.rtol:g})")
@@ -130,31 +134,54 @@ def expert_load_parity(reference: list[dict[str, Any]], candidate: list[dict[str
 
 def parity_of_runs(reference: str | Path, candidate: str | Path, *, rtol: float = PARITY_RTOL,
                    atol: float = PARITY_ATOL, allow_mismatch: bool = False) -> ParityReport:
+    """Loss parity of two finished runs of one problem, whatever their adapters and layouts."""
     a, b = (read_summary(r, needs=("problem_hash", "losses")) for r in (reference, candidate))
     if a["problem_hash"] != b["problem_hash"] and not allow_mismatch:
-        raise TraceMismatchError(
-            f"{reference} and {candidate} ran different problems (problem hash {a['problem_hash'][:12]} vs "
-            f"{b['problem_hash'][:12]}): their losses are not comparable (pass allow_mismatch to compare anyway)"
-        )
+        fields = _differing_fields(reference, candidate) or f"problem hash {a['problem_hash'][:12]} vs " \
+            f"{b['problem_hash'][:12]}"
+        raise TraceMismatchError(f"{reference} and {candidate} ran different problems ({fields}): their losses are "
+                                 "not comparable (pass allow_mismatch to compare anyway)")
     return loss_parity(a["losses"], b["losses"], rtol=rtol, atol=atol)
 
 
-def parity(workload: Workload | str | Path, adapters: list[str], *, rtol: float = PARITY_RTOL,
-           atol: float = PARITY_ATOL, **run_options: Any) -> ParityReport:
-    """Run the workload on two adapters (fp32) and check their loss trajectories agree at every step."""
+def _differing_fields(*run_dirs: str | Path) -> str:
+    """'train.lr (0.001 vs 0.01)' from the runs' launch records; '' where a record cannot be read."""
+    try:
+        a, b = (Workload.from_dict(RunDir(r).read_launch()["workload"]) for r in run_dirs)
+    except Exception:  # an old or damaged folder: the hashes alone say it
+        return ""
+    return "; ".join(problem_difference(a, b)[:4])
+
+
+def parity(workload: Workload | str | Path, adapters: list[str] | None = None, *,
+           cells: list[Cell | str] | None = None, rtol: float = PARITY_RTOL, atol: float = PARITY_ATOL,
+           **run_options: Any) -> ParityReport:
+    """Run two cells of one problem (fp32) and check their loss trajectories agree at every step.
+
+    The cells may be two adapters, or any two adapters and layouts (``cells``: "torch:parallelism.dp=2",
+    "megatron:parallelism.tp=2"): what must be equal is the problem (model, data, steps, optimizer,
+    precision: the problem hash), never the layout. Two different problems are refused, naming the fields.
+    """
     if not isinstance(workload, Workload):
         workload = Workload.from_file(workload)
-    if len(adapters) != 2:
-        raise LlmadaptError(f"parity compares exactly two adapters, got {len(adapters)}: {', '.join(adapters)}")
-    if workload.precision != "fp32":
-        raise LlmadaptError(f"parity needs precision fp32 (got {workload.precision}): lower precisions are not "
-                            "expected to agree step by step")
-    for name in adapters:
-        check_supported(get_adapter(name), workload)
-    results = [run(workload, name, **run_options) for name in adapters]
+    planned = plan(workload, as_cells(adapters, cells), distinct=False)
+    if len(planned) != 2:
+        raise LlmadaptError(f"parity compares exactly two cells, got {len(planned)}: "
+                            f"{', '.join(str(p.cell) for p in planned)}")
+    a, b = planned
+    for p in planned:
+        if p.workload.precision != "fp32":
+            raise LlmadaptError(f"parity needs precision fp32 (got {p.workload.precision} in {p.layout}): lower "
+                                "precisions are not expected to agree step by step")
+    names = (a.layout, b.layout) if a.layout != b.layout else (str(a.cell), str(b.cell))
+    if a.workload.problem_hash != b.workload.problem_hash:
+        raise TraceMismatchError(f"parity: {names[0]} and {names[1]} are different problems, their losses not "
+                                 f"comparable: {'; '.join(problem_difference(a.workload, b.workload))}")
+    results = [run(p.workload, p.cell.adapter, **run_options) for p in planned]
     for r in results:
         if not r.ok:
             f = r.summary.failures[0] if r.summary.failures else None
             raise LlmadaptError(f"parity: the {r.summary.adapter} run failed ({f.cause}: {f.message}) - see {r.run_dir}"
                                 if f else f"parity: the {r.summary.adapter} run failed - see {r.run_dir}")
-    return loss_parity(results[0].losses, results[1].losses, rtol=rtol, atol=atol)
+    report = loss_parity(results[0].losses, results[1].losses, rtol=rtol, atol=atol)
+    return attrs.evolve(report, names=names)

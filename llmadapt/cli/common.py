@@ -12,10 +12,17 @@ from typing import Any
 from llmadapt.errors import LlmadaptError
 
 
-def workload_of(args):
+def workload_of(args, *, runs_adapters: bool = True):
+    """The workload file with its --set overrides; ``runs_adapters=False`` for commands that run none (estimate,
+    micro), which refuse a setting for one adapter given on the command line rather than drop it."""
     from llmadapt.spec import Workload
 
-    return Workload.from_file(args.workload).with_overrides(args.set or [])
+    workload = Workload.from_file(args.workload).with_overrides(args.set or [], source="--set")
+    if not runs_adapters:
+        from llmadapt.launch.settings import check_adapter_settings
+
+        check_adapter_settings(workload, [])
+    return workload
 
 
 def emit(args, data: Any, text: str) -> None:
@@ -53,7 +60,8 @@ def name_list(text: str, *, distinct: bool = False) -> list[str]:
         raise LlmadaptError(f"--adapters {text[:80]!r} names no adapter: give comma-separated names, e.g. torch,plain")
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if distinct and duplicate:
-        raise LlmadaptError(f"--adapters names {duplicate!r} twice: give each adapter once (use --matrix for variants)")
+        raise LlmadaptError(f"--adapters names {duplicate!r} twice: give each adapter once (use --cell or --matrix "
+                            "for variants)")
     return names
 
 

@@ -25,12 +25,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     def workload_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("workload", help="workload file (.toml, .yaml, .json)")
-        p.add_argument("--set", action="append", metavar="PATH=VALUE", help="override a field, e.g. train.steps=5")
+        p.add_argument("--set", action="append", metavar="[ADAPTER:]PATH=VALUE",
+                       help="override a field, e.g. train.steps=5; for one adapter only: megatron:parallelism.tp=2")
         p.add_argument("--launcher", default="auto", metavar="LAUNCHER",
                        help="auto (default), inline, subprocess, torchrun, slurm, or one an adapter brings "
                             "(deepspeed)")
         p.add_argument("--out", default="runs", help="folder for run directories (default: ./runs)")
         p.add_argument("--timeout", type=float, default=None, help="seconds before a run is stopped")
+
+    def cells_args(p: argparse.ArgumentParser, adapters_help: str) -> None:
+        p.add_argument("--adapters", help=adapters_help)
+        p.add_argument("--cell", action="append", metavar="ADAPTER[:PATH=VALUE,...]",
+                       help="one adapter in a layout of its own, e.g. 'megatron:parallelism.tp=2' or "
+                            "'deepspeed:parallelism.dp=2,optimizations.zero_stage=3' (repeat)")
 
     p = command("run", cmd_run, "run a workload on one adapter")
     workload_args(p)
@@ -55,13 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("compare", cmd_compare, "run a workload on several adapters and option variants; one table")
     workload_args(p)
-    p.add_argument("--adapters", required=True, help="comma-separated adapter names, e.g. torch,deepspeed")
+    cells_args(p, "comma-separated adapter names, e.g. torch,deepspeed (one cell each)")
     p.add_argument("--matrix", action="append", metavar="PATH=V1,V2",
-                   help="option variants, e.g. optimizations.recompute=none,full (repeat for a grid)")
+                   help="option variants, e.g. optimizations.recompute=none,full (repeat for a grid); a cell "
+                        "the adapter cannot run is shown as not supported and not run")
+    p.add_argument("--refuse-unsupported", action="store_true",
+                   help="refuse a grid that has a cell its adapter cannot run, instead of skipping that cell")
 
     p = command("parity", cmd_parity, "check two adapters' fp32 loss trajectories agree at every step")
     workload_args(p)
-    p.add_argument("--adapters", required=True, help="two comma-separated adapter names")
+    cells_args(p, "two comma-separated adapter names")
     p.add_argument("--rtol", type=float, default=None)
     p.add_argument("--atol", type=float, default=None)
 

@@ -95,7 +95,7 @@ def cmd_micro_ops(args) -> int:
     from llmadapt.analysis.perf.micro import micro_ops
 
     ops = [o.strip() for o in args.ops.split(",")] if args.ops else None
-    result = micro_ops(workload_of(args), dtype=args.dtype, ops=ops, backward=not args.forward_only,
+    result = micro_ops(workload_of(args, runs_adapters=False), dtype=args.dtype, ops=ops, backward=not args.forward_only,
                        peak=not args.no_peak, timing=_timing(args), out=args.out, timeout=args.timeout,
                        progress=None if args.json else _micro_progress)
     return _finish_micro(args, result)
@@ -176,7 +176,7 @@ def cmd_estimate(args) -> int:
         return 0
     if not args.device:
         raise LlmadaptError("--device NAME is needed (the catalog: `llmadapt devices`)")
-    e = estimate(workload_of(args), args.device, options=_options(args), calibration=args.calibration,
+    e = estimate(workload_of(args, runs_adapters=False), args.device, options=_options(args), calibration=args.calibration,
                      catalog=catalog)
     _record(args.record, e)
     _write(args.csv, _csv_text(*render.csv_rows(e)))

@@ -47,22 +47,31 @@ def _node_options(args) -> dict[str, Any]:
 def cmd_compare(args) -> int:
     from llmadapt.analysis.compare import compare, parse_matrix
 
-    comparison = compare(workload_of(args), name_list(args.adapters, distinct=True), matrix=parse_matrix(args.matrix or []),
-                         log=None if args.json else (lambda m: print(m, file=sys.stderr, flush=True)),
+    comparison = compare(workload_of(args), _adapter_names(args), cells=args.cell, matrix=parse_matrix(args.matrix or []),
+                         refuse_unsupported=args.refuse_unsupported,
+                         log=lambda m: print(m, file=sys.stderr, flush=True),  # stderr: --json's stdout stays JSON
                          **run_options(args))
     emit(args, comparison.to_dict(), comparison.table())
-    return 0 if all(r.status == "ok" for r in comparison.rows) else 1
+    return 0 if all(r.status in ("ok", "unsupported") for r in comparison.rows) else 1
 
 
 def cmd_parity(args) -> int:
     import attrs
 
+    from llmadapt.analysis.cells import as_cells
     from llmadapt.analysis.parity import parity
 
-    names = name_list(args.adapters)
-    report = parity(workload_of(args), names, rtol=args.rtol, atol=args.atol, **run_options(args))
-    emit(args, attrs.asdict(report), report.describe((names[0], names[1])))
+    cells = as_cells(_adapter_names(args, distinct=False), args.cell)
+    report = parity(workload_of(args), cells=cells, rtol=args.rtol, atol=args.atol, **run_options(args))
+    emit(args, attrs.asdict(report), report.describe())
     return 0 if report.ok else 1
+
+
+def _adapter_names(args, distinct: bool = True) -> list[str]:
+    if args.adapters is None and not args.cell:
+        raise LlmadaptError("name what to run: --adapters torch,deepspeed, or cells such as "
+                            "--cell 'megatron:parallelism.tp=2' (repeat)")
+    return name_list(args.adapters, distinct=distinct) if args.adapters is not None else []
 
 
 def cmd_show(args) -> int:

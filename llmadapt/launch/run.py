@@ -27,7 +27,7 @@ from llmadapt.launch.environments import python_for
 from llmadapt.launch.multinode import gather, run_node_agent, run_node_zero, warn_loopback
 from llmadapt.launch.prepare import ensure_checkpoint
 from llmadapt.launch.serve import run_serving
-from llmadapt.launch.settings import LAUNCHERS, NodeSettings, check_run_options, make_run_id
+from llmadapt.launch.settings import LAUNCHERS, NodeSettings, check_adapter_settings, check_run_options, make_run_id
 from llmadapt.launch.slurm import SlurmSettings, require_slurm, run_slurm_job, slurm_job
 from llmadapt.launch.summary import RunResult, summarise
 from llmadapt.launch.supervise import interrupt_text, supervise, worker_command, worker_env
@@ -63,6 +63,8 @@ def run(
     if not isinstance(workload, Workload):
         workload = Workload.from_file(workload)
     info = get_adapter(adapter)
+    check_adapter_settings(workload, [adapter])
+    workload = workload.for_adapter(adapter)
     check_supported(info, workload)
     if launcher not in LAUNCHERS and launcher not in info.launchers:
         known = ", ".join([*LAUNCHERS, *info.launchers])

@@ -95,6 +95,25 @@ def check_run_options(fault, timeout, memory_limit_bytes) -> None:
                             "it grows until the kernel's out-of-memory killer ends some process on the machine")
 
 
+def check_adapter_settings(workload: Workload, names: list[str], *, scope: str = "run") -> None:
+    """Settings for one adapter, before anything starts: each names a registered adapter, and one given on the
+    command line or in Python (not a file's [adapters.NAME] section, which may serve other comparisons) names
+    an adapter of this run or comparison."""
+    from llmadapt.adapter.plugins import adapters
+
+    registered = adapters()
+    for name, settings in workload.adapters.items():
+        path = next(iter(settings))
+        source = workload.sources.get(f"{name}:{path}", "")
+        if name not in registered:
+            raise LlmadaptError(f"setting {name}:{path} ({source or 'per-adapter'}) is for adapter {name!r}, which "
+                                f"is not registered; registered adapters: {', '.join(registered)}")
+        if name not in names and not source.startswith("file"):
+            where = (f"this {scope} ({', '.join(dict.fromkeys(names))})"
+                     if names else "this command, which runs no adapter")
+            raise LlmadaptError(f"setting {name}:{path} ({source}) is for adapter {name!r}, which is not in {where}")
+
+
 def warn(message: str, progress) -> None:
     if progress:
         progress({"type": "warning", "message": message})

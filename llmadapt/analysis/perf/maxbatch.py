@@ -34,6 +34,7 @@ from llmadapt.contract.perf import MaxBatch, Probe
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json
 from llmadapt.errors import LlmadaptError
+from llmadapt.launch.settings import check_adapter_settings
 from llmadapt.spec import Workload
 
 CAP_KIND = "RLIMIT_AS"
@@ -116,6 +117,8 @@ def maxbatch(workload: Workload | str | Path, adapter: str = "torch", *, memory_
     probe's run (fault injection, for testing how non-memory failures are reported).
     """
     w = workload if isinstance(workload, Workload) else Workload.from_file(workload)
+    check_adapter_settings(w, [adapter])
+    w = w.for_adapter(adapter)
     if w.kind == "serve":
         raise LlmadaptError("maxbatch searches training or fine-tuning batches; a serve workload has none "
                             "(llmadapt estimate reports the KV-cache bound on concurrent sequences)")

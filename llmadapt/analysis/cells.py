@@ -1,0 +1,175 @@
+"""Cells: what a comparison runs. A cell is one adapter with settings of its own ("megatron:parallelism.tp=2");
+a plan crosses the cells with the matrix's variants, resolves each to the workload it runs, checks each before
+anything starts, and labels each by its layout.
+
+Settings apply in this order, the last setting of a field winning: the workload file, its ``[adapters.NAME]``
+section, ``--set`` (``--set NAME:path=value`` for one adapter), the cell's own settings, the matrix variant.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from typing import Any, Iterable
+
+import attrs
+
+from llmadapt.adapter.plugins import check_supported, get_adapter
+from llmadapt.errors import LlmadaptError, UnsupportedError, WorkloadError
+from llmadapt.launch.settings import check_adapter_settings
+from llmadapt.spec import Workload
+
+# a comma starts a new setting only where "path=" follows: list values keep theirs ("lora.target_modules=[a,b]")
+_NEXT_SETTING = re.compile(r",(?=\s*[A-Za-z_][\w.]*\s*=)")
+
+
+@attrs.frozen
+class Cell:
+    """One adapter and the settings it runs with, on top of the workload's."""
+
+    adapter: str
+    settings: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    """``path=value`` assignments, as ``--set`` takes them."""
+
+    @classmethod
+    def parse(cls, text: str) -> Cell:
+        """'megatron:parallelism.tp=2,optimizations.recompute=full' (or a bare adapter name, 'torch')."""
+        name, sep, rest = text.partition(":")
+        name = name.strip()
+        settings = [s.strip() for s in _NEXT_SETTING.split(rest) if s.strip()] if sep else []
+        if not name or "=" in name or (sep and not settings) or any("=" not in s for s in settings):
+            raise LlmadaptError(f"cell {text[:80]!r}: use ADAPTER or ADAPTER:path=value[,path=value...], "
+                                "e.g. megatron:parallelism.tp=2,parallelism.dp=1")
+        return cls(name, tuple(settings))
+
+    def __str__(self) -> str:
+        return self.adapter + (":" + ",".join(self.settings) if self.settings else "")
+
+
+@attrs.frozen
+class PlannedCell:
+    cell: Cell
+    variant: str
+    """The matrix variant's label ('dp=2,recompute=full'); '' without a matrix."""
+    workload: Workload
+    """What the run gets: the adapter's own settings, the cell's and the variant's applied."""
+    layout: str
+    """A compact label of the layout: 'megatron tp2', 'deepspeed dp2 zero3 offload=optimizer'."""
+    unsupported: str | None = None
+    """Why the adapter declares it cannot run this cell; None when it can."""
+
+    @property
+    def title(self) -> str:
+        return self.layout if not self.variant or self.workload.kind != "serve" else f"{self.layout} [{self.variant}]"
+
+
+def as_cells(adapters: Iterable[str] | None, cells: Iterable[Cell | str] | None) -> list[Cell]:
+    """Cells from a list of adapter names (one plain cell each) and explicit cells (Cell or 'adapter:settings')."""
+    out = [Cell(name) for name in adapters or ()]
+    out += [c if isinstance(c, Cell) else Cell.parse(c) for c in cells or ()]
+    if not out:
+        raise LlmadaptError("nothing to run: name adapters (--adapters torch,deepspeed) or cells "
+                            "(--cell 'megatron:parallelism.tp=2')")
+    return out
+
+
+def plan(workload: Workload, cells: list[Cell], matrix: dict[str, list[Any]] | None = None, *,
+         refuse_unsupported: bool = False, distinct: bool = True) -> list[PlannedCell]:
+    """Every cell on every matrix variant, resolved and checked; nothing is run.
+
+    Bad input (an unknown adapter or field, a layout its workload cannot have) is an error naming the cell. A
+    cell its adapter declares it cannot run is an error where it was asked for by itself (no matrix) or with
+    ``refuse_unsupported``; in a grid it is planned as unsupported, with the reason, and not run. Two cells
+    that run the same workload on the same adapter are an error unless ``distinct`` is off (parity of a run
+    with itself checks determinism).
+    """
+    for cell in cells:
+        get_adapter(cell.adapter)
+    check_adapter_settings(workload, [c.adapter for c in cells], scope="comparison")
+    variants = matrix_settings(matrix or {})
+    planned: list[PlannedCell] = []
+    for cell in cells:
+        for label, sets in variants:
+            where = f"cell {cell}" + (f" [{label}]" if label else "")
+            try:
+                w = workload.for_adapter(cell.adapter).with_overrides(cell.settings, source="cell")
+                w = w.with_overrides(sets, source="matrix")
+            except WorkloadError as exc:
+                raise LlmadaptError(f"{where}: {exc}") from None
+            if w.adapters:  # 'other:path=value' inside a cell
+                raise LlmadaptError(f"{where}: a cell's settings are its own adapter's; write path=value, not "
+                                    f"{next(iter(w.adapters))}:path=value")
+            try:
+                check_supported(get_adapter(cell.adapter), w)
+                reason = None
+            except UnsupportedError as exc:
+                if not matrix or refuse_unsupported:
+                    raise UnsupportedError(f"{where}: {exc}") from None
+                reason = str(exc)
+            planned.append(PlannedCell(cell, label, w, layout_label(cell.adapter, w), reason))
+    seen: dict[tuple[str, str], PlannedCell] = {}
+    for p in planned if distinct else ():
+        first = seen.setdefault((p.cell.adapter, p.workload.content_hash), p)
+        if first is not p:
+            raise LlmadaptError(f"cells {first.cell}{f' [{first.variant}]' if first.variant else ''} and "
+                                f"{p.cell}{f' [{p.variant}]' if p.variant else ''} run the same workload on "
+                                f"{p.cell.adapter}: give each once")
+    return planned
+
+
+def layout_label(adapter: str, w: Workload) -> str:
+    """'deepspeed dp2 zero3 offload=optimizer recompute=full': the adapter and every layout or memory setting
+    that is not the default (dp1 when nothing is parallel)."""
+    if w.kind == "serve":
+        return adapter
+    p, o, t = w.parallelism, w.optimizations, w.train
+    parts = [f"{n}{v}" for n, v in (("tp", p.tp), ("pp", p.pp), ("dp", p.dp), ("ep", p.ep)) if v > 1] or ["dp1"]
+    if o.zero_stage:
+        parts.append(f"zero{o.zero_stage}")
+    if o.offload != "none":
+        parts.append(f"offload={o.offload}")
+    if o.recompute != "none":
+        parts.append(f"recompute={o.recompute}")
+    if o.flash_attention:
+        parts.append("flash")
+    if t.micro_batch and t.micro_batch != w.per_rank_batch:
+        parts.append(f"mb{t.micro_batch}")
+    if t.optimizer_impl != "torch":
+        parts.append(t.optimizer_impl)
+    return " ".join([adapter, *parts])
+
+
+def matrix_settings(matrix: dict[str, list[Any]]) -> list[tuple[str, list[str]]]:
+    """Every combination of the matrix values as (label, assignments); labels like 'dp=2,recompute=full'.
+
+    A key naming several comma-separated paths is one axis whose values are tuples, one value per
+    path, taken together (zipped, not crossed): {"optimizations.zero_stage,optimizations.offload":
+    [(0, "none"), (2, "optimizer")]} is two variants. That names configurations a cross product
+    cannot, because some combinations are invalid (offload without ZeRO).
+    """
+    if not matrix:
+        return [("", [])]
+    axes = []
+    for key, values in matrix.items():
+        paths = [p.strip() for p in key.split(",")]
+        if not values:
+            raise LlmadaptError(f"matrix {key!r}: no values")
+        options = []
+        for v in values:
+            v = tuple(v) if len(paths) > 1 and isinstance(v, (list, tuple)) else (v,)
+            if len(v) != len(paths):
+                raise LlmadaptError(f"matrix {key!r}: value {v!r} needs {len(paths)} parts, one per path")
+            options.append(list(zip(paths, v)))
+        axes.append(options)
+    out = []
+    for combination in itertools.product(*axes):
+        pairs = [pair for option in combination for pair in option]
+        sets = [f"{k}={_yaml_scalar(v)}" for k, v in pairs]
+        label = ",".join(f"{k.split('.')[-1]}={_yaml_scalar(v)}" for k, v in pairs)
+        out.append((label, sets))
+    return out
+
+
+def _yaml_scalar(v: Any) -> str:
+    return json.dumps(v) if not isinstance(v, str) else v
