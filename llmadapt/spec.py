@@ -359,9 +359,12 @@ class Workload:
             raise WorkloadError("file", str(path), "the top level must be a table/mapping")
         if not data:  # running the defaults is never what an empty file meant
             raise WorkloadError("file", str(path), "is empty: it sets no field of the workload")
-        if "sources" in data:
-            raise WorkloadError("sources", data["sources"], "is recorded by llmadapt (where each setting came "
-                                "from), not set in a file")
+        # A workload llmadapt wrote (to_dict, a run's launch.json) carries its old record of where each setting
+        # came from; read back, every setting now comes from this file.
+        recorded = data.pop("sources", {})
+        if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
+            raise WorkloadError("sources", recorded, "is recorded by llmadapt (where each setting came from), "
+                                "not set by hand")
         sections = data.get("adapters", {})
         if not isinstance(sections, dict) or not all(isinstance(v, dict) for v in sections.values()):
             raise WorkloadError("adapters", sections, "must hold one table per adapter, e.g. [adapters.megatron] "

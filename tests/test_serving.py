@@ -479,7 +479,7 @@ def test_show_export_and_compare_for_serving(tmp_path, fake_server):
     w = serve_workload(url, requests=4, slo={"ttft_ms": 10000.0})
     table = compare(w, ["openai"], matrix={"serve.api": ["completions", "chat"]}, out=tmp_path)
     assert [r.status for r in table.rows] == ["ok", "ok"]
-    assert table.table().splitlines()[0].split()[:4] == ["run", "status", "req/s", "out"]
+    assert table.table().splitlines()[0].split()[:4] == ["problem", "run", "status", "req/s"]
     run_dir = table.rows[1].run_dir
     assert "TTFT" in render_summary(show(run_dir))
     keys = json.loads(export(run_dir, "vllm-bench"))

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import uuid
 from pathlib import Path
 
 import pytest
@@ -19,21 +20,31 @@ def workload(**serve):
     return Workload.from_dict({"kind": "serve", "model": {"preset": "tiny-llama"}, "serve": base})
 
 
-def engine_pids() -> list[int]:
+MARK = "LLMADAPT_TEST_HF_MARK"
+
+
+def engine_pids(mark: str) -> list[int]:
+    """Live `transformers serve` processes started under ``MARK=mark``: only this test's (other tests, on other
+    workers, start engines of their own; CI once found one of those)."""
     pids = []
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
                 cmd = (p / "cmdline").read_bytes().split(b"\0")
-            except OSError:
+                env = (p / "environ").read_bytes().split(b"\0")
+                state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
                 continue
-            if any(c.endswith(b"/transformers") for c in cmd) and b"serve" in cmd:
+            if any(c.endswith(b"/transformers") for c in cmd) and b"serve" in cmd and \
+                    f"{MARK}={mark}".encode() in env and state != "Z":
                 pids.append(int(p.name))
     return pids
 
 
-def test_hf_server_serves_the_canonical_model(tmp_path):
+def test_hf_server_serves_the_canonical_model(tmp_path, monkeypatch):
     """Every request completes; the engine counts exactly the prompt tokens the generator built; no process is left."""
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(MARK, mark)  # the engine inherits it
     result = run(workload(), "hf", out=tmp_path, timeout=600)
     assert result.ok, (result.summary.failures, (result.run_dir / "engine.log").read_text()[-2000:])
     s = result.summary.serving
@@ -42,7 +53,7 @@ def test_hf_server_serves_the_canonical_model(tmp_path):
     requests = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "request"]
     assert all(r["server_input_tokens"] == r["input_tokens"] for r in requests)
     assert all(1 <= r["output_tokens"] <= 6 for r in requests)
-    assert engine_pids() == []
+    assert engine_pids(mark) == []
 
 
 def test_engine_killed_mid_run_is_reported(tmp_path):
