@@ -45,7 +45,7 @@ class MegatronTrainer(Trainer):
         ctx, w = self.ctx, self.ctx.workload
         if w.lora.rank:  # refused before launch by the declaration; never silently ignored
             raise NotImplementedError("the megatron adapter does full fine-tuning only (lora.rank must be 0)")
-        p, o = w.parallelism, w.optimizations
+        o = w.optimizations
         self._owns_group = False
         if not dist.is_initialized():  # one process: megatron still needs a default group
             dist.init_process_group("nccl" if ctx.is_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
