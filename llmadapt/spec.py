@@ -31,6 +31,7 @@ APIS = ("completions", "chat")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 RECOMPUTES = ("none", "selective", "full")
+PROFILE_LEVELS = ("module", "operator", "full")
 QUANTIZATIONS = ("none", "int8", "nf4")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 OPTIMIZER_IMPLS = ("torch", "cpu_adam")
@@ -203,6 +204,17 @@ class Optimizations:
 
 
 @attrs.frozen
+class ProfileSpec:
+    """Profile chosen measured steps with torch.profiler (docs/breakdown.md); the other steps run unprofiled."""
+
+    steps: tuple[int, ...] = ()
+    """Step indices to profile (measured steps: warmup_steps <= i < warmup_steps + steps); empty: no profiling."""
+    level: str = attrs.field(default="module", validator=_choice(PROFILE_LEVELS))
+    """module: time per module class; operator: also per operator class, with GEMM FLOPs from shapes; full: also
+    the profiler's timeline per rank (profile-rank-N.json, Kineto format) in the run folder."""
+
+
+@attrs.frozen
 class LoraSpec:
     """LoRA adapters; rank 0 means off (full fine-tuning)."""
 
@@ -285,6 +297,7 @@ _LAYOUT_FIELDS = {
     "parallelism": None,
     "train": ("micro_batch", "optimizer_impl"),
     "optimizations": ("zero_stage", "offload", "recompute", "flash_attention"),
+    "profile": None,  # looking does not change the numbers
 }
 
 
@@ -304,6 +317,7 @@ class Workload:
     optimizations: Optimizations = attrs.field(factory=Optimizations)
     lora: LoraSpec = attrs.field(factory=LoraSpec)
     serve: ServeSpec = attrs.field(factory=ServeSpec)
+    profile: ProfileSpec = attrs.field(factory=ProfileSpec)
     adapters: dict[str, dict[str, Any]] = attrs.field(factory=dict)
     """Settings for one adapter only: adapter name -> {dotted path: value} (``[adapters.megatron]`` in a file,
     ``--set megatron:parallelism.tp=2``). They wait here until `for_adapter` applies one adapter's; not part of
@@ -571,6 +585,17 @@ def _check_workload(w: Workload) -> None:
             raise WorkloadError("parallelism.ep", p.ep, f"must divide model.num_experts={w.model.num_experts}")
         if (p.dp * p.tp) % p.ep:
             raise WorkloadError("parallelism.ep", p.ep, f"must divide dp*tp={p.dp * p.tp}")
+    if w.profile.steps:
+        if w.kind == "serve":
+            raise WorkloadError("profile.steps", list(w.profile.steps), "profiling is for train and finetune workloads")
+        first, last = t.warmup_steps, t.total_steps - 1
+        for i in w.profile.steps:
+            if not first <= i <= last:
+                raise WorkloadError("profile.steps", list(w.profile.steps),
+                                    f"step {i} is not a measured step: measured steps are {first}..{last} "
+                                    f"(after train.warmup_steps={t.warmup_steps})")
+        if len(set(w.profile.steps)) != len(w.profile.steps):
+            raise WorkloadError("profile.steps", list(w.profile.steps), "names a step twice")
     if t.optimizer_impl == "cpu_adam" and t.optimizer == "sgd":
         raise WorkloadError("train.optimizer_impl", t.optimizer_impl, "cpu_adam needs train.optimizer adam or adamw")
     if o.offload == "optimizer" and o.zero_stage == 0:

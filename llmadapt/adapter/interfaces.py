@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator
 
 import attrs
 
+from llmadapt.adapter.breakdown import hf_module_class
 from llmadapt.adapter.context import Chunk, PlannedRequest, ServeContext, StepBatch, WorkerContext
 from llmadapt.contract.records import Comm, Metric, Patch, Phase, Span
 
@@ -70,6 +71,18 @@ class Trainer(abc.ABC):
     def rank_role(self) -> str:
         """Where this rank sits in the framework's layout (e.g. 'pipeline stage 1/2'), named in its failure records."""
         return ""
+
+    def profiled_modules(self) -> list[Any]:
+        """The torch modules this rank runs, whose parts a profiled step times (workload.profile). Default: every
+        ``torch.nn.Module`` among this object's attributes (a model, a DeepSpeed engine, a wrapped model)."""
+        import torch
+
+        return [v for v in vars(self).values() if isinstance(v, torch.nn.Module)]
+
+    def module_class(self, name: str, type_name: str) -> str | None:
+        """The breakdown class (llmadapt.adapter.breakdown.MODULE_CLASSES) of one module, by its qualified name
+        and type name; None leaves its time to the enclosing module. Default: transformers' Llama and Mixtral."""
+        return hf_module_class(name, type_name)
 
 
 class FineTuner(Trainer):

@@ -112,7 +112,28 @@ def render_summary(s: dict[str, Any]) -> str:
     for f in s.get("failures", []):
         where = f"rank {f['rank']}" if f.get("rank") is not None else "launcher"
         lines.append(f"failure    {f['cause']} ({where}, step {f.get('step')}): {f['message']}")
+    if s.get("breakdown"):
+        lines += ["", f"breakdown  mean per profiled step and rank ({s['profiled_steps']} profiled steps, left out of "
+                      "the step statistics above)", render_breakdown(s["breakdown"])]
+    if s.get("breakdown_operators"):
+        lines += ["", render_breakdown(s["breakdown_operators"], operators=True)]
     return "\n".join(lines)
+
+
+def render_breakdown(classes: list[dict[str, Any]], *, operators: bool = False) -> str:
+    """A module (or operator) class table: time, share, forward and backward (or count and FLOPs)."""
+    from llmadapt.analysis.table import text_table
+
+    total = sum(c["seconds"] for c in classes) or 1.0
+    if operators:
+        head = ["operator class", "ms", "share", "count", "GFLOP"]
+        rows = [[c["name"], f"{c['seconds'] * 1e3:.2f}", f"{c['seconds'] / total:.1%}", str(c["count"]),
+                 f"{c['flops'] / 1e9:.3f}" if c.get("flops") else "-"] for c in classes]
+    else:
+        head = ["module class", "ms", "share", "forward ms", "backward ms"]
+        rows = [[c["name"], f"{c['seconds'] * 1e3:.2f}", f"{c['seconds'] / total:.1%}",
+                 f"{c['forward_seconds'] * 1e3:.2f}", f"{c['backward_seconds'] * 1e3:.2f}"] for c in classes]
+    return "\n".join(text_table(head, rows))
 
 
 EXPORT_FORMATS = ("json", "csv", "chrome-trace", "vllm-bench")

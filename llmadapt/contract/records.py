@@ -7,6 +7,9 @@ monotonic clock; each header carries one wall-clock anchor per process to align 
 A trace is a run directory of JSONL files, one per rank (``rank-00000.jsonl``) plus
 ``launcher.jsonl`` for what the orchestrator saw, and ``summary.json``. Writers flush every
 record, so a crash leaves every record made before it.
+
+It is over 400 lines because every record type of the contract lives here, each with its field docs: one
+file to read for the whole schema.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.2"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving
+SCHEMA_VERSION = "1.3"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+# 1.3: breakdown records, profiled steps
 
 
 @attrs.frozen
@@ -134,7 +138,56 @@ class Step:
     expert_near_ties: list[int] | None = None
     """MoE: per layer, tokens whose k-th and (k+1)-th router logits were within fp noise (llmadapt.adapter.moe):
     another stack may route these differently and be equally right."""
+    profiled: bool = False
+    """Run under the profiler (workload.profile.steps): slower by the profiler's cost, left out of step statistics."""
     type: Literal["step"] = "step"
+
+
+@attrs.frozen
+class ClassTime:
+    """Time of one module or operator class within a profiled step (seconds on the breakdown's basis)."""
+
+    name: str
+    seconds: float
+    forward_seconds: float = 0.0
+    backward_seconds: float = 0.0
+    count: int = 0
+    """Operators counted into it."""
+    flops: float | None = None
+    """Operator classes: FLOPs the profiler computed from shapes (it counts mm, addmm, bmm, baddbmm, mul, add)."""
+
+
+@attrs.frozen
+class LayerTime:
+    """One transformer block's forward and backward time within a profiled step."""
+
+    layer: int
+    forward_seconds: float
+    backward_seconds: float
+
+
+@attrs.frozen
+class Breakdown:
+    """Where one profiled step's time went on one rank (workload.profile; docs/breakdown.md), by module class
+    (llmadapt.adapter.breakdown.MODULE_CLASSES), by layer and, at level operator or full, by operator class."""
+
+    rank: int
+    step: int
+    level: str
+    basis: str
+    """'cpu': self CPU time of every profiled operator and range; 'device': GPU kernel time of what each launched."""
+    step_seconds: float
+    """The profiled step's wall time, as the profiler saw it (the step record has the core's clock)."""
+    modules: list[ClassTime] = attrs.Factory(list)
+    layers: list[LayerTime] = attrs.Factory(list)
+    operators: list[ClassTime] = attrs.Factory(list)
+    other: list[ClassTime] = attrs.Factory(list)
+    """What 'other' holds: the profiled events with most time no class claims (at most 8; 'llmadapt::step' is the
+    adapter's own code and the gaps between operators)."""
+    error: str | None = None
+    """Profiling failed (the step and the run stand): what went wrong."""
+    source: str = "torch.profiler"
+    type: Literal["breakdown"] = "breakdown"
 
 
 @attrs.frozen
@@ -386,5 +439,10 @@ class Summary:
     """Serving runs only: client-side latency, throughput and goodput."""
     warnings: list[str] = attrs.field(factory=list)
     """What cost no measurement but a reader must know, e.g. a rank that died in teardown after its last record."""
+    breakdown: list[ClassTime] | None = None
+    """Profiled runs (workload.profile): per module class, the mean over profiled steps and ranks of its time."""
+    breakdown_operators: list[ClassTime] | None = None
+    """Level operator or full: the same per operator class (FLOPs: mean per step and rank)."""
+    profiled_steps: int = 0
     schema_version: str = SCHEMA_VERSION
     type: Literal["summary"] = "summary"

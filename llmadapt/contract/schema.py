@@ -13,6 +13,7 @@ import attrs
 from llmadapt.contract.perf import Estimate, Fit, MaxBatch, OpBench, Probe, Validation
 from llmadapt.contract.records import (
     SCHEMA_VERSION,
+    Breakdown,
     ClientLoad,
     Comm,
     End,
@@ -28,7 +29,7 @@ from llmadapt.errors import ContractError
 
 RECORD_TYPES: dict[str, type] = {
     "header": Header, "step": Step, "request": Request, "server_sample": ServerSample, "client_load": ClientLoad,
-    "comm": Comm,
+    "comm": Comm, "breakdown": Breakdown,
     "metric": Metric, "failure": Failure, "end": End, "summary": Summary,
     "op_bench": OpBench, "estimate": Estimate, "fit": Fit, "validation": Validation, "probe": Probe,
     "maxbatch": MaxBatch,

@@ -14,7 +14,7 @@ from collections import defaultdict
 from typing import Any, Iterable
 
 from llmadapt.contract.flops import mfu, model_flops_per_token, peak_flops
-from llmadapt.contract.records import Device, Failure, Patch, Stats, Summary
+from llmadapt.contract.records import ClassTime, Device, Failure, Patch, Stats, Summary
 from llmadapt.spec import Workload
 
 
@@ -62,8 +62,8 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
         by_rank = steps_by_index[i]
         loss = next((by_rank[r]["loss"] for r in sorted(by_rank) if by_rank[r]["loss"] is not None), None)
         losses.append(loss)
-        if by_rank[min(by_rank)]["warmup"]:
-            continue
+        if by_rank[min(by_rank)]["warmup"] or any(s.get("profiled") for s in by_rank.values()):
+            continue  # warm-up and profiled steps (slower by the profiler) are not measured
         seconds = max(s["seconds"] for s in by_rank.values())
         # Every rank reports its data-parallel share; the tp*pp ranks of one replica share the same tokens.
         tokens = sum(s["tokens"] for s in by_rank.values()) // model_parallel
@@ -136,7 +136,31 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
         phase_means_s={k: sum(v) / len(v) for k, v in sorted(phase_sums.items())},
         failures=failures,
         warnings=warnings,
+        **_breakdowns([r for r in records if r["type"] == "breakdown" and not r.get("error")]),
     )
+
+
+def _breakdowns(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean per class over every profiled (rank, step): the summary's breakdown fields."""
+    if not records:
+        return {}
+    n = len(records)
+
+    def mean(key: str) -> list[ClassTime]:
+        sums: dict[str, list[float]] = {}
+        for r in records:
+            for c in r[key]:
+                s = sums.setdefault(c["name"], [0.0, 0.0, 0.0, 0, 0.0])
+                s[0] += c["seconds"]
+                s[1] += c["forward_seconds"]
+                s[2] += c["backward_seconds"]
+                s[3] += c["count"]
+                s[4] += c["flops"] or 0.0
+        return [ClassTime(name, s[0] / n, s[1] / n, s[2] / n, round(s[3] / n), s[4] / n or None)
+                for name, s in sums.items()]
+
+    return {"breakdown": mean("modules"), "breakdown_operators": mean("operators") or None,
+            "profiled_steps": len({r["step"] for r in records})}
 
 
 def _peak(memory: dict[str, Any]) -> int | None:

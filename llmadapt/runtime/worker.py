@@ -38,6 +38,7 @@ from llmadapt.runtime.device import (
     reset_peak_memory,
     software_versions,
 )
+from llmadapt.runtime.profile import profiled_step
 from llmadapt.spec import Workload
 
 
@@ -136,6 +137,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
         ))
 
         fault = launch.get("fault")
+        profiled = set(workload.profile.steps)
         for step_index in range(workload.train.total_steps):
             _maybe_fault(fault, place.rank, step_index)
             data_start = time.perf_counter()
@@ -143,8 +145,14 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
             data_seconds = time.perf_counter() - data_start
             reset_peak_memory(ctx)
             ctx.synchronize()
+            breakdown = None
             start = time.monotonic_ns()
-            result = trainer.step(batch)
+            if step_index in profiled:
+                result, breakdown = profiled_step(trainer, lambda: trainer.step(batch), rank=place.rank,
+                                                  step=step_index, level=workload.profile.level,
+                                                  cuda=ctx.is_cuda, run_dir=run_dir)
+            else:
+                result = trainer.step(batch)
             ctx.synchronize()
             end = time.monotonic_ns()
             writer.write(Step(
@@ -153,8 +161,10 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
                 samples=batch.samples, loss=float(result.loss),
                 phases=[Phase("data", data_seconds, "llmadapt"), *result.phases],
                 memory=memory_snapshot(ctx), expert_load=result.expert_load, spans=list(result.spans),
-                expert_near_ties=result.expert_near_ties,
+                expert_near_ties=result.expert_near_ties, profiled=breakdown is not None,
             ))
+            if breakdown is not None:
+                writer.write(breakdown)
             for extra in (*result.comms, *result.metrics):
                 writer.write(attrs.evolve(extra, step=step_index))
         step_index = None

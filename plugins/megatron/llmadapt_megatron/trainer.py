@@ -37,6 +37,9 @@ class MegatronTrainer(Trainer):
         p = self.ctx.workload.parallelism
         return f"pipeline stage {self._pp_rank}/{p.pp}, tensor rank {self._tp_rank}/{p.tp}, data rank {self._dp_rank}/{p.dp}"
 
+    def module_class(self, name: str, type_name: str) -> str | None:
+        return megatron_module_class(name, type_name)
+
     # -- setup ----------------------------------------------------------------------------------
     def setup(self) -> None:
         import torch
@@ -293,3 +296,31 @@ class _ExpertCounter:
         from llmadapt.adapter.moe import all_reduce_counts
 
         return all_reduce_counts(self.counts, self.ties, divide=tp)
+
+
+def megatron_module_class(name: str, type_name: str) -> str | None:
+    """Megatron-core's GPT modules (local layer spec) in llmadapt's breakdown classes; None for containers."""
+    last = name.rsplit(".", 1)[-1]
+    if type_name == "GPTModel" or last == "output_layer":
+        return "lm_head_loss"  # GPTModel's own operators: the logits' layout and the (vocab-parallel) loss
+    if last in ("embedding", "word_embeddings", "position_embeddings"):
+        return "embedding"
+    if last == "rotary_pos_emb" or "Rotary" in type_name:
+        return "attention.rotary"
+    if last == "linear_qkv":
+        return "attention.qkv"
+    if last == "linear_proj":
+        return "attention.out"
+    if last in ("self_attention", "core_attention"):
+        return "attention.core"  # self_attention's own operators: rotary applied, the layout of q, k, v
+    if "norm" in last.lower() or "Norm" in type_name:
+        return "norm"
+    if last == "router":
+        return "moe.router"
+    if last in ("experts", "shared_experts"):
+        return "moe.experts"
+    if type_name == "MoELayer":
+        return "moe.dispatch"  # the token dispatcher is no module: permute and unpermute (combine) land here
+    if last == "mlp":
+        return "mlp"
+    return None

@@ -1,0 +1,121 @@
+"""One taxonomy for where a step's time goes, the same names on every stack (docs/breakdown.md).
+
+An adapter's ``Trainer.module_class`` maps each module of its framework to a module class (or None: its time
+goes to the enclosing module's class); the default here knows transformers' Llama and Mixtral modules, which the
+torch, DeepSpeed and ColossalAI adapters all run. ``operator_class`` maps a profiled operator to its class.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import re
+
+MODULE_CLASSES = (
+    "embedding", "attention.qkv", "attention.rotary", "attention.core", "attention.out", "mlp", "moe.router",
+    "moe.dispatch", "moe.experts", "moe.combine", "norm", "lm_head_loss", "optimizer", "communication", "other",
+)
+"""Module classes. 'optimizer' and 'communication' are found by the core (the optimizer's step and zero_grad,
+collectives), 'other' is whatever no class claims (reported, never hidden)."""
+
+OPERATOR_CLASSES = (
+    "gemm", "attention", "softmax", "elementwise", "normalization", "memory", "optimizer", "all_reduce",
+    "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv", "other_collective", "other",
+)
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")
+
+
+def layer_index(name: str) -> int | None:
+    """The transformer block a module name is ('model.layers.3', 'module.decoder.layers.0'); None otherwise."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def hf_module_class(name: str, type_name: str) -> str | None:
+    """The class of a transformers Llama/Mixtral module by its qualified name and type name (any wrapper prefix,
+    e.g. DeepSpeed's 'module.'); None for containers (the model, a decoder layer, a ModuleList)."""
+    last = name.rsplit(".", 1)[-1]
+    if type_name.endswith("ForCausalLM"):
+        return "lm_head_loss"  # its own operators: logits reshaped, the loss
+    if last == "lm_head":
+        return "lm_head_loss"
+    if last == "embed_tokens" or type_name.endswith("Embedding") and "Rotary" not in type_name:
+        return "embedding"
+    if "Rotary" in type_name:
+        return "attention.rotary"
+    if last in ("q_proj", "k_proj", "v_proj", "qkv_proj"):
+        return "attention.qkv"
+    if last == "o_proj":
+        return "attention.out"
+    if type_name.endswith("Attention"):
+        return "attention.core"  # its own operators: rotary applied, scores, softmax, weighted sum (SDPA)
+    if "Norm" in type_name:
+        return "norm"
+    if "Router" in type_name or last == "gate":  # Llama's dense MLP names its projection gate_proj
+        return "moe.router"
+    if type_name.endswith("Experts") or last == "experts" or ".experts." in name:
+        # one expert and its parts too: a ModuleList of experts is indexed, its own forward never runs, and
+        # ColossalAI's expert-parallel block calls an expert's w1, w2, w3 directly
+        return "moe.experts"
+    if "SparseMoe" in type_name or "MoeBlock" in type_name or last == "block_sparse_moe":
+        return "moe.dispatch"  # transformers routes and combines in one loop: combine is inside dispatch here
+    if type_name.endswith("MLP") or last == "mlp":
+        return "mlp"
+    return None
+
+
+_COLLECTIVES = (
+    ("all_reduce", ("allreduce", "all_reduce")),
+    ("all_gather", ("allgather", "all_gather")),
+    ("reduce_scatter", ("reduce_scatter", "reducescatter")),
+    ("all_to_all", ("alltoall", "all_to_all")),
+    ("broadcast", ("broadcast",)),
+    ("send_recv", ("send", "recv")),
+)
+_GEMM = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot", "_scaled_mm",
+         "_int_mm", "einsum"}
+_MEMORY = {"copy_", "to", "_to_copy", "contiguous", "clone", "cat", "stack", "view", "reshape", "transpose", "t",
+           "permute", "expand", "unsqueeze", "squeeze", "flatten", "unflatten", "split", "chunk", "narrow", "slice",
+           "select", "index_select", "gather", "scatter", "scatter_add", "scatter_add_", "index_add_", "index",
+           "index_put_", "empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like",
+           "fill_", "zero_", "new_zeros", "new_empty", "new_empty_strided", "as_strided", "_unsafe_view",
+           "detach", "alias", "split_with_sizes", "unbind", "resize_", "set_", "_reshape_alias", "repeat",
+           "repeat_interleave", "pad", "constant_pad_nd", "embedding", "embedding_dense_backward",
+           "embedding_backward", "masked_fill", "masked_fill_", "where", "tril", "triu", "arange", "full"}
+
+
+def collective_kind(op_name: str) -> str | None:
+    """'all_reduce', 'all_gather', ... for a collective's profiler name (c10d::allreduce_, gloo:all_reduce,
+    nccl:all_reduce, record_param_comms aside); None for anything else."""
+    low = op_name.lower()
+    if not any(k in low for k in ("c10d", "gloo", "nccl", "dist", "comm")):
+        return None
+    for kind, keys in _COLLECTIVES:
+        if any(k in low for k in keys):
+            return kind
+    return "other_collective" if "c10d::" in low else None
+
+
+def operator_class(op_name: str) -> str:
+    """The operator class of one profiled operator by its name ('aten::mm' -> 'gemm')."""
+    coll = collective_kind(op_name)
+    if coll:
+        return coll
+    if not op_name.startswith("aten::"):
+        return "other"
+    base = op_name[6:]
+    if base.endswith("_backward"):
+        base = base[:-9]
+    if base in _GEMM:
+        return "gemm"
+    if "attention" in base or "flash" in base:
+        return "attention"
+    if "softmax" in base:
+        return "softmax"
+    if "norm" in base:
+        return "normalization"
+    if base.startswith("_foreach") or base in ("addcdiv_", "addcmul_", "lerp_", "_fused_adam_", "_fused_adamw_"):
+        return "optimizer"
+    if base in _MEMORY or base.rstrip("_") in _MEMORY:
+        return "memory"
+    return "elementwise"
