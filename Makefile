@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 # Adapter packages installed next to the core, and the environments their workers run in.
 PLUGINS := examples/adapter-plain plugins/openai plugins/tgi plugins/megatron plugins/deepspeed plugins/vllm plugins/colossalai
-ENVS    := torch plain megatron deepspeed vllm colossalai
+ENVS    := torch plain megatron deepspeed vllm colossalai hta
 
 .PHONY: demo test envs setup reference
 
@@ -15,7 +15,8 @@ $(BIN)/.installed: pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 
 setup: $(BIN)/.installed
 
-# Each adapter's isolated environment: a pinned virtualenv in llmadapt's state folder. Built a few
+# Each adapter's isolated environment (and hta, Holistic Trace Analysis's): a pinned virtualenv in llmadapt's
+# state folder. Built a few
 # at a time: pip spends most of its time waiting on downloads and the disk.
 ENV_JOBS ?= 3
 envs: setup

@@ -210,8 +210,20 @@ class ProfileSpec:
     steps: tuple[int, ...] = ()
     """Step indices to profile (measured steps: warmup_steps <= i < warmup_steps + steps); empty: no profiling."""
     level: str = attrs.field(default="module", validator=_choice(PROFILE_LEVELS))
-    """module: time per module class; operator: also per operator class, with GEMM FLOPs from shapes; full: also
-    the profiler's timeline per rank (profile-rank-N.json, Kineto format) in the run folder."""
+    """module: time per module class, layer and collective; operator: also per operator class, with GEMM FLOPs and
+    collective bytes from shapes; full: also the profiler's timeline per step and rank (Kineto JSON,
+    profile/step-N/rank-R.json in the run folder, as Holistic Trace Analysis reads it)."""
+    in_statistics: bool = False
+    """Count the profiled steps in the step-time statistics too (they are slower by the profiler's cost)."""
+
+
+@attrs.frozen
+class TelemetrySpec:
+    """Hardware telemetry sampled in the background of every training rank (llmadapt.runtime.telemetry)."""
+
+    interval_s: float = attrs.field(default=0.5, validator=_at_least(0.0))
+    """Seconds between samples; 0 turns the sampler off. CPU and memory per rank; on GPU, utilisation, memory,
+    power and energy through NVML."""
 
 
 @attrs.frozen
@@ -298,6 +310,7 @@ _LAYOUT_FIELDS = {
     "train": ("micro_batch", "optimizer_impl"),
     "optimizations": ("zero_stage", "offload", "recompute", "flash_attention"),
     "profile": None,  # looking does not change the numbers
+    "telemetry": None,
 }
 
 
@@ -318,6 +331,7 @@ class Workload:
     lora: LoraSpec = attrs.field(factory=LoraSpec)
     serve: ServeSpec = attrs.field(factory=ServeSpec)
     profile: ProfileSpec = attrs.field(factory=ProfileSpec)
+    telemetry: TelemetrySpec = attrs.field(factory=TelemetrySpec)
     adapters: dict[str, dict[str, Any]] = attrs.field(factory=dict)
     """Settings for one adapter only: adapter name -> {dotted path: value} (``[adapters.megatron]`` in a file,
     ``--set megatron:parallelism.tp=2``). They wait here until `for_adapter` applies one adapter's; not part of

@@ -90,7 +90,7 @@ def test_export_chrome_trace_places_steps_on_wall_clock(run_dir, tmp_path):
 
 def test_export_json_holds_every_record(run_dir):
     data = json.loads(cli("export", run_dir, "--format", "json").stdout)
-    assert {r["type"] for r in data["records"]} == {"header", "step", "end"}
+    assert {r["type"] for r in data["records"]} == {"header", "step", "telemetry", "end"}
 
 
 def test_compare_matrix_gives_one_row_per_variant(tmp_path):

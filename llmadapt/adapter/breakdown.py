@@ -12,10 +12,22 @@ import re
 
 MODULE_CLASSES = (
     "embedding", "attention.qkv", "attention.rotary", "attention.core", "attention.out", "mlp", "moe.router",
-    "moe.dispatch", "moe.experts", "moe.combine", "norm", "lm_head_loss", "optimizer", "communication", "other",
+    "moe.dispatch", "moe.experts", "moe.combine", "norm", "model", "lm_head_loss", "gradient", "optimizer",
+    "communication", "other",
 )
-"""Module classes. 'optimizer' and 'communication' are found by the core (the optimizer's step and zero_grad,
-collectives), 'other' is whatever no class claims (reported, never hidden)."""
+"""Module classes (docs/breakdown.md says what each holds on each stack). 'model' is the model's own code
+outside its named parts: residual adds, masks and position ids, the layout between blocks. 'lm_head_loss' is
+the output projection and the loss, wherever the stack computes it. 'gradient' is the accumulation of each
+parameter's gradient and what a stack hooks there (DDP's bucketing, ZeRO's partitioning, Megatron-core's
+main_grad). 'optimizer' and 'communication' are also
+found by the core (the optimizer's step and zero_grad, collectives, waiting for a collective);
+'communication' holds a data-parallel wrapper's own code too (gradient-reduction bookkeeping). 'other' is
+whatever no class claims: the adapter's own code between operators (reported, never hidden)."""
+
+DATA_PARALLEL_WRAPPERS = ("DistributedDataParallel", "DeepSpeedEngine", "FullyShardedDataParallel", "FSDPModule",
+                          "TorchDDPModel", "LowLevelZeroModel", "HybridParallelModule", "ModelWrapper",
+                          "Float16Module")
+"""Module types that wrap a model for data parallelism (or precision) on the stacks llmadapt runs."""
 
 OPERATOR_CLASSES = (
     "gemm", "attention", "softmax", "elementwise", "normalization", "memory", "optimizer", "all_reduce",
@@ -33,10 +45,13 @@ def layer_index(name: str) -> int | None:
 
 def hf_module_class(name: str, type_name: str) -> str | None:
     """The class of a transformers Llama/Mixtral module by its qualified name and type name (any wrapper prefix,
-    e.g. DeepSpeed's 'module.'); None for containers (the model, a decoder layer, a ModuleList)."""
+    e.g. DeepSpeed's 'module.'); None for a module whose time belongs to its parent (a ModuleList, the parts
+    of a class already named)."""
     last = name.rsplit(".", 1)[-1]
-    if type_name.endswith("ForCausalLM"):
-        return "lm_head_loss"  # its own operators: logits reshaped, the loss
+    if type_name in DATA_PARALLEL_WRAPPERS:
+        return "communication"
+    if type_name.endswith(("ForCausalLM", "Model", "DecoderLayer")) or layer_index(name) is not None:
+        return "model"  # the model's and each block's own code: masks, position ids, residual adds
     if last == "lm_head":
         return "lm_head_loss"
     if last == "embed_tokens" or type_name.endswith("Embedding") and "Rotary" not in type_name:

@@ -84,6 +84,11 @@ class Trainer(abc.ABC):
         and type name; None leaves its time to the enclosing module. Default: transformers' Llama and Mixtral."""
         return hf_module_class(name, type_name)
 
+    def profiled_calls(self) -> list[tuple[Any, str, str]]:
+        """Work a stack does outside any module, timed as a class during profiled steps: (object, method name,
+        class) triples, e.g. Megatron-core computes the loss in a method of GPTModel. Default: none."""
+        return []
+
 
 class FineTuner(Trainer):
     """Fine-tuning from the canonical checkpoint: full, LoRA or QLoRA, per ``workload.lora`` and quantization."""

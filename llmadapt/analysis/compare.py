@@ -77,7 +77,22 @@ def row_metrics(summary, baseline_losses: list[float | None] | None) -> dict[str
         "peak_memory_mib": s.peak_memory_bytes / 2**20 if s.peak_memory_bytes else None,
         "first_loss": s.losses[0] if s.losses else None, "last_loss": s.losses[-1] if s.losses else None,
         "parity_delta": delta,
+        **_expert_columns(s.expert_imbalance),
     }
+
+
+# MoE runs only: the router's balance, the mean over layers of each layer's mean over steps (ExpertImbalance)
+EXPERT_COLUMNS = [("expert_cv", "expert CV", ".3f"), ("expert_max_over_mean", "expert max/mean", ".2f"),
+                  ("expert_idle", "idle experts", ".2f")]
+
+
+def _expert_columns(layers) -> dict[str, float]:
+    if not layers:
+        return {}
+    n = len(layers)
+    return {"expert_cv": sum(x.cv for x in layers) / n,
+            "expert_max_over_mean": sum(x.max_over_mean for x in layers) / n,
+            "expert_idle": sum(x.idle_experts for x in layers) / n}
 
 
 @attrs.frozen
@@ -99,6 +114,8 @@ class Comparison:
     def table(self) -> str:
         serve = any("request_throughput" in r.metrics for r in self.rows)
         columns = SERVE_COLUMNS if serve else TRAIN_COLUMNS
+        if any("expert_cv" in r.metrics for r in self.rows):
+            columns = columns + EXPERT_COLUMNS
         problems = {h: f"P{i}" for i, h in enumerate(self.problems(), 1)}
         head = ["problem", "run", "status"] + [title for _, title, _ in columns]
         body = [[problems[r.problem_hash], r.label, r.status] + [_f(r.metrics.get(key), fmt) for key, _, fmt in columns]
@@ -111,6 +128,20 @@ class Comparison:
         lines += [f"{problems[h]}: problem {h[:12]}{self._difference(h)}" for h in problems]
         lines += [f"{r.label}: {r.note}" for r in self.rows if r.note]
         return "\n".join(lines)
+
+    def breakdown_table(self) -> str:
+        """The profiled rows side by side per module class (then operator class and collective): where each stack's
+        step time goes. Each cell: ms per profiled step and rank, and its share of that row's step."""
+        from llmadapt.analysis.report import read_summary
+
+        rows = []
+        for r in self.rows:
+            b = read_summary(r.run_dir).get("breakdown") if r.run_dir and r.status == "ok" else None
+            if b and b["profiled_steps"]:
+                rows.append((r.label, b))
+        if not rows:
+            return "no profiled runs: set profile.steps (e.g. --set 'profile.steps=[3]') to break steps down"
+        return "\n".join(breakdown_columns(rows))
 
     def _difference(self, problem: str) -> str:
         first = self.problems()[0]
@@ -220,3 +251,45 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     order = sorted(rows, key=lambda i: (problems.index(planned[i].workload.problem_hash), i))
     return Comparison(rows=[rows[i] for i in order],
                       workloads={p.workload.problem_hash: p.workload for p in reversed(planned)})
+
+
+def breakdown_columns(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Class-by-run tables of the breakdowns in ROWS ((label, summary breakdown) pairs)."""
+    from llmadapt.adapter.breakdown import MODULE_CLASSES, OPERATOR_CLASSES
+
+    def cell(seconds: float | None, total: float) -> str:
+        return "-" if seconds is None else f"{seconds * 1e3:.2f} ({seconds / total:.0%})" if total else "-"
+
+    def table(title: str, key: str, order: tuple[str, ...]) -> list[str]:
+        present = {c["name"] for _, b in rows for c in b[key]}
+        names = [n for n in order if n in present] + sorted(present - set(order))
+        body = []
+        for name in names:
+            body.append([name] + [cell(next((c["seconds"] for c in b[key] if c["name"] == name), None),
+                                       sum(c["seconds"] for c in b[key])) for _, b in rows])
+        return text_table([title] + [label for label, _ in rows], body)
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.2f}"
+
+    lines = table("module class, ms (share)", "modules", MODULE_CLASSES)
+    if any(b["operators"] for _, b in rows):
+        lines += [""] + table("operator class, ms (share)", "operators", OPERATOR_CLASSES)
+    timeline = [
+        ["profiled step ms"] + [ms(b["step_seconds"]) for _, b in rows],
+        ["compute ms"] + [ms(b["compute_seconds"]) for _, b in rows],
+        ["exposed communication ms"] + [ms(b["comm_seconds"] - b["overlapped_comm_seconds"]) for _, b in rows],
+        ["idle ms"] + [ms(b["idle_seconds"]) for _, b in rows],
+        ["communication overlapped"] + [f"{b['overlapped_comm_seconds'] / b['comm_seconds']:.0%}"
+                                        if b["comm_seconds"] else "-" for _, b in rows],
+        ["GEMM GFLOP/s"] + [f"{b['gemm_flops_per_s'] / 1e9:,.2f}" if b.get("gemm_flops_per_s") else "-"
+                            for _, b in rows],
+    ]
+    kinds = list(dict.fromkeys(c["kind"] for _, b in rows for c in b["collectives"]))
+    for kind in kinds:
+        found = [next((c for c in b["collectives"] if c["kind"] == kind), None) for _, b in rows]
+        timeline.append([f"{kind} ms"] + ["-" if c is None else ms(c["seconds"]) for c in found])
+        timeline.append([f"{kind} busbw GB/s"] + ["-" if c is None or c["busbw_gbytes_per_s"] is None
+                                                   else f"{c['busbw_gbytes_per_s']:.3f}" for c in found])
+    return lines + [""] + text_table(["timeline (per profiled step and rank)"] + [label for label, _ in rows],
+                                     timeline)

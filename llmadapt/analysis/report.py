@@ -112,31 +112,85 @@ def render_summary(s: dict[str, Any]) -> str:
     for f in s.get("failures", []):
         where = f"rank {f['rank']}" if f.get("rank") is not None else "launcher"
         lines.append(f"failure    {f['cause']} ({where}, step {f.get('step')}): {f['message']}")
+    if s.get("expert_imbalance"):
+        lines += ["", "experts    load per MoE layer over the steps after warm-up (CV: std/mean of tokens per expert)",
+                  render_imbalance(s["expert_imbalance"])]
+    if s.get("telemetry"):
+        lines += render_telemetry(s["telemetry"])
     if s.get("breakdown"):
-        lines += ["", f"breakdown  mean per profiled step and rank ({s['profiled_steps']} profiled steps, left out of "
-                      "the step statistics above)", render_breakdown(s["breakdown"])]
-    if s.get("breakdown_operators"):
-        lines += ["", render_breakdown(s["breakdown_operators"], operators=True)]
+        lines += ["", *render_breakdown(s["breakdown"])]
     return "\n".join(lines)
 
 
-def render_breakdown(classes: list[dict[str, Any]], *, operators: bool = False) -> str:
-    """A module (or operator) class table: time, share, forward and backward (or count and FLOPs)."""
+def render_imbalance(layers: list[dict[str, Any]]) -> str:
     from llmadapt.analysis.table import text_table
 
-    total = sum(c["seconds"] for c in classes) or 1.0
-    if operators:
-        head = ["operator class", "ms", "share", "count", "GFLOP"]
-        rows = [[c["name"], f"{c['seconds'] * 1e3:.2f}", f"{c['seconds'] / total:.1%}", str(c["count"]),
-                 f"{c['flops'] / 1e9:.3f}" if c.get("flops") else "-"] for c in classes]
-    else:
-        head = ["module class", "ms", "share", "forward ms", "backward ms"]
-        rows = [[c["name"], f"{c['seconds'] * 1e3:.2f}", f"{c['seconds'] / total:.1%}",
-                 f"{c['forward_seconds'] * 1e3:.2f}", f"{c['backward_seconds'] * 1e3:.2f}"] for c in classes]
+    head = ["layer", "CV mean", "CV max", "max/mean", "max/mean worst", "idle experts", "idle worst"]
+    rows = [[str(x["layer"]), f"{x['cv']:.3f}", f"{x['cv_max']:.3f}", f"{x['max_over_mean']:.2f}",
+             f"{x['max_over_mean_max']:.2f}", f"{x['idle_experts']:.2f}", str(x["idle_experts_max"])] for x in layers]
     return "\n".join(text_table(head, rows))
 
 
-EXPORT_FORMATS = ("json", "csv", "chrome-trace", "vllm-bench")
+def render_telemetry(t: dict[str, Any]) -> list[str]:
+    def per_rank(values, fmt) -> str:
+        return ", ".join("-" if v is None else format(v, fmt) for v in values)
+
+    lines = [f"telemetry  {t['samples']} samples every {t['interval_s']:g} s ({t['source']}): CPU % of one core per "
+             f"rank {per_rank(t['cpu_percent_per_rank'], '.0f')}; peak RSS MiB "
+             + per_rank([None if b is None else b / 2**20 for b in t["peak_rss_bytes_per_rank"]], ",.0f")]
+    if any(v is not None for v in t["gpu_util_percent_per_rank"]):
+        lines.append(f"gpu        utilisation % per rank {per_rank(t['gpu_util_percent_per_rank'], '.0f')}; power W "
+                     f"{per_rank(t['power_w_per_rank'], '.0f')}")
+    if t.get("energy_j") is not None:
+        lines.append(f"energy     {t['energy_j']:,.1f} J over the measured steps, "
+                     + (f"{t['joules_per_token']:.4g} J per token" if t.get("joules_per_token") else "no tokens"))
+    lines += [f"not measured {u}" for u in t.get("unavailable", [])]
+    return lines
+
+
+def render_breakdown(b: dict[str, Any]) -> list[str]:
+    """The profiled steps: timeline, module classes, operator classes, layers, collectives."""
+    from llmadapt.analysis.table import text_table
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.2f}"
+
+    lines = [f"breakdown  level {b['level']}, {b['basis']} basis, mean per profiled step and rank over "
+             f"{b['profiled_steps']} profiled step(s)"]
+    lines += [f"profiling failed {e}" for e in b.get("errors", [])]
+    if not b["profiled_steps"]:
+        return lines
+    exposed = b["comm_seconds"] - b["overlapped_comm_seconds"]
+    lines.append(f"timeline   step {ms(b['step_seconds'])} ms = compute {ms(b['compute_seconds'])} + exposed "
+                 f"communication {ms(exposed)} + idle {ms(b['idle_seconds'])}; communication {ms(b['comm_seconds'])} "
+                 f"ms, " + (f"{b['overlapped_comm_seconds'] / b['comm_seconds']:.0%} of it overlapped with compute"
+                            if b["comm_seconds"] else "none"))
+    total = sum(c["seconds"] for c in b["modules"]) or 1.0
+    lines += text_table(["module class", "ms", "share", "forward ms", "backward ms"],
+                        [[c["name"], ms(c["seconds"]), f"{c['seconds'] / total:.1%}", ms(c["forward_seconds"]),
+                          ms(c["backward_seconds"])] for c in b["modules"]])
+    if b["operators"]:
+        total = sum(c["seconds"] for c in b["operators"]) or 1.0
+        lines += [""] + text_table(["operator class", "ms", "share", "count", "GFLOP"],
+                                   [[c["name"], ms(c["seconds"]), f"{c['seconds'] / total:.1%}", str(c["count"]),
+                                     f"{c['flops'] / 1e9:.3f}" if c.get("flops") else "-"] for c in b["operators"]])
+        if b.get("gemm_flops_per_s"):
+            lines.append(f"GEMM achieved {b['gemm_flops_per_s'] / 1e9:,.2f} GFLOP/s per rank (set it against "
+                         "`llmadapt micro peak`)")
+    if b["layers"]:
+        lines += [""] + text_table(["layer", "forward ms", "backward ms"],
+                                   [[str(x["layer"]), ms(x["forward_seconds"]), ms(x["backward_seconds"])]
+                                    for x in b["layers"]])
+    if b["collectives"]:
+        lines += [""] + text_table(
+            ["collective", "count", "ms", "MB", "busbw GB/s", "backend", "algorithm"],
+            [[c["kind"], str(c["count"]), ms(c["seconds"]), "-" if c["bytes"] is None else f"{c['bytes'] / 1e6:.3f}",
+              "-" if c["busbw_gbytes_per_s"] is None else f"{c['busbw_gbytes_per_s']:.3f}", c["backend"],
+              c["algorithm"] or "-"] for c in b["collectives"]])
+    return lines
+
+
+EXPORT_FORMATS = ("json", "csv", "breakdown-csv", "chrome-trace", "vllm-bench")
 
 
 def export(run_dir: str | Path, fmt: str) -> str:
@@ -155,21 +209,67 @@ def export(run_dir: str | Path, fmt: str) -> str:
         return json.dumps(vllm_bench_keys(summary), indent=2)
     if fmt == "csv" and summary.get("serving"):
         return _requests_csv([r for r in records if r["type"] == "request"])
+    if fmt == "breakdown-csv":
+        return _breakdown_csv([r for r in records if r["type"] == "breakdown"])
     steps = [r for r in records if r["type"] == "step"]
     if fmt == "csv":
-        phase_names = sorted({f"{p['source']}:{p['name']}" for s in steps for p in s["phases"]})
-        buf = io.StringIO()
-        writer = csv.writer(buf)
-        writer.writerow(["rank", "step", "warmup", "seconds", "tokens", "samples", "loss", "peak_memory_bytes",
-                         *[f"phase_s[{n}]" for n in phase_names]])
-        for s in sorted(steps, key=lambda s: (s["step"], s["rank"])):
-            phases = {f"{p['source']}:{p['name']}": p["seconds"] for p in s["phases"]}
-            mem = s["memory"] or {}
-            peak = mem.get("peak_allocated_bytes") if mem.get("kind") == "cuda" else mem.get("peak_rss_bytes")
-            writer.writerow([s["rank"], s["step"], s["warmup"], s["seconds"], s["tokens"], s["samples"], s["loss"],
-                             peak, *[phases.get(n, "") for n in phase_names]])
-        return buf.getvalue()
-    return json.dumps(chrome_trace(records), indent=1)
+        return _steps_csv(steps)
+    return json.dumps(chrome_trace(records, run_dir), indent=1)
+
+
+def _steps_csv(steps: list[dict[str, Any]]) -> str:
+    """One row per rank and step; MoE runs add each layer's expert imbalance (CV, max/mean, idle experts)."""
+    from llmadapt.contract.breakdowns import imbalance
+
+    phase_names = sorted({f"{p['source']}:{p['name']}" for s in steps for p in s["phases"]})
+    layers = max((len(s["expert_load"] or []) for s in steps), default=0)
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["rank", "step", "warmup", "profiled", "seconds", "tokens", "samples", "loss", "peak_memory_bytes",
+                     *[f"phase_s[{n}]" for n in phase_names],
+                     *[f"expert_{k}[{i}]" for i in range(layers) for k in ("cv", "max_over_mean", "idle")]])
+    for s in sorted(steps, key=lambda s: (s["step"], s["rank"])):
+        phases = {f"{p['source']}:{p['name']}": p["seconds"] for p in s["phases"]}
+        mem = s["memory"] or {}
+        peak = mem.get("peak_allocated_bytes") if mem.get("kind") == "cuda" else mem.get("peak_rss_bytes")
+        experts = []
+        for i in range(layers):
+            load = (s["expert_load"] or [])[i] if i < len(s["expert_load"] or []) else None
+            figures = imbalance(load) if load else None
+            experts += ["", "", ""] if figures is None else [f"{figures[0]:.6g}", f"{figures[1]:.6g}", figures[2]]
+        writer.writerow([s["rank"], s["step"], s["warmup"], s.get("profiled", False), s["seconds"], s["tokens"],
+                         s["samples"], s["loss"], peak, *[phases.get(n, "") for n in phase_names], *experts])
+    return buf.getvalue()
+
+
+def _breakdown_csv(breakdowns: list[dict[str, Any]]) -> str:
+    """Every profiled (rank, step) in long form: one row per module class, operator class, layer, collective and
+    timeline figure."""
+    if not breakdowns:
+        raise LlmadaptError("no breakdown in this run: profile steps with profile.steps (docs/breakdown.md)")
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["rank", "step", "table", "name", "seconds", "forward_seconds", "backward_seconds", "count",
+                     "flops", "bytes", "busbw_gbytes_per_s", "algorithm"])
+    for b in sorted(breakdowns, key=lambda b: (b["step"], b["rank"])):
+        head = [b["rank"], b["step"]]
+        if b.get("error"):
+            writer.writerow([*head, "error", b["error"], "", "", "", "", "", "", "", ""])
+            continue
+        for table, key in (("module", "modules"), ("operator", "operators")):
+            for c in b[key]:
+                writer.writerow([*head, table, c["name"], c["seconds"], c["forward_seconds"], c["backward_seconds"],
+                                 c["count"], c["flops"] if c["flops"] is not None else "", "", "", ""])
+        for x in b["layers"]:
+            writer.writerow([*head, "layer", x["layer"], x["forward_seconds"] + x["backward_seconds"],
+                             x["forward_seconds"], x["backward_seconds"], "", "", "", "", ""])
+        for c in b["collectives"]:
+            writer.writerow([*head, "collective", c["kind"], c["seconds"], "", "", c["count"], "",
+                             "" if c["bytes"] is None else c["bytes"],
+                             "" if c["busbw_gbytes_per_s"] is None else c["busbw_gbytes_per_s"], c["algorithm"] or ""])
+        for name in ("step_seconds", "compute_seconds", "comm_seconds", "overlapped_comm_seconds", "idle_seconds"):
+            writer.writerow([*head, "timeline", name.removesuffix("_seconds"), b[name], "", "", "", "", "", "", ""])
+    return buf.getvalue()
 
 
 def _requests_csv(requests: list[dict[str, Any]]) -> str:
@@ -190,8 +290,10 @@ def _requests_csv(requests: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def chrome_trace(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Chrome trace events (Perfetto): one track per rank, steps and spans on wall-clock time."""
+def chrome_trace(records: list[dict[str, Any]], run_dir: Path | None = None) -> dict[str, Any]:
+    """Chrome trace events (Perfetto): one process per rank, steps and spans on wall-clock time; with the run
+    folder, the profiler's timelines of profiled steps (level full) merged in, each placed so that its
+    ProfilerStep#N range starts where the core's clock started that step."""
     anchors = {r["rank"]: (r["wall_anchor_ns"], r["mono_anchor_ns"], r["node"]) for r in records
                if r["type"] == "header"}
     events: list[dict[str, Any]] = []
@@ -213,4 +315,24 @@ def chrome_trace(records: list[dict[str, Any]]) -> dict[str, Any]:
         for sp in r["spans"]:
             events.append({"ph": "X", "name": sp["name"], "cat": sp["source"], "pid": rank, "tid": 1,
                            "ts": us(rank, sp["start_ns"]), "dur": (sp["end_ns"] - sp["start_ns"]) / 1000.0})
+    if run_dir is not None:
+        starts = {(r["rank"], r["step"]): r["start_ns"] for r in records if r["type"] == "step"}
+        for b in (r for r in records if r["type"] == "breakdown" and r.get("trace") and r["rank"] in anchors):
+            key = (b["rank"], b["step"])
+            path = Path(run_dir) / b["trace"]
+            if key not in starts or not path.is_file():
+                continue
+            events += _profiler_events(json.loads(path.read_text()), b["rank"], us(b["rank"], starts[key]))
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _profiler_events(trace: dict[str, Any], rank: int, step_start_us: float) -> list[dict[str, Any]]:
+    """A Kineto trace's complete events as rank RANK's, shifted onto the run's wall clock."""
+    timed = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
+    mark = next((e for e in timed if str(e.get("name", "")).startswith("ProfilerStep#")), None)
+    if mark is None:
+        return []
+    shift = step_start_us - float(mark["ts"])
+    return [{"ph": "X", "name": e["name"], "cat": f"profiler:{e.get('cat', '')}", "pid": rank,
+             "tid": f"profiler {e.get('tid')}", "ts": float(e["ts"]) + shift, "dur": e.get("dur", 0),
+             "args": e.get("args", {})} for e in timed]

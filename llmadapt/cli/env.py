@@ -38,14 +38,25 @@ def cmd_schema(args) -> int:
     return 0
 
 
+def _environments() -> dict:
+    """Every environment by name: the adapters' and the core's tools' (llmadapt.launch.environments)."""
+    from llmadapt.adapter.plugins import adapters
+    from llmadapt.launch.environments import TOOL_ENVIRONMENTS
+
+    specs = {info.environment.name: info.environment for info in adapters().values() if info.environment}
+    return {**specs, **{spec.name: spec for spec in TOOL_ENVIRONMENTS}}
+
+
 def _environment(name: str):
     from llmadapt.adapter.plugins import adapters
 
     for info in adapters().values():
-        if info.environment and name in (info.environment.name, info.name):
+        if info.environment and name == info.name:
             return info.environment
-    known = sorted({i.environment.name for i in adapters().values() if i.environment})
-    raise LlmadaptError(f"unknown environment {name!r}; known: {', '.join(known)}")
+    specs = _environments()
+    if name in specs:
+        return specs[name]
+    raise LlmadaptError(f"unknown environment {name!r}; known: {', '.join(sorted(specs))}")
 
 
 def cmd_env_create(args) -> int:
@@ -57,10 +68,9 @@ def cmd_env_create(args) -> int:
 
 
 def cmd_env_list(args) -> int:
-    from llmadapt.adapter.plugins import adapters
     from llmadapt.launch import environments
 
-    envs = {info.environment.name: info.environment for info in adapters().values() if info.environment}
+    envs = _environments()
     rows = [{"environment": name, "status": environments.status(spec), "path": str(environments.env_dir(spec)),
              "requirements": list(spec.requirements),
              "older_builds": [str(p) for p in environments.older_builds(spec)]} for name, spec in sorted(envs.items())]
@@ -73,10 +83,9 @@ def cmd_env_list(args) -> int:
 
 
 def cmd_env_prune(args) -> int:
-    from llmadapt.adapter.plugins import adapters
     from llmadapt.launch import environments
 
-    specs = {info.environment.name: info.environment for info in adapters().values() if info.environment}
+    specs = _environments()
     if args.name:
         specs = {args.name: _environment(args.name)}
     removed = [str(p) for spec in specs.values() for p in environments.prune(spec)]

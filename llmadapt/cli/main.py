@@ -10,7 +10,7 @@ import sys
 
 from llmadapt.cli.common import Once, add_command
 from llmadapt.cli.env import cmd_adapters, cmd_env_create, cmd_env_list, cmd_env_prune, cmd_schema
-from llmadapt.cli.runs import cmd_compare, cmd_export, cmd_parity, cmd_run, cmd_show
+from llmadapt.cli.runs import cmd_compare, cmd_export, cmd_hta, cmd_parity, cmd_run, cmd_show
 from llmadapt.errors import LlmadaptError, Terminated
 
 
@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the adapter cannot run is shown as not supported and not run")
     p.add_argument("--refuse-unsupported", action="store_true",
                    help="refuse a grid that has a cell its adapter cannot run, instead of skipping that cell")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also set the runs' step breakdowns side by side per class (needs profile.steps)")
 
     p = command("parity", cmd_parity, "check two adapters' fp32 loss trajectories agree at every step")
     workload_args(p)
@@ -80,9 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("export", cmd_export, "export a run as JSON, CSV, a Chrome trace (Perfetto) or vLLM-bench keys")
     p.add_argument("run", help="run directory")
-    p.add_argument("--format", required=True, choices=["json", "csv", "chrome-trace", "vllm-bench"], action=Once,
-                   help="vllm-bench: a serving run's summary under `vllm bench serve`'s result keys")
+    p.add_argument("--format", required=True, choices=["json", "csv", "breakdown-csv", "chrome-trace", "vllm-bench"],
+                   action=Once, help="csv: steps (requests for serving); breakdown-csv: the profiled steps' classes, "
+                   "layers, collectives; vllm-bench: a serving run's summary under `vllm bench serve`'s result keys")
     p.add_argument("-o", "--output", help="file to write (default: stdout)")
+
+    p = command("hta", cmd_hta, "Holistic Trace Analysis on a run's profiler traces (profile.level = full; "
+                "its own environment: llmadapt env create hta)")
+    p.add_argument("run", help="run directory")
+    p.add_argument("--step", type=int, help="profiled step (default: the first traced)")
 
     command("adapters", cmd_adapters, "list registered adapters, what they support and their environments")
     command("schema", cmd_schema, "print the JSON Schema of trace records")

@@ -1,4 +1,4 @@
-"""Commands that make or read runs: run, compare, parity, show, export."""
+"""Commands that make or read runs: run, compare, parity, show, export, hta."""
 
 from __future__ import annotations
 
@@ -51,7 +51,10 @@ def cmd_compare(args) -> int:
                          refuse_unsupported=args.refuse_unsupported,
                          log=lambda m: print(m, file=sys.stderr, flush=True),  # stderr: --json's stdout stays JSON
                          **run_options(args))
-    emit(args, comparison.to_dict(), comparison.table())
+    text = comparison.table()
+    if args.breakdown:
+        text += "\n\n" + comparison.breakdown_table()
+    emit(args, comparison.to_dict(), text)
     return 0 if all(r.status in ("ok", "unsupported") for r in comparison.rows) else 1
 
 
@@ -95,4 +98,12 @@ def cmd_export(args) -> int:
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
+
+
+def cmd_hta(args) -> int:
+    from llmadapt.analysis.hta import hta_analysis, render
+
+    result = hta_analysis(args.run, args.step)
+    emit(args, result, render(result))
     return 0

@@ -22,7 +22,7 @@ import attrs
 from llmadapt.host import node_name, utc_now
 
 SCHEMA_VERSION = "1.3"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
-# 1.3: breakdown records, profiled steps
+# 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry
 
 
 @attrs.frozen
@@ -167,9 +167,41 @@ class LayerTime:
 
 
 @attrs.frozen
+class Collective:
+    """One kind of collective within a profiled step on one rank, as the communication backend ran it.
+
+    ``seconds`` sums the backend's own spans (gloo's worker threads on CPU, NCCL kernels on GPU): the time the
+    collectives took, overlapped with computation or not. Bytes follow nccl-tests: the larger of the input and
+    output message (all-gather: the gathered size; reduce-scatter: the input), bandwidths from ``bandwidths``."""
+
+    kind: str
+    """all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send_recv or other_collective."""
+    count: int
+    seconds: float
+    bytes: int | None = None
+    """Message bytes summed over the calls; None where the profiler gave no shapes (level module)."""
+    algbw_gbytes_per_s: float | None = None
+    busbw_gbytes_per_s: float | None = None
+    backend: str = ""
+    """gloo or nccl."""
+    algorithm: str | None = None
+    """As the backend names it: NCCL's kernel names carry it (RING_LL, TREE_SIMPLE); gloo's all-reduce is its
+    ring; None where nothing says."""
+    group_size: int | None = None
+    """The ranks of the collective's group (the n of the bus-bandwidth factor): NCCL's arguments say it; for
+    gloo, whose spans do not, the world size."""
+
+
+@attrs.frozen
 class Breakdown:
     """Where one profiled step's time went on one rank (workload.profile; docs/breakdown.md), by module class
-    (llmadapt.adapter.breakdown.MODULE_CLASSES), by layer and, at level operator or full, by operator class."""
+    (llmadapt.adapter.breakdown.MODULE_CLASSES), by layer, by collective and, at level operator or full, by
+    operator class.
+
+    On the CPU basis the module classes add up to the step: the time of the threads that run the step (the
+    loop's and the autograd engine's); the communication backend's own threads are in ``collectives`` and the
+    overlap fields. Their definitions are Holistic Trace Analysis's: ``compute_seconds + exposed_comm_seconds +
+    idle_seconds`` is the step; the overlap is the share of communication time during which computation ran."""
 
     rank: int
     step: int
@@ -182,12 +214,54 @@ class Breakdown:
     layers: list[LayerTime] = attrs.Factory(list)
     operators: list[ClassTime] = attrs.Factory(list)
     other: list[ClassTime] = attrs.Factory(list)
-    """What 'other' holds: the profiled events with most time no class claims (at most 8; 'llmadapt::step' is the
-    adapter's own code and the gaps between operators)."""
+    """What 'other' holds: the profiled events with most time no class claims (at most 8; 'ProfilerStep#N' is
+    the adapter's own code and the gaps between operators)."""
+    collectives: list[Collective] = attrs.Factory(list)
+    comm_seconds: float = 0.0
+    """Wall time during which at least one collective ran (the union of their spans)."""
+    overlapped_comm_seconds: float = 0.0
+    """Of comm_seconds, the time during which computation ran too (hidden communication)."""
+    compute_seconds: float = 0.0
+    """Wall time during which computation ran (the union of compute operators' spans, or kernels' on GPU)."""
+    idle_seconds: float = 0.0
+    """The step's time with neither computation nor communication: Python, waits, launch gaps."""
+    trace: str | None = None
+    """Level full: the profiler's timeline of this step and rank (Kineto JSON), relative to the run folder; one
+    folder per step holds every rank's, as Holistic Trace Analysis reads them."""
     error: str | None = None
     """Profiling failed (the step and the run stand): what went wrong."""
     source: str = "torch.profiler"
     type: Literal["breakdown"] = "breakdown"
+
+    @property
+    def exposed_comm_seconds(self) -> float:
+        return self.comm_seconds - self.overlapped_comm_seconds
+
+
+@attrs.frozen
+class Telemetry:
+    """One background sample of the hardware a rank runs on (llmadapt.runtime.telemetry). A field is None where
+    its source cannot measure it here (no NVML device on a CPU run): never a zero that was not measured."""
+
+    rank: int
+    time_ns: int
+    """This process's monotonic clock."""
+    source: str
+    """'procfs' (this process: CPU and memory), or 'procfs+nvml' (also the rank's GPU through NVML)."""
+    cpu_percent: float | None = None
+    """This process's CPU time over the interval since the previous sample, in percent of one core."""
+    rss_bytes: int | None = None
+    gpu_util_percent: float | None = None
+    """NVML: share of the interval during which a kernel ran on the GPU."""
+    gpu_memory_util_percent: float | None = None
+    """NVML: share of the interval during which device memory was read or written."""
+    gpu_memory_used_bytes: int | None = None
+    power_w: float | None = None
+    energy_j: float | None = None
+    """The GPU's energy since the sampler started (NVML's total energy counter)."""
+    unavailable: list[str] = attrs.Factory(list)
+    """The first sample of a rank: what its sources cannot measure here, and why."""
+    type: Literal["telemetry"] = "telemetry"
 
 
 @attrs.frozen
@@ -399,6 +473,62 @@ class ServingStats:
 
 
 @attrs.frozen
+class BreakdownSummary:
+    """The profiled steps of a run: each figure is the mean over profiled steps and ranks (Breakdown's fields)."""
+
+    level: str
+    basis: str
+    profiled_steps: int
+    step_seconds: float
+    modules: list[ClassTime]
+    layers: list[LayerTime]
+    operators: list[ClassTime]
+    collectives: list[Collective]
+    comm_seconds: float
+    overlapped_comm_seconds: float
+    compute_seconds: float
+    idle_seconds: float
+    gemm_flops_per_s: float | None
+    """GEMM FLOPs (from the profiler's shapes) over GEMM time, per rank: set it against `llmadapt micro peak`."""
+    errors: list[str] = attrs.Factory(list)
+    """Profiling failures (rank, step: what), each leaving its step and the run intact."""
+
+
+@attrs.frozen
+class ExpertImbalance:
+    """How unevenly one MoE layer's router spread tokens over its experts: per measured step, the coefficient of
+    variation (population std over mean of tokens per expert: 0 is perfectly even), the most loaded expert over the
+    mean, and the experts that received no token; here their mean and worst over the steps."""
+
+    layer: int
+    cv: float
+    cv_max: float
+    max_over_mean: float
+    max_over_mean_max: float
+    idle_experts: float
+    idle_experts_max: int
+
+
+@attrs.frozen
+class TelemetrySummary:
+    """The background samples of a run, per rank, and the energy of its measured steps where a GPU reports it."""
+
+    source: str
+    samples: int
+    interval_s: float
+    cpu_percent_per_rank: list[float | None]
+    """Mean over the samples, in percent of one core."""
+    peak_rss_bytes_per_rank: list[int | None]
+    gpu_util_percent_per_rank: list[float | None]
+    power_w_per_rank: list[float | None]
+    energy_j: float | None
+    """Over the measured steps (profiled ones included), summed over ranks."""
+    joules_per_token: float | None
+    unavailable: list[str] = attrs.Factory(list)
+    """What could not be measured here, and why (e.g. no NVML device on a CPU run)."""
+
+
+@attrs.frozen
 class Summary:
     """The run's aggregate, computed by the orchestrator from every rank's records."""
 
@@ -439,10 +569,11 @@ class Summary:
     """Serving runs only: client-side latency, throughput and goodput."""
     warnings: list[str] = attrs.field(factory=list)
     """What cost no measurement but a reader must know, e.g. a rank that died in teardown after its last record."""
-    breakdown: list[ClassTime] | None = None
-    """Profiled runs (workload.profile): per module class, the mean over profiled steps and ranks of its time."""
-    breakdown_operators: list[ClassTime] | None = None
-    """Level operator or full: the same per operator class (FLOPs: mean per step and rank)."""
-    profiled_steps: int = 0
+    breakdown: BreakdownSummary | None = None
+    """Profiled runs (workload.profile): where the profiled steps' time went."""
+    expert_imbalance: list[ExpertImbalance] | None = None
+    """MoE runs: per layer, how unevenly the router spread tokens over the experts in the measured steps."""
+    telemetry: TelemetrySummary | None = None
+    """What the background sampler saw (workload.telemetry)."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["summary"] = "summary"

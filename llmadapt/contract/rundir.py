@@ -6,6 +6,7 @@
       launcher.jsonl      what the orchestrator saw (failures it read from exit codes, teardown warnings)
       summary.json        written last, from the records (``show`` rebuilds it when it is missing)
       worker.log          the workers' stdout and stderr; engine.log and engine.pid for a managed server
+      profile/step-N/rank-R.json   profile.level full: each profiled step's Kineto trace per rank (HTA reads a folder)
       node-K/             across nodes: node K's own copy of its records, launch and logs
 """
 
@@ -53,6 +54,10 @@ class RunDir:
     @property
     def engine_pid(self) -> Path:
         return self.path / self.ENGINE_PID
+
+    def profile_trace(self, step: int, rank: int) -> Path:
+        """A profiled step's Kineto trace of one rank; one folder per step, as Holistic Trace Analysis reads them."""
+        return self.path / "profile" / f"step-{step}" / f"rank-{rank}.json"
 
     def rank_file(self, rank: int) -> Path:
         return self.path / f"rank-{rank:05d}.jsonl"

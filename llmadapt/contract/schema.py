@@ -24,12 +24,13 @@ from llmadapt.contract.records import (
     ServerSample,
     Step,
     Summary,
+    Telemetry,
 )
 from llmadapt.errors import ContractError
 
 RECORD_TYPES: dict[str, type] = {
     "header": Header, "step": Step, "request": Request, "server_sample": ServerSample, "client_load": ClientLoad,
-    "comm": Comm, "breakdown": Breakdown,
+    "comm": Comm, "breakdown": Breakdown, "telemetry": Telemetry,
     "metric": Metric, "failure": Failure, "end": End, "summary": Summary,
     "op_bench": OpBench, "estimate": Estimate, "fit": Fit, "validation": Validation, "probe": Probe,
     "maxbatch": MaxBatch,

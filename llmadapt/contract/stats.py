@@ -14,7 +14,8 @@ from collections import defaultdict
 from typing import Any, Iterable
 
 from llmadapt.contract.flops import mfu, model_flops_per_token, peak_flops
-from llmadapt.contract.records import ClassTime, Device, Failure, Patch, Stats, Summary
+from llmadapt.contract.breakdowns import breakdown_summary, expert_imbalance, telemetry_summary
+from llmadapt.contract.records import Device, Failure, Patch, Stats, Summary
 from llmadapt.spec import Workload
 
 
@@ -57,16 +58,21 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
     complete = sorted(i for i, by_rank in steps_by_index.items() if len(by_rank) == world)
     losses: list[float | None] = []
     times, tokens_s, samples_s, tokens_per_step = [], [], [], None
+    window_tokens, expert_loads = 0, []  # over every step after warm-up, profiled ones too
     phase_sums: dict[str, list[float]] = defaultdict(list)
     for i in complete:
         by_rank = steps_by_index[i]
         loss = next((by_rank[r]["loss"] for r in sorted(by_rank) if by_rank[r]["loss"] is not None), None)
         losses.append(loss)
-        if by_rank[min(by_rank)]["warmup"] or any(s.get("profiled") for s in by_rank.values()):
-            continue  # warm-up and profiled steps (slower by the profiler) are not measured
-        seconds = max(s["seconds"] for s in by_rank.values())
+        if by_rank[min(by_rank)]["warmup"]:
+            continue
         # Every rank reports its data-parallel share; the tp*pp ranks of one replica share the same tokens.
         tokens = sum(s["tokens"] for s in by_rank.values()) // model_parallel
+        window_tokens += tokens
+        expert_loads.append(by_rank[min(by_rank)].get("expert_load"))
+        if any(s.get("profiled") for s in by_rank.values()) and not workload.profile.in_statistics:
+            continue  # profiled steps are slower by the profiler's cost: not measured unless asked
+        seconds = max(s["seconds"] for s in by_rank.values())
         samples = sum(s["samples"] for s in by_rank.values()) // model_parallel
         times.append(seconds)
         tokens_s.append(tokens / seconds)
@@ -136,31 +142,13 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
         phase_means_s={k: sum(v) / len(v) for k, v in sorted(phase_sums.items())},
         failures=failures,
         warnings=warnings,
-        **_breakdowns([r for r in records if r["type"] == "breakdown" and not r.get("error")]),
+        breakdown=breakdown_summary([r for r in records if r["type"] == "breakdown"], world),
+        expert_imbalance=expert_imbalance(expert_loads),
+        telemetry=telemetry_summary(
+            records, world, workload.telemetry.interval_s,
+            [r["value"] for r in records if r["type"] == "metric" and r["name"] == "energy_measured_steps"],
+            window_tokens),
     )
-
-
-def _breakdowns(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Mean per class over every profiled (rank, step): the summary's breakdown fields."""
-    if not records:
-        return {}
-    n = len(records)
-
-    def mean(key: str) -> list[ClassTime]:
-        sums: dict[str, list[float]] = {}
-        for r in records:
-            for c in r[key]:
-                s = sums.setdefault(c["name"], [0.0, 0.0, 0.0, 0, 0.0])
-                s[0] += c["seconds"]
-                s[1] += c["forward_seconds"]
-                s[2] += c["backward_seconds"]
-                s[3] += c["count"]
-                s[4] += c["flops"] or 0.0
-        return [ClassTime(name, s[0] / n, s[1] / n, s[2] / n, round(s[3] / n), s[4] / n or None)
-                for name, s in sums.items()]
-
-    return {"breakdown": mean("modules"), "breakdown_operators": mean("operators") or None,
-            "profiled_steps": len({r["step"] for r in records})}
 
 
 def _peak(memory: dict[str, Any]) -> int | None:

@@ -55,6 +55,19 @@ REFERENCE_ENVIRONMENT = EnvironmentSpec(name="torch", requirements=REFERENCE_REQ
 whose transformers cannot (``EnvironmentSpec.builds_checkpoint``) and runs the micro-benchmarks."""
 
 
+HTA_ENVIRONMENT = EnvironmentSpec(
+    name="hta",
+    requirements=("pandas==3.1.1", "numpy==2.4.6", "plotly==7.1.0", "networkx==3.6.1", "pydot==4.0.1",
+                  "psutil==7.2.2", "pyyaml==6.0.4"),
+    # HTA 0.5.0 declares jupyterlab and pytest, which its analyses never import: its own dependencies above
+    no_deps_requirements=("holistictraceanalysis==0.5.0",),
+)
+"""Holistic Trace Analysis, run on a profiled run's Kineto traces (llmadapt.analysis.hta); no adapter's."""
+
+TOOL_ENVIRONMENTS = (HTA_ENVIRONMENT,)
+"""Environments of tools the core runs, not of adapters: built, listed and pruned like theirs."""
+
+
 def env_dir(spec: EnvironmentSpec) -> Path:
     return state_dir() / "envs" / f"{spec.name}-{recipe_hash(spec)[:12]}"
 

@@ -48,10 +48,14 @@ class TokenData:
     def step_batch(self, step: int, dp_rank: int, dp_size: int) -> StepBatch:
         import torch
 
-        samples = self.global_samples(step)
-        loss_tokens = sum(sum(1 for t in s.labels if t != IGNORE) for s in samples)
-        per_rank = len(samples) // dp_size
-        mine = samples[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        g = self.w.train.global_batch
+        per_rank = g // dp_size
+        first = step * g + dp_rank * per_rank
+        mine = [self.sample(i) for i in range(first, first + per_rank)]
+        if self._examples is None:  # synthetic: every label counts, so no need to build the other ranks' samples
+            loss_tokens = g * self.seq_len
+        else:
+            loss_tokens = sum(sum(1 for t in s.labels if t != IGNORE) for s in self.global_samples(step))
         mb = self.w.train.micro_batch or per_rank
         micro = []
         for i in range(0, per_rank, mb):

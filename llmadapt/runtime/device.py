@@ -46,14 +46,52 @@ class Place:
 
 
 # -- memory ------------------------------------------------------------------------------
-def _status_kib(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+class _Procfs:
+    """This process's /proc/self/status and clear_refs, opened once and re-read in place (a step reads them
+    twice; opening them costs more than reading). Reopened in a forked child, whose /proc/self is another."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.status: int | None = None
+        self.clear_refs: int | None = None
+
+    def _fds(self) -> None:
+        if self.pid == os.getpid():
+            return
+        self.pid = os.getpid()
+        self.status = self.clear_refs = None
+        for name, flags in (("status", os.O_RDONLY), ("clear_refs", os.O_WRONLY)):
+            try:
+                setattr(self, name, os.open(f"/proc/self/{name}", flags | os.O_CLOEXEC))
+            except OSError:
+                pass
+
+    def rss(self) -> tuple[int | None, int | None]:
+        """(current, peak) resident set size in bytes: VmRSS and VmHWM."""
+        self._fds()
+        if self.status is None:
+            return None, None
+        try:
+            text = os.pread(self.status, 16384, 0).decode()
+        except OSError:
+            return None, None
+        found = {}
+        for line in text.splitlines():
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                found[line[:5]] = int(line.split()[1]) * 1024
+        return found.get("VmRSS"), found.get("VmHWM")
+
+    def reset_peak(self) -> None:
+        """Linux: "5" resets the peak RSS (VmHWM) to the current RSS."""
+        self._fds()
+        if self.clear_refs is not None:
+            try:
+                os.write(self.clear_refs, b"5")
+            except OSError:
+                pass
+
+
+_PROCFS = _Procfs()
 
 
 def reset_peak_memory(ctx: WorkerContext) -> None:
@@ -62,13 +100,11 @@ def reset_peak_memory(ctx: WorkerContext) -> None:
 
         torch.cuda.reset_peak_memory_stats(ctx.device)
     else:
-        try:  # Linux: "5" resets the peak RSS (VmHWM) to the current RSS
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass
+        _PROCFS.reset_peak()
 
 
 def memory_snapshot(ctx: WorkerContext) -> Memory:
+    rss, peak = _PROCFS.rss()
     if ctx.is_cuda:
         import torch
 
@@ -76,10 +112,10 @@ def memory_snapshot(ctx: WorkerContext) -> Memory:
             kind="cuda",
             peak_allocated_bytes=torch.cuda.max_memory_allocated(ctx.device),
             peak_reserved_bytes=torch.cuda.max_memory_reserved(ctx.device),
-            rss_bytes=_status_kib("VmRSS"),
-            peak_rss_bytes=_status_kib("VmHWM"),
+            rss_bytes=rss,
+            peak_rss_bytes=peak,
         )
-    return Memory(kind="cpu-rss", rss_bytes=_status_kib("VmRSS"), peak_rss_bytes=_status_kib("VmHWM"))
+    return Memory(kind="cpu-rss", rss_bytes=rss, peak_rss_bytes=peak)
 
 
 def describe_device(device) -> Device:

@@ -10,55 +10,140 @@ time of what each operator launched; on CPU, self CPU time. Hooks exist only dur
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
+import attrs
+
 from llmadapt.adapter.breakdown import MODULE_CLASSES, collective_kind, layer_index, operator_class
 from llmadapt.contract.records import Breakdown, ClassTime, LayerTime
+from llmadapt.contract.rundir import RunDir
+from llmadapt.runtime.timeline import STEP_MARK, analyse, intersect, length, union
 
-_MODULE, _LAYER, _STEP = "llmadapt::module::", "llmadapt::layer::", "llmadapt::step"
+_MODULE, _CALL, _LAYER = "llmadapt::module::", "llmadapt::call::", "llmadapt::layer::"
 _BACKWARD = "autograd::engine::evaluate_function"
+_STEP_EVENT = "ProfilerStep"  # the profiler's events name every ProfilerStep#N range 'ProfilerStep*'
 
 
-def profiled_step(trainer, step_fn: Callable[[], Any], *, rank: int, step: int, level: str, cuda: bool,
-                  run_dir: Path) -> tuple[Any, Breakdown]:
-    """Run ``step_fn`` (one step) under the profiler: (its result, the breakdown). A failure of profiling
-    itself gives a breakdown with ``error``; a failure of the step propagates as without profiling."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
+class StepProfiler:
+    """Profiles what runs inside it (one step) on one rank; ``breakdown`` is set on the way out.
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with_ops = level in ("operator", "full")
-    try:
-        hooks = _install_hooks(trainer, record_function)
-        prof = profile(activities=activities, record_shapes=with_ops, with_flops=with_ops)
-        prof.__enter__()
-    except Exception as exc:  # noqa: BLE001 - profiling is optional to the run
-        return step_fn(), Breakdown(rank, step, level, "cpu", 0.0, error=f"{type(exc).__name__}: {exc}"[:300])
-    try:
-        with record_function(_STEP):
-            result = step_fn()
-        if cuda:
-            torch.cuda.synchronize()
-    finally:
+    The profiler starts before and stops after the block, so a clock read inside the block times the step with
+    the profiler's cost on its operators but not its start and stop. A failure of profiling itself gives a
+    breakdown with ``error`` and leaves the block to run (and raise) as it would without profiling."""
+
+    def __init__(self, trainer, *, rank: int, world_size: int, step: int, level: str, cuda: bool,
+                 run_dir: Path, sync: Callable[[], None] | None = None) -> None:
+        self.trainer, self.rank, self.world_size, self.step = trainer, rank, world_size, step
+        self.sync = sync
+        self.level, self.cuda, self.run_dir = level, cuda, Path(run_dir)
+        self.breakdown: Breakdown | None = None
+        self._prof = self._range = None
+        self._hooks: list[Any] = []
+
+    def _failed(self, exc: BaseException) -> Breakdown:
+        return Breakdown(self.rank, self.step, self.level, "cpu", 0.0, error=f"{type(exc).__name__}: {exc}"[:300])
+
+    def __enter__(self) -> StepProfiler:
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        with_ops = self.level in ("operator", "full")
+        try:
+            self._hooks = _install_hooks(self.trainer, record_function)
+            self._prof = profile(activities=activities, record_shapes=with_ops, with_flops=with_ops)
+            self._prof.__enter__()
+            if self.sync is not None:  # starting the profiler takes each rank its own time: start the step together
+                self.sync()
+            self._range = record_function(f"{STEP_MARK}{self.step}")
+            self._range.__enter__()
+        except Exception as exc:  # noqa: BLE001 - profiling is optional to the run
+            self.breakdown = self._failed(exc)
+            self._close()
+        return self
+
+    def _close(self) -> None:
+        for closing in (self._range, self._prof):
+            if closing is not None:
+                with contextlib.suppress(Exception):
+                    closing.__exit__(None, None, None)
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.breakdown is not None:  # profiling never started
+            return
+        if self.cuda:
+            import torch
+
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize()
+        prof, self._prof = self._prof, None
+        self._close()
         with contextlib.suppress(Exception):
             prof.__exit__(None, None, None)
-        for h in hooks:
-            h.remove()
-    try:
-        breakdown = fold(prof.events(), rank=rank, step=step, level=level, basis="device" if cuda else "cpu")
-        if level == "full":
-            prof.export_chrome_trace(str(Path(run_dir) / f"profile-rank-{rank:05d}.json"))
-    except Exception as exc:  # noqa: BLE001
-        breakdown = Breakdown(rank, step, level, "cpu", 0.0, error=f"{type(exc).__name__}: {exc}"[:300])
-    return result, breakdown
+        if exc_type is not None:
+            return  # the step failed: its failure is the run's record, not a breakdown
+        try:
+            self.breakdown = self._fold(prof)
+        except Exception as exc:  # noqa: BLE001
+            self.breakdown = self._failed(exc)
+
+    def _fold(self, prof) -> Breakdown:
+        """The breakdown: modules and operators from the profiler's events, collectives and overlap from its
+        Kineto timeline (kept at level full: profile/step-N/rank-R.json, one folder per step as HTA reads it)."""
+        import json
+        import os
+
+        path = RunDir(self.run_dir).profile_trace(self.step, self.rank)
+        folder = path.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        try:
+            timeline = analyse(json.loads(path.read_text()), self.world_size)
+        finally:
+            if self.level != "full":
+                os.unlink(path)
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+                    folder.parent.rmdir()
+        breakdown = fold(prof.events(), rank=self.rank, step=self.step, level=self.level,
+                         basis="device" if self.cuda else "cpu")
+        trace = str(path.relative_to(self.run_dir)) if self.level == "full" else None
+        return attrs.evolve(breakdown, trace=trace, **timeline)
+
+
+class _Wrapped:
+    """A method replaced on one object by a version that runs in a profiler range; ``remove`` puts it back."""
+
+    def __init__(self, owner, name: str, label: str, record_function) -> None:
+        self.owner, self.name = owner, name
+        self.own = name in vars(owner)  # an instance attribute to restore, else the class's method shows again
+        self.original = getattr(owner, name)
+        original = self.original
+
+        def timed(*args, **kwargs):
+            with record_function(label):
+                return original(*args, **kwargs)
+
+        setattr(owner, name, timed)
+
+    def remove(self) -> None:
+        if self.own:
+            setattr(self.owner, self.name, self.original)
+        else:
+            delattr(self.owner, self.name)
 
 
 def _install_hooks(trainer, record_function) -> list[Any]:
-    """A profiler range around every module the trainer classifies, and around every transformer block."""
-    hooks = []
+    """A profiler range around every module the trainer classifies, around every transformer block, and around
+    the calls it names (``Trainer.profiled_calls``)."""
+    hooks: list[Any] = [_Wrapped(owner, name, f"{_CALL}{cls}", record_function)
+                        for owner, name, cls in trainer.profiled_calls()]
     for root in trainer.profiled_modules():
         for name, module in root.named_modules():
             cls = trainer.module_class(name, type(module).__name__)
@@ -87,28 +172,44 @@ def _range_hooks(module, labels: list[str], record_function) -> list[Any]:
 
 
 _LOSS_OPS = ("cross_entropy", "nll_loss")  # a loss the adapter computes outside the model's modules
+_ACCUMULATE = "AccumulateGrad"  # the autograd node that accumulates a parameter's gradient (and runs its hooks)
 
 
-def attribute(events, basis: str = "cpu"):
+def _backward_node(e) -> str:
+    """The name of the backward node an event runs in ('' outside backward)."""
+    node = e
+    while node is not None:
+        if node.name.startswith(_BACKWARD):
+            return node.name
+        node = node.cpu_parent
+    return ""
+
+
+def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float]] | None = None):
     """Each profiled event with where its own time goes: (event, class or None, layer or None, phase, seconds);
-    phase is 'forward', 'backward' or 'step' (outside both: the optimizer, the adapter's own code)."""
+    phase is 'forward', 'backward' or 'step' (outside both: the optimizer, the adapter's own code). The step's
+    own time while a collective ran (``comm_spans``, the backend threads' spans) is the step waiting for it:
+    yielded once more for the step's event, as 'communication'."""
     def own_time(e) -> float:
         if basis == "device":
             return (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / 1e6
         return e.self_cpu_time_total / 1e6
 
     def context(e):
-        """(class, layer, backward sequence key) from the innermost ranges around e."""
+        """(class, layer, backward sequence key, in the model's forward) from the innermost ranges around e."""
         cls = layer = backward_key = None
-        comm = in_module = False
+        comm = in_module = forward = False
         node = e
         while node is not None:
             name = node.name
             if collective_kind(name):
                 comm = True
             if backward_key is None and name.startswith(_MODULE):
-                in_module = True
+                in_module = forward = True
                 cls = cls or name[len(_MODULE):]
+            elif backward_key is None and name.startswith(_CALL):
+                in_module = True
+                cls = cls or name[len(_CALL):]
             elif layer is None and backward_key is None and name.startswith(_LAYER):
                 layer = int(name[len(_LAYER):])
             elif cls is None and name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")):
@@ -118,57 +219,103 @@ def attribute(events, basis: str = "cpu"):
             elif backward_key is None and name.startswith(_BACKWARD):
                 backward_key = (getattr(node, "fwd_thread", node.thread), node.sequence_nr)
             node = node.cpu_parent
-        return ("communication" if comm else cls), layer, backward_key
+        return ("communication" if comm else cls), layer, backward_key, forward
 
-    # On the CPU timeline the autograd engine's own work between two backward nodes (and before the first)
-    # falls in no event: it goes to the node it leads to, not to the step's own time ('other').
-    lead_in: dict[int, float] = {}
+    # A range's own time is the gaps between its children. A gap that leads to a backward node is the autograd
+    # engine's own work: it goes to that node, not to the range (the step's own code is 'other'). Any other gap
+    # of the step or of a framework call (Trainer.profiled_calls) while a collective ran is waiting for it: DDP
+    # waits for its last bucket after backward, DeepSpeed's backward for its gradient all-reduce. (Gaps inside
+    # the model's modules are left to them: there, Python runs beside a collective the framework prefetches.)
+    lead_in: dict[int, float] = defaultdict(float)
+    waited: dict[int, float] = defaultdict(float)
+    comm_union = union(comm_spans or [])
     if basis == "cpu":
-        for step in (e for e in events if e.name == _STEP):
-            end = step.time_range.start
-            for child in sorted(step.cpu_children, key=lambda c: c.time_range.start):
-                if child.name.startswith(_BACKWARD) and child.time_range.start > end:
-                    lead_in[id(child)] = (child.time_range.start - end) / 1e6
-                    lead_in[id(step)] = lead_in.get(id(step), 0.0) - lead_in[id(child)]
-                end = max(end, child.time_range.end)
+        for parent in events:
+            waits = parent.name.startswith((_STEP_EVENT, _CALL))
+            if not waits and not any(c.name.startswith(_BACKWARD) for c in parent.cpu_children):
+                continue
+            end = parent.time_range.start
+            for child in [*sorted(parent.cpu_children, key=lambda c: c.time_range.start), None]:
+                gap_end = child.time_range.start if child is not None else parent.time_range.end
+                if gap_end > end:
+                    if child is not None and child.name.startswith(_BACKWARD):
+                        lead_in[id(child)] += (gap_end - end) / 1e6
+                        lead_in[id(parent)] -= (gap_end - end) / 1e6
+                    elif waits:
+                        wait = length(intersect([(end, gap_end)], comm_union)) / 1e6
+                        waited[id(parent)] += wait
+                        lead_in[id(parent)] -= wait
+                if child is not None:
+                    end = max(end, child.time_range.end)
     made: dict[tuple[int, int], tuple[str | None, int | None]] = {}  # autograd node -> where its op ran
     contexts = []
-    for e in events:
+    for e in sorted(events, key=lambda e: e.time_range.start):
         ctx = context(e)
-        contexts.append(ctx)
-        # Operators report the sequence number the next autograd node will get, so several share one:
-        # the first that ran inside a class wins over one outside every class.
-        key = (e.thread, e.sequence_nr)
-        if ctx[2] is None and e.sequence_nr >= 0 and (key not in made or made[key][0] is None):
-            made[key] = (ctx[0], ctx[1])
-    for e, (cls, layer, backward_key) in zip(events, contexts):
+        contexts.append((e, ctx))
+        # An operator reports the sequence number the next autograd node will get, and the node's maker takes
+        # it: the last operator (in time) to report a number made that node. (A custom autograd Function, e.g.
+        # Megatron-core's linear layers, reports its number from an event of its own name.)
+        if ctx[2] is None and e.sequence_nr >= 0:
+            made[(e.thread, e.sequence_nr)] = (ctx[0], ctx[1])
+    # An in-place operator on a view makes more nodes than it reports (CopySlices, AsStrided): a number no
+    # operator reported goes to the nearest one below it on its thread, the operator that made those nodes.
+    numbers: dict[int, list[int]] = defaultdict(list)
+    for thread, number in sorted(made):
+        numbers[thread].append(number)
+
+    def maker(key: tuple[int, int]) -> tuple[str | None, int | None]:
+        if key in made:
+            return made[key]
+        below = numbers.get(key[0], [])
+        i = bisect.bisect_left(below, key[1])
+        return made[(key[0], below[i - 1])] if i else (None, None)
+
+    for e, (cls, layer, backward_key, forward) in contexts:
         if backward_key is not None:
-            made_cls, made_layer = made.get(backward_key, (None, None))
-            cls = cls or made_cls
+            made_cls, made_layer = maker(backward_key)
+            cls = cls or made_cls or ("gradient" if _ACCUMULATE in _backward_node(e) else None)
             layer = layer if layer is not None else made_layer
             phase = "backward"
         else:
-            phase = "forward" if cls not in (None, "optimizer") and e.name != _STEP else "step"
+            phase = "forward" if forward else "step"
         yield e, cls, layer, phase, own_time(e) + lead_in.get(id(e), 0.0)
+        if waited.get(id(e)):
+            yield e, "communication", None, "step", waited[id(e)]
 
 
 def fold(events, *, rank: int, step: int, level: str, basis: str) -> Breakdown:
-    """One Breakdown from torch.profiler's FunctionEvents (see the module docstring)."""
+    """One Breakdown from torch.profiler's FunctionEvents (see the module docstring). On the CPU basis only the
+    threads that run the step count (the loop's and the autograd engine's): a communication backend's worker
+    threads run beside them, and their time is in the collectives (llmadapt.runtime.timeline)."""
+    from torch.autograd import DeviceType
+
     events = list(events)
-    step_seconds = max(((e.time_range.end - e.time_range.start) / 1e6 for e in events if e.name == _STEP),
-                       default=0.0)
+    mark = max((e for e in events if e.name.startswith(_STEP_EVENT)),
+               key=lambda e: e.time_range.end - e.time_range.start, default=None)
+    step_seconds = (mark.time_range.end - mark.time_range.start) / 1e6 if mark is not None else 0.0
+    if mark is not None:  # what ran inside the step's range (the ranks' synchronisation before it does not count)
+        start, end = mark.time_range.start, mark.time_range.end
+        events = [e for e in events if getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU
+                  or (e.time_range.start >= start and e.time_range.end <= end)]
+    comm_spans = None
+    if basis == "cpu":
+        threads = {e.thread for e in events if e.name.startswith((_STEP_EVENT, _BACKWARD))}
+        comm_spans = [(e.time_range.start, e.time_range.end) for e in events
+                      if e.thread not in threads and collective_kind(e.name)]
+        events = [e for e in events if e.thread in threads]
     modules: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # forward, backward, step
     layers: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
     ops: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
     slot = {"forward": 0, "backward": 1, "step": 2}
     other: dict[str, float] = defaultdict(float)
-    for e, cls, layer, phase, seconds in attribute(events, basis):
+    for e, cls, layer, phase, seconds in attribute(events, basis, comm_spans):
         modules[cls or "other"][slot[phase]] += seconds
         if cls is None:
-            other[e.name] += seconds
+            node = _backward_node(e)
+            other[f"{e.name} (in {node[len(_BACKWARD) + 2:]})" if node and node != e.name else e.name] += seconds
         if layer is not None and cls not in ("communication", "optimizer") and phase != "step":
             layers[layer][slot[phase]] += seconds
-        if level != "module" and not e.name.startswith(("llmadapt::", _BACKWARD)):
+        if level != "module" and not e.name.startswith(("llmadapt::", _BACKWARD, _STEP_EVENT)):
             kind = "optimizer" if cls == "optimizer" and not collective_kind(e.name) else operator_class(e.name)
             op = ops[kind]
             op[0] += seconds

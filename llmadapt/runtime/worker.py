@@ -7,6 +7,7 @@ per step to this rank's JSONL file. The adapter only does one global step.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -22,7 +23,7 @@ import attrs
 from llmadapt.adapter.context import StepBatch, WorkerContext
 from llmadapt.adapter.interfaces import Trainer
 from llmadapt.contract.jsonl import JsonlWriter
-from llmadapt.contract.records import End, Failure, Header, Phase, Step
+from llmadapt.contract.records import End, Failure, Header, Metric, Phase, Step
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.stream import StreamingWriter
 from llmadapt.errors import LlmadaptError
@@ -38,7 +39,8 @@ from llmadapt.runtime.device import (
     reset_peak_memory,
     software_versions,
 )
-from llmadapt.runtime.profile import profiled_step
+from llmadapt.runtime.profile import StepProfiler
+from llmadapt.runtime.telemetry import Sampler
 from llmadapt.spec import Workload
 
 
@@ -85,6 +87,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
     trainer: Trainer | None = None
     ctx: WorkerContext | None = None
     dist_started = completed = False
+    sampler: Sampler | None = None
 
     # Inline runs may be called from any thread and must not take over the caller's signals.
     previous_handler = None
@@ -138,35 +141,50 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
 
         fault = launch.get("fault")
         profiled = set(workload.profile.steps)
+        sampler = Sampler(place.rank, workload.telemetry.interval_s,
+                          (ctx.device.index or 0) if ctx.is_cuda else None).start()
+        energy_start = None
         for step_index in range(workload.train.total_steps):
             _maybe_fault(fault, place.rank, step_index)
             data_start = time.perf_counter()
             batch: StepBatch = data.step_batch(step_index, dp_rank, dp_size)
             data_seconds = time.perf_counter() - data_start
+            if step_index == workload.train.warmup_steps:
+                energy_start = sampler.energy_j()
             reset_peak_memory(ctx)
-            ctx.synchronize()
-            breakdown = None
-            start = time.monotonic_ns()
-            if step_index in profiled:
-                result, breakdown = profiled_step(trainer, lambda: trainer.step(batch), rank=place.rank,
-                                                  step=step_index, level=workload.profile.level,
-                                                  cuda=ctx.is_cuda, run_dir=run_dir)
-            else:
+            probe = (StepProfiler(trainer, rank=place.rank, world_size=place.world_size, step=step_index,
+                                  level=workload.profile.level, cuda=ctx.is_cuda, run_dir=run_dir,
+                                  sync=_barrier if dist_started else None)
+                     if step_index in profiled else contextlib.nullcontext())
+            with probe:  # started before the clock is read, stopped after
+                ctx.synchronize()
+                start = time.monotonic_ns()
                 result = trainer.step(batch)
-            ctx.synchronize()
-            end = time.monotonic_ns()
+                ctx.synchronize()
+                end = time.monotonic_ns()
+            breakdown = getattr(probe, "breakdown", None)
             writer.write(Step(
                 rank=place.rank, step=step_index, warmup=step_index < workload.train.warmup_steps,
                 start_ns=start, end_ns=end, seconds=(end - start) / 1e9, tokens=batch.tokens,
                 samples=batch.samples, loss=float(result.loss),
                 phases=[Phase("data", data_seconds, "llmadapt"), *result.phases],
                 memory=memory_snapshot(ctx), expert_load=result.expert_load, spans=list(result.spans),
-                expert_near_ties=result.expert_near_ties, profiled=breakdown is not None,
+                expert_near_ties=result.expert_near_ties, profiled=step_index in profiled,
             ))
-            if breakdown is not None:
-                writer.write(breakdown)
-            for extra in (*result.comms, *result.metrics):
-                writer.write(attrs.evolve(extra, step=step_index))
+            for extra in (*([breakdown] if breakdown else []), *result.comms, *result.metrics):
+                writer.write(extra if extra is breakdown else attrs.evolve(extra, step=step_index))
+            if step_index in profiled and dist_started:
+                # Reading the profiler's events takes each rank its own time, after the clock stopped: the
+                # ranks start the next step together, or the quickest would wait for the others inside it.
+                _barrier()
+            for sample in sampler.drain():
+                writer.write(sample)
+        energy_end = sampler.energy_j()
+        for sample in sampler.stop():
+            writer.write(sample)
+        if energy_start is not None and energy_end is not None:
+            writer.write(Metric(rank=place.rank, name="energy_measured_steps", value=energy_end - energy_start,
+                                unit="J", source="nvml"))
         step_index = None
         for extra in trainer.final_records():
             writer.write(extra)
@@ -176,6 +194,10 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
     except BaseException as exc:  # every way out leaves a failure record
         code = lifecycle.write_failure(exc, lambda e: _write_failure(writer, e, place, trainer, step_index))
     finally:
+        if sampler is not None:  # stopped already on success; a failed run keeps what was sampled
+            with contextlib.suppress(Exception):
+                for sample in sampler.stop():
+                    writer.write(sample)
         try:
             writer.close()
         except OSError:  # nothing more could be flushed (disk full): what was written stays readable
@@ -188,6 +210,12 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
               file=sys.stderr)
         return code or 1
     return code
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 def _write_failure(writer, exc: BaseException, place: Place, trainer, step_index) -> int:

@@ -196,6 +196,12 @@ class ColossalAITrainer(Trainer):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
                                reduction="sum")
 
+    def profiled_calls(self):
+        # The plugin's optimizer wrapper (ZeRO's, HybridParallel's) is no torch.optim.Optimizer the core knows;
+        # the booster's backward adds the plugin's gradient reduction to autograd's.
+        return [(self.optimizer, "step", "optimizer"), (self.optimizer, "zero_grad", "optimizer"),
+                (self.booster, "backward", "gradient")]
+
     def step(self, batch) -> StepResult:
         import torch
         import torch.distributed as dist

@@ -270,6 +270,17 @@ class DeepSpeedTrainer(Trainer):
                           expert_near_ties=ties,
                           spans=spans, comms=self._step_comms(), metrics=metrics)
 
+    def profiled_calls(self):
+        # The engine's step is ZeRO's optimizer step; its backward adds ZeRO's gradient reduction to autograd's.
+        calls = [(self.engine, "step", "optimizer"), (self.engine, "backward", "gradient")]
+        # ZeRO-3 gathers a module's parameters before it runs and releases them after, in hooks of its own
+        offload = getattr(self.engine.optimizer, "parameter_offload", None)
+        if offload is not None:
+            calls += [(offload, name, "communication") for name in (
+                "pre_sub_module_forward_function", "post_sub_module_forward_function",
+                "pre_sub_module_backward_function", "post_sub_module_backward_function")]
+        return calls
+
     # -- what DeepSpeed reports -------------------------------------------------------------
     def _start_flops_profile(self, step: int, micro: int):
         if step != self._profile_step or micro != 0:

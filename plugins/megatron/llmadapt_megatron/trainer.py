@@ -16,6 +16,7 @@ from __future__ import annotations
 from functools import partial
 
 from llmadapt.adapter import FineTuner, StepResult, Trainer
+from llmadapt.adapter.breakdown import DATA_PARALLEL_WRAPPERS
 from llmadapt.contract import Phase
 
 from .convert import hf_to_megatron, load_into
@@ -39,6 +40,15 @@ class MegatronTrainer(Trainer):
 
     def module_class(self, name: str, type_name: str) -> str | None:
         return megatron_module_class(name, type_name)
+
+    def profiled_calls(self):
+        # GPTModel computes the (vocab-parallel) loss in its own forward, outside output_layer; Megatron's optimizer
+        # is no torch.optim.Optimizer (whose step the core knows), and its DDP keeps gradients in a buffer.
+        calls = [(self.model.module, "compute_language_model_loss", "lm_head_loss"),
+                 (self.optimizer, "step", "optimizer"), (self.model, "zero_grad_buffer", "optimizer")]
+        if getattr(self.config, "finalize_model_grads_func", None) is not None:
+            calls.append((self.config, "finalize_model_grads_func", "gradient"))
+        return calls
 
     # -- setup ----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -299,10 +309,15 @@ class _ExpertCounter:
 
 
 def megatron_module_class(name: str, type_name: str) -> str | None:
-    """Megatron-core's GPT modules (local layer spec) in llmadapt's breakdown classes; None for containers."""
+    """Megatron-core's GPT modules (local layer spec) in llmadapt's breakdown classes; None leaves a module's time
+    to its parent."""
     last = name.rsplit(".", 1)[-1]
-    if type_name == "GPTModel" or last == "output_layer":
-        return "lm_head_loss"  # GPTModel's own operators: the logits' layout and the (vocab-parallel) loss
+    if type_name in DATA_PARALLEL_WRAPPERS:
+        return "communication"
+    if type_name in ("GPTModel", "TransformerBlock", "TransformerLayer", "MoETransformerLayer"):
+        return "model"  # their own code: the layout between blocks, residual adds (the loss has a range of its own)
+    if last == "output_layer":
+        return "lm_head_loss"
     if last in ("embedding", "word_embeddings", "position_embeddings"):
         return "embedding"
     if last == "rotary_pos_emb" or "Rotary" in type_name:
