@@ -115,7 +115,8 @@ def _x(name: str, ts: float, dur: float, tid: int = 1, cat: str = "cpu_op", **ar
 def test_the_timeline_follows_hta_definitions_on_a_cpu_trace():
     """Compute, communication, their overlap and idle time on a hand-made CPU timeline whose answer is known:
     step 0-100 us; operators 0-30 and 50-70 on the step's thread, where 60-70 is spent waiting in a collective;
-    gloo's all-reduce 20-65 on its own thread (1000 floats), a broadcast 80-90 (10 int64)."""
+    gloo's all-reduce 20-65 on its own thread (1000 floats), a broadcast 80-90 (10 int64); a barrier before the
+    step (the ranks starting it together) is not one of its collectives."""
     trace = {"distributedInfo": {"rank": 0, "world_size": 2}, "traceEvents": [
         _x("ProfilerStep#3", 0, 100, cat="user_annotation"),
         _x("aten::mm", 0, 30), _x("aten::add", 50, 20), _x("c10d::allreduce_", 60, 10),
@@ -123,6 +124,7 @@ def test_the_timeline_follows_hta_definitions_on_a_cpu_trace():
                                                                          "Input type": ["float"]}),
         _x("gloo:broadcast", 80, 10, tid=7, cat="user_annotation", **{"Input Dims": [[10]],
                                                                         "Input type": ["long int"]}),
+        _x("gloo:barrier", -20, 10, tid=7, cat="user_annotation"),  # before the step: not the step's
     ]}
     t = analyse(trace, world=2)
     assert t["compute_seconds"] == pytest.approx(40e-6)  # 0-30 and 50-60: the wait is not compute

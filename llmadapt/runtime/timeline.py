@@ -150,6 +150,8 @@ def analyse(trace: dict[str, Any], world: int) -> dict[str, Any]:
                 compute.append(_span(e))
 
     clip = [step]
+    # the step's collectives: the ranks' synchronisation before its range is not one of them
+    comm_events = [(k, b, e) for k, b, e in comm_events if step[0] <= float(e["ts"]) <= step[1]]
     compute_u = intersect(subtract(union(compute), union(waiting)), clip)
     comm_u = intersect(union(_span(e) for _, _, e in comm_events), clip)
     overlapped = length(intersect(comm_u, compute_u))
