@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # Adapter packages installed next to the core, and the environments their workers run in.
-PLUGINS := examples/adapter-plain plugins/openai plugins/tgi plugins/megatron plugins/deepspeed plugins/vllm plugins/colossalai
+PLUGINS := examples/adapter-plain examples/sink-tensorboard plugins/openai plugins/tgi plugins/megatron plugins/deepspeed plugins/vllm plugins/colossalai
 ENVS    := torch plain megatron deepspeed vllm colossalai hta
 
 .PHONY: demo test envs setup reference
@@ -28,7 +28,7 @@ env-%: setup
 demo: setup
 	$(BIN)/llmadapt env create torch
 	$(BIN)/llmadapt compare examples/tiny-llama.toml --adapters torch \
-		--matrix optimizations.recompute=none,full --matrix parallelism.dp=1,2
+		--matrix optimizations.recompute=none,full --matrix parallelism.dp=1,2 --report runs/demo-report.html
 
 # Two test files at a time: most of a test's time is spent starting worker processes and
 # importing frameworks, which leaves the second core idle. A file's tests stay together.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import pluggy
 
@@ -24,4 +24,22 @@ def llmadapt_register_adapters(register: Callable[..., None]) -> None:
         raises an error naming both plugins.
 
     .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def llmadapt_record_sink(run: dict[str, Any]) -> Any:
+    """A sink for one run's records (a tracking tool: TensorBoard, MLflow, ...), or None to stay out of it.
+
+    Called in the orchestrator when a run starts. ``run`` holds ``run_id``, ``run_dir``, ``adapter``,
+    ``label``, ``world_size`` and ``workload`` (its dict). The sink's ``write(record)`` then receives each
+    record as the orchestrator sees it (rank 0's steps, breakdowns, telemetry, metrics and failures; a serving
+    run's requests; an inline run's at its end), as a dict in the metrics contract, and ``close(summary)`` the
+    summary once the run is over. Keep it light and quick: it runs beside the measurement. A sink that raises
+    is dropped with a warning; the run goes on.
+
+    :param run: what the run is, as above.
+    :returns: an object with ``write(record)`` and ``close(summary)``, or None.
+
+    .. versionadded:: 0.2
     """

@@ -72,7 +72,7 @@ def collect_adapters(pm: pluggy.PluginManager) -> dict[str, AdapterInfo]:
 
 @lru_cache(maxsize=1)
 def _default_adapters() -> dict[str, AdapterInfo]:
-    return collect_adapters(plugin_manager())
+    return collect_adapters(default_manager())
 
 
 def adapters(pm: pluggy.PluginManager | None = None) -> dict[str, AdapterInfo]:
@@ -102,3 +102,9 @@ def check_supported(info: AdapterInfo, workload) -> None:
         field, value, allowed = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise UnsupportedError(f"adapter {info.name!r} cannot run {field}={value!r}: {allowed}{more}")
+
+
+@lru_cache(maxsize=1)
+def default_manager() -> pluggy.PluginManager:
+    """The plugin manager of every allowed entry-point plugin, made once."""
+    return plugin_manager()

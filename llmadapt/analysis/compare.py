@@ -1,5 +1,8 @@
-"""Comparisons across adapters and layouts: one workload, a matrix of overrides, a row per run, and the
+"""Comparisons across adapters and layouts: one workload, a matrix of overrides, a row per cell, and the
 table that puts them side by side.
+
+It is over 400 lines because a row is made one way (``row_of_runs``: its runs, repeats or reused, with their
+intervals) whether its runs were made now or read from the store, and the tables that show rows live with it.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ import attrs
 from llmadapt.analysis.cells import Cell, as_cells, matrix_settings, plan
 from llmadapt.analysis.parity import loss_parity
 from llmadapt.analysis.table import text_table
+from llmadapt.analysis.uncertainty import Estimate, bootstrap_median
 from llmadapt.errors import LlmadaptError
+from llmadapt.contract.rundir import RunDir
+from llmadapt.contract.schema import to_json
 from llmadapt.launch.run import RunResult, run
 from llmadapt.spec import Workload, problem_difference
 
@@ -33,6 +39,12 @@ class Row:
     problem_hash: str = ""
     cell: str = ""
     """The cell as given ('megatron:parallelism.tp=2')."""
+    run_dirs: list[str] = attrs.Factory(list)
+    """Every run of the row (repeats, runs reused or read from the store); ``run_dir`` is the first."""
+    estimates: dict[str, Estimate] = attrs.Factory(dict)
+    """Medians with their bootstrap intervals (``ESTIMATED``): over the runs when there are several, over the
+    measured steps of the one run otherwise."""
+    machine: str = ""
 
 
 # (key, heading, format) of the comparison table, per kind
@@ -118,14 +130,28 @@ class Comparison:
             columns = columns + EXPERT_COLUMNS
         problems = {h: f"P{i}" for i, h in enumerate(self.problems(), 1)}
         head = ["problem", "run", "status"] + [title for _, title, _ in columns]
-        body = [[problems[r.problem_hash], r.label, r.status] + [_f(r.metrics.get(key), fmt) for key, _, fmt in columns]
-                for r in self.rows]
+        uncertain = any(r.estimates for r in self.rows)
+        if uncertain:
+            head.insert(4, "vs first")
+        body = []
+        firsts: dict[str, Row] = {}
+        for r in self.rows:
+            first = firsts.setdefault(r.problem_hash, r) if r.status == "ok" else None
+            cells = [problems[r.problem_hash], r.label, r.status]
+            for key, _, fmt in columns:
+                estimate = r.estimates.get(key)
+                cells.append(estimate.text() if estimate else format_value(r.metrics.get(key), fmt))
+            if uncertain:
+                cells.insert(4, _versus(r, first, HEADLINE["serve" if serve else "train"]))
+            body.append(cells)
         lines = text_table(head, body)
         c = self.counts()
         lines.append(f"{c['cells']} cells: {c['ok']} ok, {c['failed']} failed, {c['unsupported']} not supported "
                      "(not run)" + ("; parity delta: max |loss delta| against the first row of its problem"
                                     if not serve else ""))
-        lines += [f"{problems[h]}: problem {h[:12]}{self._difference(h)}" for h in problems]
+        if uncertain:
+            lines.append(_uncertainty_note(self.rows, HEADLINE["serve" if serve else "train"]))
+        lines += [f"{problems[h]}: problem {h[:12]}{self.difference(h)}" for h in problems]
         lines += [f"{r.label}: {r.note}" for r in self.rows if r.note]
         return "\n".join(lines)
 
@@ -143,7 +169,7 @@ class Comparison:
             return "no profiled runs: set profile.steps (e.g. --set 'profile.steps=[3]') to break steps down"
         return "\n".join(breakdown_columns(rows))
 
-    def _difference(self, problem: str) -> str:
+    def difference(self, problem: str) -> str:
         first = self.problems()[0]
         if problem == first or not self.workloads:
             return ""
@@ -155,7 +181,31 @@ class Comparison:
         return {"rows": [attrs.asdict(r) for r in self.rows], "counts": self.counts()}
 
 
-def _f(value: Any, fmt: str) -> str:
+# The figure a row is set against its problem's first row by, per kind.
+HEADLINE = {"train": "step_p50_s", "serve": "ttft_p50_ms"}
+ESTIMATED = {"train": ("step_p50_s", "tokens_per_s"), "serve": ("ttft_p50_ms", "tpot_p50_ms", "output_throughput")}
+
+
+def _versus(row: Row, first: Row | None, key: str) -> str:
+    """The row's headline figure against the first row of its problem: '+12%' beyond noise, '≈' within it."""
+    mine, theirs = row.estimates.get(key), first.estimates.get(key) if first else None
+    if first is None or first is row or mine is None or theirs is None or not theirs.median:
+        return "-"
+    if mine.n >= 2 and theirs.n >= 2 and mine.overlaps(theirs):
+        return "≈"
+    change = f"{(mine.median / theirs.median - 1):+.0%}"
+    return change if mine.n >= 2 and theirs.n >= 2 else f"{change}?"
+
+
+def _uncertainty_note(rows: list[Row], key: str) -> str:
+    counts = sorted({(e.n, e.what) for r in rows for e in [r.estimates.get(key)] if e})
+    over = ", ".join(f"{n} {what}" for n, what in counts)
+    return (f"medians with 95% bootstrap intervals (percentile, {2000} resamples) over {over}; vs first: the "
+            "headline against the first row of its problem, '≈' where the intervals overlap (within noise), '?' "
+            "where either side has a single sample (no interval to judge by)")
+
+
+def format_value(value: Any, fmt: str) -> str:
     if value is None:
         return "-"
     return format(value, fmt) if fmt else str(value)
@@ -208,7 +258,8 @@ def parse_matrix(items: list[str]) -> dict[str, list[Any]]:
 
 def compare(workload: Workload | str | Path, adapters: list[str] | None = None, *,
             cells: list[Cell | str] | None = None, matrix: dict[str, list[Any]] | None = None,
-            refuse_unsupported: bool = False, log: Callable[[str], None] | None = None,
+            refuse_unsupported: bool = False, repeat: int = 1, reuse: bool = False,
+            log: Callable[[str], None] | None = None, on_cell: Callable[[int, int, str], None] | None = None,
             **run_options: Any) -> Comparison:
     """Run every cell on every matrix variant, side by side; one row each, grouped by problem.
 
@@ -217,32 +268,43 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     or `Cell`). Every cell is resolved and checked before the first run starts (`cells.plan`): a cell an adapter
     declares it cannot run is an error by itself, and in a grid (with ``matrix``) a row marked unsupported,
     not run, unless ``refuse_unsupported``.
+
+    ``repeat``: runs per cell; a row then shows medians with bootstrap intervals over its runs. ``reuse``: runs
+    already in the run store (``out``) of the same workload hash, adapter version and machine, finished ok,
+    count towards them and are not run again. ``on_cell(done, total, title)`` follows the runs.
     """
     if not isinstance(workload, Workload):
         workload = Workload.from_file(workload)
+    if not isinstance(repeat, int) or repeat < 1:
+        raise LlmadaptError(f"repeat must be a whole number >= 1, got {repeat!r}")
     planned = plan(workload, as_cells(adapters, cells), matrix, refuse_unsupported=refuse_unsupported)
     skipped = [p for p in planned if p.unsupported]
     if log and skipped:
         log(f"not supported, not run ({len(skipped)} of {len(planned)} cells):")
         for p in skipped:
             log(f"  {p.title}: {p.unsupported}")
+    out = Path(run_options.get("out", "runs"))
+    reused = _reusable(planned, out) if reuse else {}
+    to_run = [(i, p) for i, p in enumerate(planned) if not p.unsupported]
+    total = sum(max(0, repeat - len(reused.get(i, []))) for i, _ in to_run)
+    done = 0
     rows: dict[int, Row] = {}
     baselines: dict[str, list[float | None]] = {}
-    to_run = [(i, p) for i, p in enumerate(planned) if not p.unsupported]
-    for n, (i, p) in enumerate(to_run, 1):
-        if log:
-            log(f"[{n}/{len(to_run)}] {p.title}")
-        result: RunResult = run(p.workload, p.cell.adapter, **run_options)
-        s = result.summary
-        base = baselines.setdefault(s.problem_hash, s.losses) if s.losses else baselines.get(s.problem_hash)
-        notes = [f"{f.cause}: {f.message}" for f in s.failures] + [f"warning: {w}" for w in s.warnings]
-        if s.serving is not None and s.serving.failures_by_cause:
-            notes.append("failed requests: " + ", ".join(f"{k}={n}" for k, n in sorted(s.serving.failures_by_cause.items())))
-        if s.serving is not None and not s.serving.valid:
-            notes.append(s.serving.validity)
-        rows[i] = Row(label=p.title, adapter=p.cell.adapter, variant=p.variant, run_dir=str(result.run_dir),
-                      status=s.status, metrics=row_metrics(s, base), note="; ".join(notes)[:400],
-                      problem_hash=s.problem_hash, cell=str(p.cell))
+    for i, p in to_run:
+        results: list[tuple[str, dict[str, Any]]] = [(d, s) for d, s in reused.get(i, [])[:repeat]]
+        if log and results:
+            log(f"{p.title}: {len(results)} run(s) reused from {out}")
+        for _ in range(repeat - len(results)):
+            done += 1
+            if log:
+                log(f"[{done}/{total}] {p.title}")
+            if on_cell:
+                on_cell(done - 1, total, p.title)
+            result: RunResult = run(p.workload, p.cell.adapter, **run_options)
+            results.append((str(result.run_dir), to_json(result.summary)))
+        if on_cell and total:
+            on_cell(done, total, p.title)
+        rows[i] = row_of_runs(p.title, p.cell.adapter, p.variant, str(p.cell), results, baselines)
     for i, p in enumerate(planned):
         if p.unsupported:
             rows[i] = Row(label=p.title, adapter=p.cell.adapter, variant=p.variant, run_dir=None, status="unsupported",
@@ -251,6 +313,122 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     order = sorted(rows, key=lambda i: (problems.index(planned[i].workload.problem_hash), i))
     return Comparison(rows=[rows[i] for i in order],
                       workloads={p.workload.problem_hash: p.workload for p in reversed(planned)})
+
+
+def row_of_runs(label: str, adapter: str, variant: str, cell: str, results: list[tuple[str, dict[str, Any]]],
+                baselines: dict[str, list[float | None]], machine: str = "") -> Row:
+    """One row from one or more runs of a cell ((run folder, summary) pairs): the first run's figures, the
+    headline figures as medians with their intervals, every failure and warning in the note."""
+    from llmadapt.contract.jsonl import from_json
+    from llmadapt.contract.records import Summary
+
+    summaries = [from_json(Summary, s) for _, s in results]
+    first = summaries[0]
+    ok = [(d, s) for (d, _), s in zip(results, summaries) if s.status == "ok"]
+    base = baselines.setdefault(first.problem_hash, first.losses) if first.losses else baselines.get(first.problem_hash)
+    notes = []
+    for s in summaries:
+        notes += [f"{f.cause}: {f.message}" for f in s.failures] + [f"warning: {w}" for w in s.warnings]
+        if s.serving is not None and s.serving.failures_by_cause:
+            notes.append("failed requests: " + ", ".join(f"{k}={n}" for k, n in sorted(s.serving.failures_by_cause.items())))
+        if s.serving is not None and not s.serving.valid:
+            notes.append(s.serving.validity)
+    metrics = row_metrics(first, base)
+    estimates = _estimates(ok, "serve" if first.serving is not None else "train")
+    for key, estimate in estimates.items():
+        metrics[key] = estimate.median
+    if len(results) > 1:
+        failed = sum(1 for s in summaries if s.status != "ok")
+        notes.insert(0, f"{len(results)} runs" + (f", {failed} failed" if failed else ""))
+    return Row(label=label, adapter=adapter, variant=variant, run_dir=results[0][0],
+               status="ok" if ok and len(ok) == len(results) else "failed", metrics=metrics,
+               note="; ".join(dict.fromkeys(notes))[:400], problem_hash=first.problem_hash, cell=cell,
+               run_dirs=[d for d, _ in results], estimates=estimates, machine=machine)
+
+
+def _estimates(ok: list[tuple[str, Any]], kind: str) -> dict[str, Estimate]:
+    """Medians with intervals over the runs (two or more), else over the measured steps of the one run."""
+    out: dict[str, Estimate] = {}
+    if len(ok) >= 2:
+        for key in ESTIMATED[kind]:
+            values = [row_metrics(s, None).get(key) for _, s in ok]
+            if all(v is not None for v in values):
+                out[key] = bootstrap_median(values, "runs")
+    elif len(ok) == 1 and kind == "train":
+        seconds, tokens = step_samples(Path(ok[0][0]))
+        if len(seconds) >= 2:
+            out["step_p50_s"] = bootstrap_median(seconds, "steps")
+            out["tokens_per_s"] = bootstrap_median([t / s for t, s in zip(tokens, seconds)], "steps")
+    return out
+
+
+def step_samples(run_dir: Path) -> tuple[list[float], list[int]]:
+    """Per measured step: the slowest rank's seconds and the step's tokens (as the summary counts them)."""
+    from llmadapt.launch.summary import load_records
+
+    try:
+        records = load_records(run_dir)
+        launch = RunDir(run_dir).read_launch()
+    except (OSError, ValueError, LlmadaptError):
+        return [], []
+    w = Workload.from_dict(launch["workload"])
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        if r["type"] == "step" and not r["warmup"] and not (r.get("profiled") and not w.profile.in_statistics):
+            by_step.setdefault(r["step"], []).append(r)
+    complete = [v for _, v in sorted(by_step.items()) if len(v) == w.world_size]
+    model_parallel = w.parallelism.tp * w.parallelism.pp
+    return ([max(r["seconds"] for r in v) for v in complete],
+            [sum(r["tokens"] for r in v) // model_parallel for v in complete])
+
+
+def _reusable(planned, out: Path) -> dict[int, list[tuple[str, dict[str, Any]]]]:
+    """Runs in the store under OUT that measured a planned cell already: same workload hash (its adapter's
+    settings applied), adapter and adapter version, this machine, finished ok, no fault injected."""
+    from llmadapt.adapter.plugins import get_adapter
+    from llmadapt.analysis.store import RunStore
+    from llmadapt.host import node_name
+
+    if not out.is_dir():
+        return {}
+    with RunStore(out) as store:
+        stored = store.runs("status=ok")
+    found: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+    for i, p in enumerate(planned):
+        if p.unsupported:
+            continue
+        version = get_adapter(p.cell.adapter).version
+        for r in stored:
+            if (r.workload_hash == p.workload.content_hash and r.adapter == p.cell.adapter
+                    and r.row.get("adapter_version") == version and r.machine == node_name()
+                    and not r.row.get("fault")):
+                found.setdefault(i, []).append((str(r.folder), r.summary))
+    return found
+
+
+def compare_stored(query: str | None = None, *, root: str | Path = "runs") -> Comparison:
+    """A comparison of runs already in the store under ROOT that match QUERY (see analysis.store.Query): one row
+    per cell (adapter, layout, workload, machine), its runs as repeats; grouped by problem."""
+    from llmadapt.analysis.store import RunStore
+
+    with RunStore(root) as store:
+        found = store.runs(query)
+    if not found:
+        raise LlmadaptError(f"no stored run in {root} matches {query or '(all runs)'}")
+    machines = {r.machine for r in found}
+    groups: dict[tuple[str, ...], list[Any]] = {}
+    for r in found:
+        groups.setdefault((r.problem_hash, r.adapter, r.layout, r.workload_hash, r.machine), []).append(r)
+    rows, baselines, workloads = [], {}, {}
+    problems = list(dict.fromkeys(r.problem_hash for r in found))
+    for key in sorted(groups, key=lambda k: problems.index(k[0])):
+        runs = groups[key]
+        label = runs[0].layout + (f" @{runs[0].machine}" if len(machines) > 1 else "")
+        name = runs[0].row.get("name") or ""
+        rows.append(row_of_runs(label, runs[0].adapter, name, runs[0].layout,
+                                [(str(r.folder), r.summary) for r in runs], baselines, machine=runs[0].machine))
+        workloads.setdefault(runs[0].problem_hash, Workload.from_dict(runs[0].workload))
+    return Comparison(rows=rows, workloads=workloads)
 
 
 def breakdown_columns(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:

@@ -144,6 +144,20 @@ def parity_of_runs(reference: str | Path, candidate: str | Path, *, rtol: float 
     return loss_parity(a["losses"], b["losses"], rtol=rtol, atol=atol)
 
 
+def parity_of_stored(query: str, *, root: str | Path = "runs", rtol: float = PARITY_RTOL,
+                     atol: float = PARITY_ATOL) -> ParityReport:
+    """Loss parity of the two stored runs under ROOT that match QUERY (analysis.store.Query); any other count,
+    or two different problems, is refused in one line."""
+    from llmadapt.analysis.store import RunStore
+
+    with RunStore(root) as store:
+        found = store.runs(query)
+    if len(found) != 2:
+        raise LlmadaptError(f"parity --runs needs exactly two stored runs; {query or '(all runs)'} matches "
+                            f"{len(found)} in {root}" + (": " + ", ".join(r.run_id for r in found[:4]) if found else ""))
+    return parity_of_runs(found[0].folder, found[1].folder, rtol=rtol, atol=atol)
+
+
 def _differing_fields(*run_dirs: str | Path) -> str:
     """'train.lr (0.001 vs 0.01)' from the runs' launch records; '' where a record cannot be read."""
     try:

@@ -5,9 +5,10 @@ progress lines, and the helpers that register a command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from llmadapt.errors import LlmadaptError
 
@@ -80,3 +81,24 @@ def add_command(subparsers, name: str, func, help: str) -> argparse.ArgumentPars
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=func)
     return p
+
+
+@contextlib.contextmanager
+def cells_progress(args) -> Iterator[Callable[[int, int, str], None] | None]:
+    """A progress bar of runs done, elapsed and estimated time left, on a terminal's stderr; None (plain lines
+    instead) with --json or when stderr is not a terminal."""
+    if getattr(args, "json", False) or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("left"), TimeRemainingColumn(), console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task("runs", total=None)
+
+        def on_cell(done: int, total: int, title: str) -> None:
+            bar.update(task, completed=done, total=total, description=title[:40])
+
+        yield on_cell

@@ -10,7 +10,17 @@ import sys
 
 from llmadapt.cli.common import Once, add_command
 from llmadapt.cli.env import cmd_adapters, cmd_env_create, cmd_env_list, cmd_env_prune, cmd_schema
-from llmadapt.cli.runs import cmd_compare, cmd_export, cmd_hta, cmd_parity, cmd_run, cmd_show
+from llmadapt.cli.runs import (
+    cmd_compare,
+    cmd_export,
+    cmd_hta,
+    cmd_parity,
+    cmd_regress,
+    cmd_report,
+    cmd_run,
+    cmd_runs,
+    cmd_show,
+)
 from llmadapt.errors import LlmadaptError, Terminated
 
 
@@ -60,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="slurm: another sbatch option, e.g. --sbatch-option=--account=abc (repeat)")
     g.add_argument("--collect-addr", help="slurm: this machine's address as the compute nodes reach it")
 
-    p = command("compare", cmd_compare, "run a workload on several adapters and option variants; one table")
+    p = command("compare", cmd_compare, "run a workload on several adapters and option variants, or compare "
+                "stored runs (--runs); one table")
     workload_args(p)
+    _optional_workload(p)
     cells_args(p, "comma-separated adapter names, e.g. torch,deepspeed (one cell each)")
     p.add_argument("--matrix", action="append", metavar="PATH=V1,V2",
                    help="option variants, e.g. optimizations.recompute=none,full (repeat for a grid); a cell "
@@ -70,9 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse a grid that has a cell its adapter cannot run, instead of skipping that cell")
     p.add_argument("--breakdown", action="store_true",
                    help="also set the runs' step breakdowns side by side per class (needs profile.steps)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="runs per cell: rows show medians with 95%% bootstrap intervals over them (default 1)")
+    p.add_argument("--reuse", action="store_true",
+                   help="count runs already in --out of the same workload, adapter version and machine, instead "
+                        "of running them again")
+    p.add_argument("--runs", metavar="QUERY",
+                   help="compare stored runs in --out instead of running: key=value terms, e.g. "
+                        "'adapter=torch since=2026-12-01' ('' for all)")
+    p.add_argument("--report", metavar="FILE", help="also write the comparison's HTML report (llmadapt report)")
 
     p = command("parity", cmd_parity, "check two adapters' fp32 loss trajectories agree at every step")
     workload_args(p)
+    _optional_workload(p)
+    p.add_argument("--runs", metavar="QUERY", help="check two runs already stored in --out instead of running")
     cells_args(p, "two comma-separated adapter names")
     p.add_argument("--rtol", type=float, default=None)
     p.add_argument("--atol", type=float, default=None)
@@ -86,6 +109,33 @@ def build_parser() -> argparse.ArgumentParser:
                    action=Once, help="csv: steps (requests for serving); breakdown-csv: the profiled steps' classes, "
                    "layers, collectives; vllm-bench: a serving run's summary under `vllm bench serve`'s result keys")
     p.add_argument("-o", "--output", help="file to write (default: stdout)")
+
+    p = command("runs", cmd_runs, "list the runs in a folder (its run store), filtered by key=value terms; "
+                "`llmadapt runs import FOLDER...` adds run folders made elsewhere")
+    p.add_argument("terms", nargs="*", metavar="QUERY",
+                   help="adapter=torch status=ok since=2026-12-01 machine=NODE workload=HASH|NAME "
+                        "optimizations.zero_stage=3 ...; or: import FOLDER...")
+    p.add_argument("--root", default="runs", help="the folder of runs (default: ./runs)")
+    p.add_argument("--parquet", metavar="FILE", help="also write the matching runs to a Parquet file")
+
+    p = command("regress", cmd_regress, "did the candidate runs get worse than the baseline runs? Stored runs, "
+                "matched cell by cell, tested metric by metric; exit 1 on a regression")
+    p.add_argument("baseline", help="store query of the baseline runs, e.g. 'adapter=deepspeed until=2026-12-01'")
+    p.add_argument("candidate", help="store query of the candidate runs")
+    p.add_argument("--root", default="runs", help="the folder of runs (default: ./runs)")
+    p.add_argument("--threshold", type=float, default=5.0, metavar="PERCENT",
+                   help="a change worse than this (and beyond noise) is a regression (default: 5)")
+    p.add_argument("--alpha", type=float, default=0.05, help="significance level of the t-test (default: 0.05)")
+    p.add_argument("--metric", action="append", help="only this metric (repeat); default: every shared one")
+
+    p = command("report", cmd_report, "a self-contained HTML report of runs: the comparison table and every figure "
+                "their records hold (one file, no network needed)")
+    p.add_argument("runs", nargs="*", metavar="RUN", help="run folders, or folders of runs")
+    p.add_argument("-o", "--output", default="report.html", help="HTML file to write (default: report.html)")
+    p.add_argument("--runs", dest="query", metavar="QUERY", help="also the stored runs in --root matching QUERY")
+    p.add_argument("--root", default="runs", help="the folder of runs for --runs (default: ./runs)")
+    p.add_argument("--figures", metavar="DIR", help="also write each figure as PNG and SVG into DIR")
+    p.add_argument("--title", default="llmadapt report")
 
     p = command("hta", cmd_hta, "Holistic Trace Analysis on a run's profiler traces (profile.level = full; "
                 "its own environment: llmadapt env create hta)")
@@ -114,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     register(sub, command)
     return parser
+
+
+def _optional_workload(p: argparse.ArgumentParser) -> None:
+    """The workload file is not needed where --runs reads stored runs instead."""
+    for action in p._actions:
+        if action.dest == "workload":
+            action.nargs, action.help = "?", "workload file (.toml, .yaml, .json); none with --runs"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from llmadapt.cli.common import emit, name_list, run_options, workload_of
+from llmadapt.cli.common import cells_progress, emit, name_list, run_options, workload_of
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
 
@@ -45,16 +45,36 @@ def _node_options(args) -> dict[str, Any]:
 
 
 def cmd_compare(args) -> int:
-    from llmadapt.analysis.compare import compare, parse_matrix
+    from llmadapt.analysis.compare import compare, compare_stored, parse_matrix
 
-    comparison = compare(workload_of(args), _adapter_names(args), cells=args.cell, matrix=parse_matrix(args.matrix or []),
-                         refuse_unsupported=args.refuse_unsupported,
-                         log=lambda m: print(m, file=sys.stderr, flush=True),  # stderr: --json's stdout stays JSON
-                         **run_options(args))
+    if args.runs is not None:
+        given = [flag for flag, on in (("a workload file", args.workload), ("--adapters", args.adapters),
+                                       ("--cell", args.cell), ("--matrix", args.matrix), ("--reuse", args.reuse),
+                                       ("--repeat", args.repeat != 1)) if on]
+        if given:
+            raise LlmadaptError(f"compare --runs reads stored runs: it takes no {', '.join(given)}")
+        comparison = compare_stored(args.runs, root=args.out)
+    else:
+        if args.workload is None:
+            raise LlmadaptError("name a workload file to run, or --runs QUERY to compare stored runs")
+        with cells_progress(args) as on_cell:
+            comparison = compare(workload_of(args), _adapter_names(args), cells=args.cell,
+                                 matrix=parse_matrix(args.matrix or []), refuse_unsupported=args.refuse_unsupported,
+                                 repeat=args.repeat, reuse=args.reuse, on_cell=on_cell,
+                                 log=None if on_cell else lambda m: print(m, file=sys.stderr, flush=True),
+                                 **run_options(args))
     text = comparison.table()
     if args.breakdown:
         text += "\n\n" + comparison.breakdown_table()
-    emit(args, comparison.to_dict(), text)
+    data = comparison.to_dict()
+    if args.report:
+        from llmadapt.analysis.htmlreport import report
+
+        folders = [d for r in comparison.rows for d in r.run_dirs]
+        if folders:
+            data["report"] = str(report(folders, args.report))
+            text += f"\nreport: {data['report']}"
+    emit(args, data, text)
     return 0 if all(r.status in ("ok", "unsupported") for r in comparison.rows) else 1
 
 
@@ -64,6 +84,16 @@ def cmd_parity(args) -> int:
     from llmadapt.analysis.cells import as_cells
     from llmadapt.analysis.parity import parity
 
+    if args.runs is not None:
+        if args.workload or args.adapters or args.cell:
+            raise LlmadaptError("parity --runs checks two stored runs: it takes no workload file, --adapters or --cell")
+        from llmadapt.analysis.parity import parity_of_stored
+
+        report = parity_of_stored(args.runs, root=args.out, rtol=args.rtol, atol=args.atol)
+        emit(args, attrs.asdict(report), report.describe())
+        return 0 if report.ok else 1
+    if args.workload is None:
+        raise LlmadaptError("name a workload file to run, or --runs QUERY to check two stored runs")
     cells = as_cells(_adapter_names(args, distinct=False), args.cell)
     report = parity(workload_of(args), cells=cells, rtol=args.rtol, atol=args.atol, **run_options(args))
     emit(args, attrs.asdict(report), report.describe())
@@ -106,4 +136,66 @@ def cmd_hta(args) -> int:
 
     result = hta_analysis(args.run, args.step)
     emit(args, result, render(result))
+    return 0
+
+
+def cmd_runs(args) -> int:
+    """`llmadapt runs [QUERY...]` lists; `llmadapt runs import FOLDER...` imports."""
+    from llmadapt.analysis.store import RunStore
+
+    def warn(message: str) -> None:
+        print(f"warning: {message}", file=sys.stderr)
+
+    terms = list(args.terms or [])
+    if terms and terms[0] == "import":
+        folders = terms[1:]
+        if not folders:
+            raise LlmadaptError("llmadapt runs import FOLDER...: name the run folders to import")
+        with RunStore(args.root, warn=warn) as store:
+            added = store.import_runs(folders, log=lambda m: print(m, file=sys.stderr))
+        emit(args, {"imported": added}, f"{len(added)} run(s) imported into {args.root}")
+        return 0
+    from llmadapt.analysis.store import Query
+
+    query = Query.parse(terms)
+    with RunStore(args.root, warn=warn) as store:
+        found = store.runs(query)
+        if args.parquet:
+            store.to_parquet(args.parquet, query)
+            print(f"wrote {args.parquet} ({len(found)} runs)", file=sys.stderr)
+    rows = [{**r.row, "metrics": r.metrics} for r in found]
+    emit(args, rows, _runs_table(found, query))
+    return 0
+
+
+def _runs_table(found, query) -> str:
+    from llmadapt.analysis.table import text_table
+
+    def f(value, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    head = ["run", "made", "status", "layout", "workload", "machine", "step p50 s", "tokens/s", "TTFT p50 ms",
+            "last loss"]
+    body = [[r.run_id, r.created[:16].replace("T", " "), r.status, r.layout,
+             f"{r.row.get('name') or ''} {r.workload_hash[:8]}", r.machine, f(r.metrics.get("step_p50_s"), ".4f"),
+             f(r.metrics.get("tokens_per_s"), ",.0f"), f(r.metrics.get("ttft_p50_ms"), ".1f"),
+             f(r.metrics.get("last_loss"), ".4f")] for r in found]
+    return "\n".join(text_table(head, body) + [f"{len(found)} run(s) matching {query}"])
+
+
+def cmd_regress(args) -> int:
+    from llmadapt.analysis.regress import regress
+
+    report = regress(args.baseline, args.candidate, root=args.root, threshold=args.threshold / 100,
+                     alpha=args.alpha, metrics=args.metric)
+    emit(args, report.to_dict(), report.table())
+    return 0 if report.ok else 1
+
+
+def cmd_report(args) -> int:
+    from llmadapt.analysis.htmlreport import report
+
+    path = report(args.runs or [], args.output, query=args.query, root=args.root, figures_dir=args.figures,
+                  title=args.title, log=lambda m: print(m, file=sys.stderr))
+    emit(args, {"report": str(path), "figures": args.figures}, f"report: {path}")
     return 0

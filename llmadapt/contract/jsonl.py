@@ -78,4 +78,6 @@ def from_json(hint: Any, value: Any) -> Any:
         for arg in args:
             if attrs.has(arg) and isinstance(value, dict):
                 return from_json(arg, value)
+            if typing.get_origin(arg) is list and isinstance(value, list):
+                return from_json(arg, value)
     return value

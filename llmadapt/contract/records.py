@@ -225,6 +225,9 @@ class Breakdown:
     """Wall time during which computation ran (the union of compute operators' spans, or kernels' on GPU)."""
     idle_seconds: float = 0.0
     """The step's time with neither computation nor communication: Python, waits, launch gaps."""
+    descheduled_seconds: float | None = None
+    """Of the step, the time its thread waited for a core (Linux's run delay, /proc/thread-self/schedstat): on a
+    busy machine the profiler counts it in whatever the thread was in, mostly 'other'. None where not known."""
     trace: str | None = None
     """Level full: the profiler's timeline of this step and rank (Kineto JSON), relative to the run folder; one
     folder per step holds every rank's, as Holistic Trace Analysis reads them."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from llmadapt.adapter.plugins import check_supported, get_adapter
+from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json
@@ -28,6 +29,7 @@ from llmadapt.launch.multinode import gather, run_node_agent, run_node_zero, war
 from llmadapt.launch.prepare import ensure_checkpoint
 from llmadapt.launch.serve import run_serving
 from llmadapt.launch.settings import LAUNCHERS, NodeSettings, check_adapter_settings, check_run_options, make_run_id
+from llmadapt.launch.sinks import RecordSinks
 from llmadapt.launch.slurm import SlurmSettings, require_slurm, run_slurm_job, slurm_job
 from llmadapt.launch.summary import RunResult, summarise
 from llmadapt.launch.supervise import interrupt_text, supervise, worker_command, worker_env
@@ -45,6 +47,7 @@ def run(
     fault: dict[str, Any] | None = None,
     memory_limit_bytes: int | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
     nodes: NodeSettings | None = None,
     slurm: SlurmSettings | None = None,
 ) -> RunResult:
@@ -52,6 +55,8 @@ def run(
 
     ``progress`` receives a ``{"type": "start", ...}`` event once the run directory exists,
     then rank 0's records as they are written (and ``warning``, ``node`` and ``slurm`` events).
+    ``on_record`` receives those records only, as do the record sinks plugins provide
+    (``llmadapt_record_sink``; llmadapt.launch.sinks); an inline run's reach them when it ends.
 
     ``nodes``: several machines under torchrun, the same call on each (see NodeSettings);
     on node 0 it returns the run's result, on the others a copy of node 0's summary.
@@ -62,6 +67,23 @@ def run(
     """
     if not isinstance(workload, Workload):
         workload = Workload.from_file(workload)
+    sinks = RecordSinks(progress, on_record, workload.to_dict())
+    try:
+        result = _run(workload, adapter, launcher, out, run_id, timeout, fault, memory_limit_bytes, sinks, nodes,
+                      slurm)
+    except BaseException:
+        sinks.close({})
+        raise
+    if launcher == "inline" and (sinks.sinks or on_record):  # no tail follows an inline run: its records now
+        for record in read_jsonl(RunDir(result.run_dir).rank_file(0), check=False):
+            sinks.record(record)
+    sinks.close(to_json(result.summary))
+    return result
+
+
+def _run(workload: Workload, adapter: str, launcher: str, out: str | Path, run_id: str | None, timeout: float | None,
+         fault: dict[str, Any] | None, memory_limit_bytes: int | None, progress: Callable[[dict[str, Any]], None],
+         nodes: NodeSettings | None, slurm: SlurmSettings | None) -> RunResult:
     info = get_adapter(adapter)
     check_adapter_settings(workload, [adapter])
     workload = workload.for_adapter(adapter)

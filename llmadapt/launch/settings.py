@@ -74,7 +74,9 @@ def make_run_id(adapter: str, workload: Workload) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{adapter}-{workload.content_hash[:8]}-{secrets.token_hex(2)}"
 
 
-FAULT_KINDS = ("error", "exit", "kill", "hang", "stop", "oom")
+FAULT_KINDS = ("error", "exit", "kill", "hang", "stop", "oom", "slow")
+"""Fault injection for tests: each at one step of one rank; 'slow' adds ``seconds`` to every step of every rank,
+inside the step's clock (a regression to find)."""
 
 
 def check_run_options(fault, timeout, memory_limit_bytes) -> None:
@@ -89,6 +91,8 @@ def check_run_options(fault, timeout, memory_limit_bytes) -> None:
         return
     if not isinstance(fault, dict) or fault.get("kind") not in FAULT_KINDS:
         raise LlmadaptError(f"fault: got {str(fault)[:80]!r}; needs 'kind', one of {', '.join(FAULT_KINDS)}")
+    if fault["kind"] == "slow" and not (isinstance(fault.get("seconds"), (int, float)) and fault["seconds"] > 0):
+        raise LlmadaptError(f"fault 'slow' needs 'seconds' > 0, got {str(fault.get('seconds'))[:40]!r}")
     if fault["kind"] == "oom" and not memory_limit_bytes:
         # Without a cap the worker allocates until the kernel's OOM killer picks a process, maybe not ours.
         raise LlmadaptError("fault 'oom' needs a memory limit (memory_limit_bytes / --memory-limit): without one "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
@@ -52,6 +53,11 @@ class StepProfiler:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         with_ops = self.level in ("operator", "full")
+        # Python's collector paused for the step (collected just before): a full collection in a process holding
+        # a framework's objects pauses tens of ms, and would land in whichever class it interrupted.
+        gc.collect()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
             self._hooks = _install_hooks(self.trainer, record_function)
             self._prof = profile(activities=activities, record_shapes=with_ops, with_flops=with_ops)
@@ -60,6 +66,7 @@ class StepProfiler:
                 self.sync()
             self._range = record_function(f"{STEP_MARK}{self.step}")
             self._range.__enter__()
+            self._waited = run_queue_seconds()
         except Exception as exc:  # noqa: BLE001 - profiling is optional to the run
             self.breakdown = self._failed(exc)
             self._close()
@@ -73,10 +80,14 @@ class StepProfiler:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if getattr(self, "_gc_was_enabled", False):
+            gc.enable()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.breakdown is not None:  # profiling never started
             return
+        waited = run_queue_seconds()
+        self._waited = waited - self._waited if waited is not None and self._waited is not None else None
         if self.cuda:
             import torch
 
@@ -114,7 +125,16 @@ class StepProfiler:
         breakdown = fold(prof.events(), rank=self.rank, step=self.step, level=self.level,
                          basis="device" if self.cuda else "cpu")
         trace = str(path.relative_to(self.run_dir)) if self.level == "full" else None
-        return attrs.evolve(breakdown, trace=trace, **timeline)
+        return attrs.evolve(breakdown, trace=trace, descheduled_seconds=self._waited, **timeline)
+
+
+def run_queue_seconds() -> float | None:
+    """How long this thread has waited for a core so far (Linux schedstat's run delay); None elsewhere."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class _Wrapped:

@@ -160,6 +160,8 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
                 ctx.synchronize()
                 start = time.monotonic_ns()
                 result = trainer.step(batch)
+                if fault and fault.get("kind") == "slow":
+                    time.sleep(fault["seconds"])
                 ctx.synchronize()
                 end = time.monotonic_ns()
             breakdown = getattr(probe, "breakdown", None)

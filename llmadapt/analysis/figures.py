@@ -1,0 +1,299 @@
+"""The report's figures, drawn with matplotlib from what runs recorded: one function per figure, each returning a
+Figure or None when the runs hold nothing for it. Why matplotlib: one library gives the same figure as inline SVG
+in a self-contained page (no script to load, text drawn as paths, so no font is fetched) and as PNG and SVG files;
+the page stays small and opens without a network.
+
+``ReportRun`` is what a figure reads of one run: its label, workload, summary and records.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+
+from llmadapt.spec import Workload
+
+_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+           "#17becf", "#aec7e8", "#ff9896", "#98df8a", "#ffbb78", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7",
+           "#dbdb8d", "#9edae5"]  # matplotlib's tab10, then tab20's light halves: 20 classes told apart
+
+
+@attrs.frozen
+class ReportRun:
+    label: str
+    """The row's label (its layout, with '#2' for a repeat)."""
+    folder: Path
+    workload: Workload
+    summary: dict[str, Any]
+    records: list[dict[str, Any]] = attrs.field(repr=False)
+
+    @property
+    def serving(self) -> bool:
+        return self.workload.kind == "serve"
+
+    def steps(self) -> dict[int, float]:
+        """Each complete step's time: the slowest rank's."""
+        by_step: dict[int, list[float]] = {}
+        for r in self.records:
+            if r["type"] == "step":
+                by_step.setdefault(r["step"], []).append(r["seconds"])
+        return {i: max(v) for i, v in sorted(by_step.items()) if len(v) == self.workload.world_size}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"svg.fonttype": "path", "font.size": 9, "axes.grid": True, "grid.alpha": 0.3,
+                         "figure.dpi": 100, "savefig.bbox": "tight"})
+    return plt
+
+
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="best")
+
+
+def loss_curves(runs: list[ReportRun]):
+    train = [r for r in runs if not r.serving and r.summary.get("losses")]
+    if not train:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for i, r in enumerate(train):
+        losses = r.summary["losses"]
+        ax.plot(range(len(losses)), losses, marker="o", ms=2.5, lw=1.2, color=_COLORS[i % 20], label=r.label,
+                alpha=0.85)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (global batch)")
+    _legend(ax)
+    return fig
+
+
+def step_times(runs: list[ReportRun]):
+    train = [r for r in runs if not r.serving and r.steps()]
+    if not train:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for i, r in enumerate(train):
+        steps = r.steps()
+        warm = r.workload.train.warmup_steps
+        xs = [s for s in steps if s >= warm]
+        ax.plot(xs, [steps[s] * 1e3 for s in xs], marker="o", ms=2.5, lw=1.2, color=_COLORS[i % 20], label=r.label)
+        profiled = sorted(set(r.workload.profile.steps) & set(xs))
+        if profiled:
+            ax.scatter(profiled, [steps[s] * 1e3 for s in profiled], s=40, facecolors="none",
+                       edgecolors=_COLORS[i % 20], label=f"{r.label}: profiled")
+    ax.set_xlabel("step (after warm-up)")
+    ax.set_ylabel("step time, ms (slowest rank)")
+    _legend(ax)
+    return fig
+
+
+def memory(rows: list[tuple[str, float]]):
+    """Peak memory per row: (label, MiB)."""
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.2))
+    ax.barh([label for label, _ in rows], [mib for _, mib in rows], color=_COLORS[0])
+    ax.invert_yaxis()
+    ax.set_xlabel("peak memory, MiB (device allocated on GPU, RSS on CPU; max over ranks)")
+    return fig
+
+
+def breakdown_bars(rows: list[tuple[str, dict[str, Any]]], key: str, order: tuple[str, ...]):
+    """Stacked bars of each row's breakdown classes (``key``: modules or operators), ms per profiled step."""
+    rows = [(label, b) for label, b in rows if b.get(key)]
+    if not rows:
+        return None
+    present = {c["name"] for _, b in rows for c in b[key]}
+    names = [n for n in order if n in present] + sorted(present - set(order))
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 0.55 * len(rows) + 1.6))
+    left = [0.0] * len(rows)
+    for j, name in enumerate(names):
+        values = [next((c["seconds"] * 1e3 for c in b[key] if c["name"] == name), 0.0) for _, b in rows]
+        ax.barh([label for label, _ in rows], values, left=left, color=_COLORS[j % 20], label=name)
+        left = [a + v for a, v in zip(left, values)]
+    ax.invert_yaxis()
+    ax.set_xlabel(f"ms per profiled step and rank, by {'module' if key == 'modules' else 'operator'} class")
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    return fig
+
+
+def expert_heatmaps(runs: list[ReportRun]):
+    """Per MoE run: tokens per expert and layer (mean over the steps after warm-up, share of the layer's)."""
+    moe = []
+    for r in runs:
+        loads = [rec["expert_load"] for rec in r.records if rec["type"] == "step" and rec.get("expert_load")
+                 and not rec["warmup"] and rec["rank"] == 0]
+        if loads:
+            moe.append((r, loads))
+    if not moe:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(moe[:6]), figsize=(2.9 * len(moe[:6]) + 1.2, 2.9), squeeze=False,
+                             layout="constrained")
+    grids = []
+    for r, loads in moe[:6]:
+        layers, experts = len(loads[0]), len(loads[0][0])
+        grid = [[sum(step[layer][e] for step in loads) for e in range(experts)] for layer in range(layers)]
+        grids.append([[v / (sum(row) or 1) for v in row] for row in grid])
+    top = max(v for g in grids for row in g for v in row)
+    image = None
+    for ax, (r, _), shares in zip(axes[0], moe[:6], grids):
+        image = ax.imshow(shares, aspect="auto", cmap="viridis", vmin=0, vmax=top)
+        imb = r.summary.get("expert_imbalance") or []
+        cv = f"CV {sum(x['cv'] for x in imb) / len(imb):.2f}" if imb else ""
+        ax.set_title(f"{r.label}\n{cv}", fontsize=8)
+        ax.set_xlabel("expert")
+        ax.set_ylabel("layer")
+        ax.set_xticks(range(len(shares[0])))
+        ax.set_yticks(range(len(shares)))
+        ax.grid(False)
+    fig.colorbar(image, ax=axes[0].tolist(), fraction=0.04, label="share of the layer's tokens")
+    return fig
+
+
+def _request_latencies(r: ReportRun, what: str) -> list[float]:
+    out = []
+    for q in r.records:
+        if q["type"] != "request" or q["warmup"] or q["status"] != "ok" or q.get("sent_ns") is None:
+            continue
+        end = q["first_token_ns"] if what == "ttft" else q["end_ns"]
+        if end is not None:
+            out.append((end - q["sent_ns"]) / 1e6)
+    return sorted(out)
+
+
+def latency_cdfs(runs: list[ReportRun]):
+    serve = [r for r in runs if r.serving and _request_latencies(r, "ttft")]
+    if not serve:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.3))
+    for what, ax in zip(("ttft", "e2el"), axes):
+        for i, r in enumerate(serve):
+            values = _request_latencies(r, what)
+            ax.step(values, [(k + 1) / len(values) for k in range(len(values))], where="post", color=_COLORS[i % 20],
+                    label=r.label)
+        ax.set_xlabel(f"{what.upper()}, ms")
+        ax.set_ylabel("share of requests")
+    _legend(axes[0])
+    return fig
+
+
+def latency_vs_load(runs: list[ReportRun]):
+    """Serving runs of one engine at several loads: TTFT and TPOT percentiles against achieved request rate."""
+    groups: dict[str, list[ReportRun]] = {}
+    for r in runs:
+        if r.serving and r.summary.get("serving"):
+            groups.setdefault(r.summary["adapter"], []).append(r)
+    groups = {k: v for k, v in groups.items() if len({x.summary["serving"]["request_throughput"] for x in v}) >= 2}
+    if not groups:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.3))
+    for i, (engine, group) in enumerate(sorted(groups.items())):
+        group = sorted(group, key=lambda x: x.summary["serving"]["request_throughput"])
+        xs = [x.summary["serving"]["request_throughput"] for x in group]
+        for ax, metric in zip(axes, ("ttft", "tpot")):
+            for q, style in (("p50", "-o"), ("p99", "--s")):
+                ys = [(x.summary["serving"][f"{metric}_ms"] or {}).get(q) for x in group]
+                ax.plot(xs, ys, style, ms=3, color=_COLORS[i % 20], label=f"{engine} {q}")
+                ax.set_xlabel("achieved requests/s")
+                ax.set_ylabel(f"{metric.upper()}, ms")
+    _legend(axes[0])
+    return fig
+
+
+def throughput_vs_batch(runs: list[ReportRun]):
+    """Samples/s against global batch per (adapter, model), with Study B's Eq. 2 fitted over each where it can be."""
+    from llmadapt.analysis.perf.studyb import MOE_ATTENUATION, fit_throughput, sparsity_of, throughput
+    from llmadapt.errors import LlmadaptError
+
+    groups: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for r in runs:
+        if r.serving or r.summary.get("status") != "ok" or not r.summary.get("samples_per_s"):
+            continue
+        key = (r.summary["adapter"], r.workload.model.name)
+        groups.setdefault(key, []).append((float(r.workload.train.global_batch), sparsity_of(r.workload.model),
+                                           float(r.summary["samples_per_s"]["mean"])))
+    groups = {k: v for k, v in groups.items() if len({b for b, _, _ in v}) >= 2}
+    if not groups:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for i, ((adapter, model), points) in enumerate(sorted(groups.items())):
+        color = _COLORS[i % 10]
+        ax.scatter([b for b, _, _ in points], [q for _, _, q in points], color=color, s=18,
+                   label=f"{adapter} {model}")
+        try:
+            fit = fit_throughput(points, MOE_ATTENUATION["mixtral"], source="report")
+        except LlmadaptError:
+            continue
+        lo, hi = min(b for b, _, _ in points), max(b for b, _, _ in points)
+        xs = [lo * (hi / lo) ** (k / 40) for k in range(41)]
+        s = points[0][1]
+        ax.plot(xs, [throughput(x, s, fit.coefficients["C4"], fit.coefficients["C2"], fit.fixed["C3"]) for x in xs],
+                color=color, lw=1, label=f"Eq. 2 fit (MAPE {fit.mape:.1%})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("global batch (samples)")
+    ax.set_ylabel("samples/s")
+    _legend(ax)
+    return fig
+
+
+def estimate_vs_measured(points: list[tuple[str, float, float]]):
+    """(label, estimated s, measured s) per run whose device the catalog knows."""
+    if not points:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(4.8, 4.2))
+    for i, (label, est, meas) in enumerate(points):
+        ax.scatter([meas * 1e3], [est * 1e3], color=_COLORS[i % 20], label=label, s=22)
+    top = max(max(e, m) for _, e, m in points) * 1e3 * 1.15
+    ax.plot([0, top], [0, top], color="#999", lw=0.8, ls="--", label="estimate = measured")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("measured step time, ms (median)")
+    ax.set_ylabel("estimated step time, ms")
+    _legend(ax)
+    return fig
+
+
+FigureMaker = Callable[..., Any]
+
+
+def save(fig, stem: Path) -> list[Path]:
+    """FIG as STEM.png and STEM.svg."""
+    out = []
+    for suffix in (".png", ".svg"):
+        path = stem.with_suffix(suffix)
+        fig.savefig(path, dpi=110 if suffix == ".png" else None)
+        out.append(path)
+    return out
+
+
+def svg_text(fig) -> str:
+    import io
+
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg")
+    text = buf.getvalue()
+    return text[text.index("<svg"):]  # the XML prolog and doctype have no place inside HTML
+
+
+def close(fig) -> None:
+    _pyplot().close(fig)
+
+
+def fmt_mib(value: float | None) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.0f}"

@@ -1,0 +1,264 @@
+"""A self-contained HTML report of runs: one file, every style, script and figure inline, nothing fetched when it
+opens. The comparison table (sortable, medians with their intervals where rows have repeats), then each figure the
+runs hold data for (analysis.figures): loss curves, step time over steps, peak memory, the module and operator
+breakdowns, expert load per layer, serving latency CDFs and latency against load, throughput against batch with
+Study B's fit, the estimate against the measurement. ``--figures DIR`` writes the same figures as PNG and SVG.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from llmadapt.analysis import figures as F
+from llmadapt.analysis.compare import Comparison, row_of_runs
+from llmadapt.contract.rundir import RunDir
+from llmadapt.errors import LlmadaptError
+from llmadapt.host import VERSION, utc_now
+from llmadapt.spec import Workload
+
+_STYLE = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1100px;
+       color: #222; padding: 0 1em; }
+h1 { font-size: 1.5em; margin-bottom: 0.2em; } h2 { font-size: 1.15em; margin-top: 2em; }
+.meta { color: #666; font-size: 0.9em; }
+table { border-collapse: collapse; font-size: 0.86em; margin: 1em 0; }
+th, td { border-bottom: 1px solid #ddd; padding: 4px 8px; text-align: right; white-space: nowrap; }
+th:nth-child(-n+3), td:nth-child(-n+3) { text-align: left; }
+th { cursor: pointer; background: #f4f4f4; user-select: none; } th.sorted-asc::after { content: " \\25B2"; }
+th.sorted-desc::after { content: " \\25BC"; }
+figure.chart { margin: 1em 0 2em; } figure.chart svg { max-width: 100%; height: auto; }
+figcaption { color: #555; font-size: 0.9em; }
+.note { color: #555; font-size: 0.85em; }
+"""
+
+# Sort a table by the clicked column: numbers by their data-value, the rest as text.
+_SCRIPT = """
+document.querySelectorAll("table.sortable th").forEach(function (th, column) {
+  th.addEventListener("click", function () {
+    var table = th.closest("table"), body = table.tBodies[0];
+    var ascending = !th.classList.contains("sorted-asc");
+    table.querySelectorAll("th").forEach(function (h) { h.classList.remove("sorted-asc", "sorted-desc"); });
+    th.classList.add(ascending ? "sorted-asc" : "sorted-desc");
+    var rows = Array.prototype.slice.call(body.rows);
+    rows.sort(function (a, b) {
+      var x = a.cells[column].dataset.value, y = b.cells[column].dataset.value;
+      var nx = parseFloat(x), ny = parseFloat(y), c;
+      if (!isNaN(nx) && !isNaN(ny)) { c = nx - ny; } else { c = String(x).localeCompare(String(y)); }
+      return ascending ? c : -c;
+    });
+    rows.forEach(function (row) { body.appendChild(row); });
+  });
+});
+"""
+
+
+def collect(sources: Iterable[str | Path], *, query: str | None = None, root: str | Path = "runs") -> list[Path]:
+    """The run folders named (a run folder, or a folder of runs: every run in it), or matching QUERY in ROOT."""
+    folders: list[Path] = []
+    for source in map(Path, sources):
+        if RunDir(source).launch_file.is_file():
+            folders.append(source)
+        elif source.is_dir() and any(RunDir(p).launch_file.is_file() for p in source.iterdir() if p.is_dir()):
+            folders += sorted(p for p in source.iterdir() if p.is_dir() and RunDir(p).launch_file.is_file())
+        else:
+            raise LlmadaptError(f"{source} is not a run folder nor a folder of runs")
+    if query is not None:
+        from llmadapt.analysis.store import RunStore
+
+        with RunStore(root) as store:
+            folders += [r.folder for r in store.runs(query)]
+    unique = list(dict.fromkeys(f.resolve() for f in folders))
+    if not unique:
+        raise LlmadaptError("no runs to report on: name run folders, or --runs QUERY")
+    return unique
+
+
+def _load(folder: Path) -> tuple[dict[str, Any], Workload, list[dict[str, Any]]]:
+    from llmadapt.analysis.report import read_summary
+    from llmadapt.launch.summary import load_records
+
+    try:
+        summary = read_summary(folder)
+        workload = Workload.from_dict(RunDir(folder).read_launch()["workload"])
+        records = load_records(folder)
+    except LlmadaptError as exc:
+        raise LlmadaptError(f"{folder}: damaged run folder ({exc})") from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise LlmadaptError(f"{folder}: damaged run folder ({type(exc).__name__}: {str(exc)[:160]})") from None
+    return summary, workload, records
+
+
+def build(folders: list[Path], *, title: str = "llmadapt report", keep_figures: bool = False,
+          log: Callable[[str], None] | None = None) -> tuple[str, dict[str, Any], Comparison]:
+    """The report: (HTML text, the figures by name as (title, figure), the comparison its tables show). The
+    figures are closed once drawn into the page unless ``keep_figures`` (then close them with figures.close)."""
+    from llmadapt.analysis.cells import layout_label
+
+    loaded = [(folder, *_load(folder)) for folder in folders]
+    cells: dict[tuple[str, str, str], list[tuple[Path, dict, Workload, list]]] = {}
+    for folder, summary, workload, records in loaded:
+        key = (summary["problem_hash"], layout_label(summary["adapter"], workload), summary["workload_hash"])
+        cells.setdefault(key, []).append((folder, summary, workload, records))
+    problems = list(dict.fromkeys(k[0] for k in cells))
+    rows, runs, baselines = [], [], {}
+    for key in sorted(cells, key=lambda k: problems.index(k[0])):
+        group = cells[key]
+        rows.append(row_of_runs(key[1], group[0][1]["adapter"], group[0][2].name, key[1],
+                                [(str(f), s) for f, s, _, _ in group], baselines))
+        for n, (folder, summary, workload, records) in enumerate(group):
+            label = key[1] + (f" #{n + 1}" if len(group) > 1 else "")
+            runs.append(F.ReportRun(label, folder, workload, summary, records))
+    comparison = Comparison(rows=rows, workloads={k[0]: cells[k][0][2] for k in cells})
+    figs = _figures(runs, rows, log)
+    text = _html(title, comparison, runs, figs)
+    if not keep_figures:
+        for _, fig in figs.values():
+            F.close(fig)
+    return text, figs, comparison
+
+
+def _figures(runs: list[F.ReportRun], rows, log) -> dict[str, Any]:
+    from llmadapt.adapter.breakdown import MODULE_CLASSES, OPERATOR_CLASSES
+
+    breakdowns = []
+    for r in rows:
+        from llmadapt.analysis.report import read_summary
+
+        b = read_summary(r.run_dir).get("breakdown") if r.run_dir else None
+        if b and b.get("profiled_steps"):
+            breakdowns.append((r.label, b))
+    made = {
+        "loss": ("Loss per step", F.loss_curves(runs)),
+        "step_time": ("Step time over steps", F.step_times(runs)),
+        "memory": ("Peak memory per configuration",
+                   F.memory([(r.label, r.metrics["peak_memory_mib"]) for r in rows
+                             if r.metrics.get("peak_memory_mib")])),
+        "breakdown_modules": ("Where the step's time goes, by module class",
+                              F.breakdown_bars(breakdowns, "modules", MODULE_CLASSES)),
+        "breakdown_operators": ("Where the step's time goes, by operator class",
+                                F.breakdown_bars(breakdowns, "operators", OPERATOR_CLASSES)),
+        "expert_load": ("Expert load per layer (MoE)", F.expert_heatmaps(runs)),
+        "latency_cdf": ("Serving latency distributions", F.latency_cdfs(runs)),
+        "latency_vs_load": ("Serving latency against load", F.latency_vs_load(runs)),
+        "throughput_vs_batch": ("Throughput against batch size, with Study B's Eq. 2",
+                                F.throughput_vs_batch(runs)),
+        "estimate_vs_measured": ("Estimated against measured step time", F.estimate_vs_measured(_estimates(runs))),
+    }
+    out = {name: (title, fig) for name, (title, fig) in made.items() if fig is not None}
+    if log:
+        log(f"figures: {', '.join(out) or 'none'}")
+    return out
+
+
+def _estimates(runs: list[F.ReportRun]) -> list[tuple[str, float, float]]:
+    """(label, estimate, measured median) for the training runs whose device the catalog knows."""
+    from llmadapt.analysis.perf.estimate import estimate
+    from llmadapt.contract.catalog import device_for_reported
+
+    out = []
+    for r in runs:
+        device = (r.summary.get("device") or {}).get("name")
+        step = (r.summary.get("step_time_s") or {}).get("p50")
+        if r.serving or not device or not step:
+            continue
+        spec = device_for_reported(device)
+        if spec is None:
+            continue
+        try:
+            out.append((r.label, estimate(r.workload, spec).step_time_s, step))
+        except LlmadaptError:
+            continue
+    return out
+
+
+def _cell(text: str, value: Any = None) -> str:
+    data = text if value is None else value
+    return f'<td data-value="{html.escape(str(data))}">{html.escape(text)}</td>'
+
+
+def _table(table_id: str, rows, columns, problems: dict[str, str]) -> str:
+    from llmadapt.analysis.compare import format_value
+
+    head = "".join(f"<th>{html.escape(t)}</th>" for t in ["problem", "run", "status", *[c for _, c, _ in columns],
+                                                            "runs"])
+    body = []
+    for r in rows:
+        cells = [_cell(problems[r.problem_hash]), _cell(r.label), _cell(r.status)]
+        for key, _, fmt in columns:
+            estimate = r.estimates.get(key)
+            value = r.metrics.get(key)
+            text = estimate.text() if estimate else format_value(value, fmt)
+            cells.append(_cell(text, value if isinstance(value, (int, float)) else text))
+        cells.append(_cell(str(len(r.run_dirs) or 1), len(r.run_dirs) or 1))
+        body.append(f"<tr>{''.join(cells)}</tr>")
+    return (f'<table class="sortable" id="{table_id}"><thead><tr>{head}</tr></thead><tbody>\n'
+            + "\n".join(body) + "\n</tbody></table>")
+
+
+def _html(title: str, comparison: Comparison, runs: list[F.ReportRun], figs: dict[str, Any]) -> str:
+    from llmadapt.analysis.compare import EXPERT_COLUMNS, SERVE_COLUMNS, TRAIN_COLUMNS
+
+    problems = {h: f"P{i}" for i, h in enumerate(comparison.problems(), 1)}
+    serving = [r for r in comparison.rows if "request_throughput" in r.metrics]
+    training = [r for r in comparison.rows if r not in serving]
+    tables = []
+    if training:
+        columns = TRAIN_COLUMNS + (EXPERT_COLUMNS if any("expert_cv" in r.metrics for r in training) else [])
+        tables.append("<h2>Training</h2>" + _table("comparison", training, columns, problems))
+    if serving:
+        tables.append("<h2>Serving</h2>" + _table("comparison-serve", serving, SERVE_COLUMNS, problems))
+    notes = [f"{problems[h]}: problem {h[:12]}{comparison.difference(h)}" for h in problems]
+    notes += [f"{r.label}: {r.note}" for r in comparison.rows if r.note]
+    if any(r.estimates for r in comparison.rows):
+        notes.append("Medians with 95% percentile-bootstrap intervals (2000 resamples) over a row's runs, or over "
+                     "the measured steps of its one run.")
+    sections = []
+    for name, (fig_title, fig) in figs.items():
+        sections.append(f'<figure class="chart" id="{name}"><figcaption>{html.escape(fig_title)}</figcaption>'
+                        f"{F.svg_text(fig)}</figure>")
+    machines = sorted({(r.summary.get("device") or {}).get("name") or "-" for r in runs})
+    cpu_only = all((r.summary.get("device") or {}).get("kind", "cpu") == "cpu" for r in runs)
+    meta = (f"{len(runs)} run(s) on {', '.join(machines)}; made {utc_now()[:19]} UTC by llmadapt {VERSION}"
+            + ("; every figure here came from a CPU" if cpu_only else ""))
+    runs_json = html.escape(json.dumps([{"label": r.label, "run_id": r.summary["run_id"], "folder": str(r.folder)}
+                                        for r in runs]))
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>{_STYLE}</style></head>
+<body>
+<h1>{html.escape(title)}</h1>
+<p class="meta">{html.escape(meta)}</p>
+{chr(10).join(tables)}
+{''.join(f'<p class="note">{html.escape(n)}</p>' for n in notes)}
+{chr(10).join(sections)}
+<script type="application/json" id="runs">{runs_json}</script>
+<script>{_SCRIPT}</script>
+</body></html>
+"""
+
+
+def report(sources: Iterable[str | Path], output: str | Path, *, query: str | None = None, root: str | Path = "runs",
+           figures_dir: str | Path | None = None, title: str = "llmadapt report",
+           log: Callable[[str], None] | None = None) -> Path:
+    """Write the HTML report of the runs to OUTPUT (and, with ``figures_dir``, each figure as PNG and SVG)."""
+    folders = collect(sources, query=query, root=root)
+    text, figs, _ = build(folders, title=title, keep_figures=figures_dir is not None, log=log)
+    output = Path(output)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text, encoding="utf-8")
+        if figures_dir is not None:
+            Path(figures_dir).mkdir(parents=True, exist_ok=True)
+            for name, (_, fig) in figs.items():
+                F.save(fig, Path(figures_dir) / name)
+    except OSError as exc:
+        raise LlmadaptError(f"cannot write the report: {exc.strerror or exc}") from None
+    finally:
+        if figures_dir is not None:
+            for _, fig in figs.values():
+                F.close(fig)
+    return output

@@ -1,0 +1,71 @@
+"""Live record sinks: a run's records forwarded, as the orchestrator sees them, to a Python callback (``run(...,
+on_record=)``) and to the sinks plugins provide (the ``llmadapt_record_sink`` hook): how llmadapt feeds the
+tracking tools people already use (examples/sink-tensorboard). A sink never fails a run: one that raises is
+dropped with a warning.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from llmadapt.contract.schema import RECORD_TYPES
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+class RecordSinks:
+    """Wraps a run's progress callback: on its start event it opens the plugins' sinks; every record after it goes
+    to them and to ``on_record``; ``close(summary)`` ends them."""
+
+    def __init__(self, progress: Progress | None, on_record: Callable[[dict[str, Any]], None] | None,
+                 workload: dict[str, Any]) -> None:
+        self.progress, self.on_record, self.workload = progress, on_record, workload
+        self.sinks: list[tuple[str, Any]] = []
+        self.started = False
+
+    def _warn(self, message: str) -> None:
+        if self.progress:
+            self.progress({"type": "warning", "message": message})
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if event.get("type") == "start" and not self.started:
+            self.started = True
+            self._open(event)
+        elif event.get("type") in RECORD_TYPES:
+            self.record(event)
+        if self.progress:
+            self.progress(event)
+
+    def _open(self, start: dict[str, Any]) -> None:
+        from llmadapt.adapter.plugins import default_manager
+
+        run = {"run_id": Path(start["run_dir"]).name, "run_dir": start["run_dir"], "adapter": start.get("adapter"),
+               "label": start.get("label"), "world_size": start.get("world_size"), "workload": self.workload}
+        hook = default_manager().hook.llmadapt_record_sink
+        for impl in reversed(hook.get_hookimpls()):
+            try:
+                sink = impl.function(run=run)
+            except Exception as exc:  # noqa: BLE001 - a sink never fails the run
+                self._warn(f"record sink of plugin {impl.plugin_name!r} failed to start: {exc}")
+                continue
+            if sink is not None:
+                self.sinks.append((impl.plugin_name, sink))
+
+    def record(self, record: dict[str, Any]) -> None:
+        if self.on_record:
+            self.on_record(record)
+        for name, sink in list(self.sinks):
+            try:
+                sink.write(record)
+            except Exception as exc:  # noqa: BLE001
+                self.sinks.remove((name, sink))
+                self._warn(f"record sink of plugin {name!r} dropped: {exc}")
+
+    def close(self, summary: dict[str, Any]) -> None:
+        for name, sink in self.sinks:
+            try:
+                sink.close(summary)
+            except Exception as exc:  # noqa: BLE001
+                self._warn(f"record sink of plugin {name!r} failed to close: {exc}")
+        self.sinks = []
