@@ -1,9 +1,11 @@
 """The canonical checkpoint: one HF-format model (safetensors) and tokenizer per model spec and seed.
 
-Every adapter loads this same file, so every stack starts from identical weights. It is
+Every adapter loads this same folder, so every stack starts from identical weights. It is
 built locally (no hub), cached in the state folder by content hash, and built once per
-machine under a file lock; the header of every trace carries its weights' sha256 so runs on
-different machines can be checked for the same start.
+machine under a file lock; the header of every trace carries its content hash (the one a
+``model.path`` folder gets, `llmadapt.modelfolder`) so runs on different machines can be
+checked for the same start. It is written streaming, tensor by tensor into shards of at
+most ``SHARD_BYTES``, so building a 70B model's checkpoint needs one shard's memory.
 
 Runs inside workers (imports torch and transformers).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -22,16 +25,20 @@ from pathlib import Path
 import attrs
 
 from llmadapt.host import state_dir
+from llmadapt.modelfolder import INDEX, WEIGHTS, content_hash
 from llmadapt.spec import ModelSpec
 
-RECIPE_VERSION = 1  # bump when the way checkpoints are built changes
+RECIPE_VERSION = 2  # bump when the way checkpoints are built changes (2: written streaming, in shards)
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
-WEIGHTS = "model.safetensors"
+INIT_STD = 0.02  # transformers' initializer_range for Llama and Mixtral
+SHARD_BYTES = int(os.environ.get("LLMADAPT_SHARD_BYTES", 1 << 30))
+"""Largest shard the writer makes: what it holds in memory at once."""
 
 
 def checkpoint_key(model: ModelSpec, seed: int) -> str:
     data = attrs.asdict(model)
-    data.pop("name")
+    for key in ("name", "path", "checksum"):
+        data.pop(key)
     text = json.dumps({"model": data, "seed": seed, "recipe": RECIPE_VERSION}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
@@ -103,7 +110,10 @@ def hf_config(model: ModelSpec, tokenizer):
 
 
 def canonical_checkpoint(model: ModelSpec, seed: int, cache: Path | None = None) -> Path:
-    """Path of the checkpoint directory for (model, seed), building it if needed (process-safe)."""
+    """Path of the checkpoint directory for (model, seed), building it if needed (process-safe); a model
+    with ``path`` is its own checkpoint."""
+    if model.path:
+        return Path(model.path)
     root = (cache or state_dir() / "checkpoints")
     target = root / checkpoint_key(model, seed)
     if (target / "READY").is_file():
@@ -123,38 +133,105 @@ def canonical_checkpoint(model: ModelSpec, seed: int, cache: Path | None = None)
     return target
 
 
-def _build(model: ModelSpec, seed: int, out: Path) -> None:
+def tensor_plan(model: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of the checkpoint, in file order, with its shape: Hugging Face's published Llama and
+    Mixtral layouts (Mixtral's experts as ``block_sparse_moe.experts.E.w1/w2/w3``, which every loader reads)."""
+    h, i, v, d = model.hidden_size, model.intermediate_size, model.vocab_size, model.head_dim
+    plan = [("model.embed_tokens.weight", (v, h))]
+    for n in range(model.num_layers):
+        p = f"model.layers.{n}"
+        plan += [(f"{p}.input_layernorm.weight", (h,)),
+                 (f"{p}.self_attn.q_proj.weight", (model.num_heads * d, h)),
+                 (f"{p}.self_attn.k_proj.weight", (model.num_kv_heads * d, h)),
+                 (f"{p}.self_attn.v_proj.weight", (model.num_kv_heads * d, h)),
+                 (f"{p}.self_attn.o_proj.weight", (h, model.num_heads * d)),
+                 (f"{p}.post_attention_layernorm.weight", (h,))]
+        if model.is_moe:
+            plan.append((f"{p}.block_sparse_moe.gate.weight", (model.num_experts, h)))
+            for e in range(model.num_experts):
+                q = f"{p}.block_sparse_moe.experts.{e}"
+                plan += [(f"{q}.w1.weight", (i, h)), (f"{q}.w2.weight", (h, i)), (f"{q}.w3.weight", (i, h))]
+        else:
+            plan += [(f"{p}.mlp.gate_proj.weight", (i, h)), (f"{p}.mlp.up_proj.weight", (i, h)),
+                     (f"{p}.mlp.down_proj.weight", (h, i))]
+    plan.append(("model.norm.weight", (h,)))
+    if not model.tie_embeddings:
+        plan.append(("lm_head.weight", (v, h)))
+    return plan
+
+
+def init_tensor(name: str, shape: tuple[int, ...], seed: int, pad_token_id: int | None):
+    """One tensor as transformers initialises it (norms one, every matrix N(0, 0.02), the padding row of the
+    embedding zero), from a generator seeded by (seed, name): the same bytes whatever order or shard."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    if len(shape) == 1:
+        return torch.ones(shape, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}:{name}".encode()).hexdigest()[:15], 16))
+    tensor = torch.empty(shape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=generator)
+    if name == "model.embed_tokens.weight" and pad_token_id is not None:
+        tensor[pad_token_id] = 0
+    return tensor
+
+
+def _shards(plan: list[tuple[str, tuple[int, ...]]], shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in plan:
+        nbytes = 4 * math.prod(shape)
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards
+
+
+def _build(model: ModelSpec, seed: int, out: Path, shard_bytes: int | None = None) -> None:
+    """Written as it is made, one shard at a time: the writer holds at most one shard (plus the tensor being
+    made), whatever the model's size. One file when the model fits one shard, as save_pretrained does."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
 
     tokenizer = build_tokenizer(model.vocab_size, out)
     if len(tokenizer) > model.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but model.vocab_size is {model.vocab_size}")
     config = hf_config(model, tokenizer)
-    torch.manual_seed(seed)
-    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    hf_model.save_pretrained(str(out), safe_serialization=True)
+    config.architectures = ["MixtralForCausalLM" if model.is_moe else "LlamaForCausalLM"]
+    config.dtype = "float32"
+    config.save_pretrained(str(out))
+    GenerationConfig.from_model_config(config).save_pretrained(str(out))
     # transformers 5.x writes rope settings only as rope_parameters; older readers (4.51)
     # ignore that and fall back to their default theta. Write it at the top level as well.
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["rope_theta"] = model.rope_theta
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
-    (out / "READY").write_text(json.dumps({"weights_sha256": weights_hash(out), "key": out.name}))
 
-
-def weights_hash(checkpoint: Path) -> str:
-    digest = hashlib.sha256()
-    with open(checkpoint / WEIGHTS, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    shards = _shards(tensor_plan(model), shard_bytes or SHARD_BYTES)
+    names = [WEIGHTS] if len(shards) == 1 else [f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+                                                 for k in range(1, len(shards) + 1)]
+    weight_map, total = {}, 0
+    for file, shard in zip(names, shards):
+        tensors = {name: init_tensor(name, shape, seed, tokenizer.pad_token_id) for name, shape in shard}
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        total += sum(t.numel() * 4 for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, file))
+        del tensors  # before the next shard is made
+    if len(shards) > 1:
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "READY").write_text(json.dumps({"weights_sha256": content_hash(out), "key": out.name}))
 
 
 def recorded_weights_hash(checkpoint: Path) -> str | None:
+    """The checkpoint's content hash: recorded when it was built, computed for a model folder (cached)."""
     try:
         return json.loads((checkpoint / "READY").read_text())["weights_sha256"]
     except (OSError, KeyError, json.JSONDecodeError):
+        pass
+    try:
+        return content_hash(checkpoint)
+    except (OSError, ValueError):
         return None
 
 

@@ -95,6 +95,13 @@ class ModelSpec:
     experts_per_token: int = attrs.field(default=2, validator=_at_least(1))
     """Top-k routing: experts each token is sent to (MoE only)."""
     tie_embeddings: bool = False
+    path: str | None = None
+    """A local Hugging Face model folder (config.json, safetensors, tokenizer.json): its weights and tokenizer
+    instead of a preset's random ones; the shape fields then come from its config.json. Not part of either hash
+    (the same folder elsewhere is the same model): its content is, as ``checksum``."""
+    checksum: str | None = None
+    """Content hash of the folder at ``path`` (config, weights index, shard hashes, tokenizer), recorded by
+    llmadapt when the workload is built and checked again before launch; not set by hand."""
 
     def __attrs_post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -204,6 +211,16 @@ class Optimizations:
 
 
 @attrs.frozen
+class SaveSpec:
+    """Keep what training produced: the trained model as a Hugging Face model folder (docs/workloads.md)."""
+
+    path: str | None = None
+    """Write the model after the last step here: config.json, safetensors shards and the tokenizer, gathered from
+    every rank's shards (ZeRO-3 partitions, tensor- and pipeline-parallel slices); LoRA weights merged into the
+    base. A new or empty folder; a serving workload's ``model.path`` can name it."""
+
+
+@attrs.frozen
 class ProfileSpec:
     """Profile chosen measured steps with torch.profiler (docs/breakdown.md); the other steps run unprofiled."""
 
@@ -310,6 +327,7 @@ _LAYOUT_FIELDS = {
     "train": ("micro_batch", "optimizer_impl"),
     "optimizations": ("zero_stage", "offload", "recompute", "flash_attention"),
     "profile": None,  # looking does not change the numbers
+    "save": None,  # nor does keeping the result
     "telemetry": None,
 }
 
@@ -331,6 +349,7 @@ class Workload:
     lora: LoraSpec = attrs.field(factory=LoraSpec)
     serve: ServeSpec = attrs.field(factory=ServeSpec)
     profile: ProfileSpec = attrs.field(factory=ProfileSpec)
+    save: SaveSpec = attrs.field(factory=SaveSpec)
     telemetry: TelemetrySpec = attrs.field(factory=TelemetrySpec)
     adapters: dict[str, dict[str, Any]] = attrs.field(factory=dict)
     """Settings for one adapter only: adapter name -> {dotted path: value} (``[adapters.megatron]`` in a file,
@@ -401,10 +420,14 @@ class Workload:
         data["sources"] = {p: "file" for p in _flatten({k: v for k, v in data.items() if k != "adapters"})}
         data["sources"].update({f"{name}:{p}": f"file [adapters.{name}]"
                                 for name, section in data["adapters"].items() for p in section})
-        section = data.get("data")
-        if isinstance(section, dict) and isinstance(section.get("path"), str) and not Path(section["path"]).is_absolute():
-            # Data paths in a file are relative to that file, so examples run from anywhere.
-            data = {**data, "data": {**section, "path": str((path.parent / section["path"]).resolve())}}
+        for key in ("data", "model"):
+            section = data.get(key)
+            if isinstance(section, dict) and isinstance(section.get("path"), str) and not Path(section["path"]).is_absolute():
+                # Data and model paths in a file are relative to that file, so examples run from anywhere
+                # (a hub-like name that is no folder there stays as written, to be named as such).
+                local = (path.parent / section["path"]).resolve()
+                if key == "data" or local.exists():
+                    data = {**data, key: {**section, "path": str(local)}}
         return cls.from_dict(data)
 
     def with_overrides(self, assignments: list[str] | tuple[str, ...], *, source: str = "override") -> Workload:
@@ -456,8 +479,8 @@ class Workload:
                 waiting[adapter][path] = value
                 sources[f"{adapter}:{path}"] = origin
                 continue
-            if path == "model.preset":  # a preset replaces the whole model section
-                data["model"] = {"preset": value}
+            if path in ("model.preset", "model.path"):  # a preset or a folder replaces the whole model section
+                data["model"] = {path.split(".")[1]: value}
                 for key in [k for k in sources if k.startswith("model.")]:
                     del sources[key]
             else:
@@ -484,20 +507,13 @@ class Workload:
     def content_hash(self) -> str:
         """Stable hash of everything that defines the workload (labels, per-adapter settings and sources
         excluded: apply `for_adapter` first)."""
-        data = self.to_dict()
-        for key in ("name", "adapters", "sources"):
-            data.pop(key)
-        data["model"].pop("name")
-        return _hash(data)
+        return _hash(_without_labels(self.to_dict()))
 
     def problem_dict(self) -> dict[str, Any]:
         """What determines the loss trajectory, the problem hash's input: layout and memory techniques (the
         parallelism section, micro-batch, optimizer implementation, ZeRO, offload, recompute, flash attention),
         labels and per-adapter settings left out."""
-        data = self.to_dict()
-        for key in ("name", "adapters", "sources"):
-            data.pop(key)
-        data["model"].pop("name")
+        data = _without_labels(self.to_dict())
         for section, fields in _LAYOUT_FIELDS.items():
             if fields is None:
                 data.pop(section)
@@ -526,6 +542,18 @@ class Workload:
     @property
     def label(self) -> str:
         return self.name or f"{self.kind}-{self.model.name}"
+
+
+def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
+    """A workload's dict less what does not define it: labels, per-adapter settings, sources, the model
+    folder's location (its content is the checksum; absent for a preset, so older hashes stay as they were)."""
+    for key in ("name", "adapters", "sources"):
+        data.pop(key)
+    for key in ("name", "path"):
+        data["model"].pop(key)
+    if data["model"]["checksum"] is None:
+        data["model"].pop("checksum")
+    return data
 
 
 def problem_difference(a: Workload, b: Workload) -> list[str]:
@@ -632,6 +660,11 @@ def _check_workload(w: Workload) -> None:
         raise WorkloadError(
             "optimizations.quantization", o.quantization, "quantized base weights do not train: set lora.rank > 0 (QLoRA)"
         )
+    if w.save.path is not None and w.kind == "serve":
+        raise WorkloadError("save.path", w.save.path, "saving the trained model is for train and finetune workloads")
+    if w.save.path is not None and o.quantization != "none":
+        raise WorkloadError("save.path", w.save.path, "quantized base weights cannot be saved as a model (QLoRA "
+                            "merged into 4- or 8-bit weights would be dequantized): train without quantization")
     if w.kind == "serve":
         _check_serve(w)
     if w.data.source == "jsonl":
@@ -702,7 +735,13 @@ def _build(cls: type, data: Any, path: str) -> Any:
         preset = data.pop("preset")
         if not isinstance(preset, str) or preset not in MODEL_PRESETS:
             raise WorkloadError(f"{path}.preset", preset, f"known presets: {', '.join(MODEL_PRESETS)}")
+        if data.get("path") is not None:
+            raise WorkloadError(f"{path}.path", data["path"], f"model.preset {preset!r} is set too: give one of the two")
         data = {"name": preset, **MODEL_PRESETS[preset], **data}
+    if cls is ModelSpec and data.get("path") is not None:
+        data = _model_folder(data, path)
+    if cls is SaveSpec and isinstance(data.get("path"), str) and data["path"]:
+        data["path"] = str(Path(data["path"]).resolve())  # workers run elsewhere: the folder the user meant
     fields = {f.name: f for f in attrs.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(fields))
@@ -719,6 +758,30 @@ def _build(cls: type, data: Any, path: str) -> Any:
         # Validators know only their own field name: prefix the section path.
         field = exc.field if not path or exc.field.startswith(path) else f"{path}.{exc.field}"
         raise WorkloadError(field, exc.value, exc.allowed) from None
+
+
+def _model_folder(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """model.path: the shape fields from the folder's config.json, after checking the folder; its content hash.
+    A workload llmadapt recorded carries the checksum and the fields already: taken as they are here (the folder
+    may be on another machine) and checked against the folder before launch."""
+    folder = data["path"]
+    if not isinstance(folder, str) or not folder:
+        raise WorkloadError(f"{where}.path", folder, "must be the path of a local model folder")
+    if data.get("checksum"):
+        return data
+    from llmadapt.modelfolder import FolderError, content_hash, shape_of
+
+    if Path(folder).exists():
+        folder = str(Path(folder).resolve())
+    try:
+        fields = shape_of(folder)
+        checksum = content_hash(folder)
+    except FolderError as exc:
+        raise WorkloadError(f"{where}.path", folder, str(exc)) from None
+    for key, value in data.items():
+        if key in fields and value != fields[key]:
+            raise WorkloadError(f"{where}.{key}", value, f"model.path's config.json says {fields[key]!r}: leave it out")
+    return {"name": Path(folder).name, **data, **fields, "path": folder, "checksum": checksum}
 
 
 def _convert(hint: Any, value: Any, path: str) -> Any:

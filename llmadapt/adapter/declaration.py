@@ -58,6 +58,8 @@ class Supports:
     lora: bool = False
     moe: bool = False
     optimizer_impls: tuple[str, ...] = ("torch",)
+    save: bool = False
+    """Can write the trained model as a Hugging Face folder (``Trainer.save_pretrained``; workload.save.path)."""
 
     def problems(self, workload: Workload) -> list[tuple[str, Any, str]]:
         """(field, value, what is allowed) for everything in the workload this adapter cannot do."""
@@ -84,6 +86,8 @@ class Supports:
         need(workload.train.optimizer_impl in self.optimizer_impls, "train.optimizer_impl",
              workload.train.optimizer_impl, f"supported: {', '.join(self.optimizer_impls)}")
         need(not workload.lora.rank or self.lora, "lora.rank", workload.lora.rank, "supported: 0 (no LoRA)")
+        need(workload.save.path is None or self.save, "save.path", workload.save.path,
+             "this adapter cannot save the trained model")
         need(not workload.model.is_moe or self.moe, "model.num_experts", workload.model.num_experts,
              "supported: 0 (dense models only)")
         return out

@@ -5,6 +5,7 @@ and what a training step returns (``StepResult``). They run inside the adapter's
 from __future__ import annotations
 
 import abc
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import attrs
@@ -55,6 +56,21 @@ class Trainer(abc.ABC):
 
     def teardown(self) -> None:
         """Release framework resources (the core destroys the default process group)."""
+
+    def model_loaded(self) -> None:
+        """Call in ``setup`` when the checkpoint's weights are in place, before wrapping the model and making the
+        optimizer: the trace then has what loading cost apart from the rest of setup (``load_seconds``,
+        ``load_peak_rss_bytes``: the process's memory high-water mark at that moment)."""
+        import resource
+        import time
+
+        self.loaded_at = (time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0)
+
+    def save_pretrained(self, folder: Path) -> None:
+        """Write the trained weights into ``folder`` as Hugging Face safetensors with the model's config.json
+        (``workload.save.path``; declare ``Supports.save``). Called on every rank after the last step: gather what
+        is sharded, rank 0 writes. The core adds the tokenizer."""
+        raise NotImplementedError(f"{type(self).__name__} cannot save the trained model")
 
     def final_records(self) -> list[Comm | Metric]:
         """Run-level figures from the framework (comms summaries, FLOPs profiler totals), written after the last step."""

@@ -21,7 +21,10 @@ def cmd_run(args) -> int:
     nodes = RunDir(result.run_dir).read_launch().get("nodes", {}).get("seen")
     where = "".join(f"\nnode {n['node_rank']:<6} {n['node']}, ranks {', '.join(map(str, n['ranks']))}"
                     for n in nodes or [])
-    emit(args, {"run_dir": str(result.run_dir), "summary": summary},
+    saved = RunDir(result.run_dir).read_launch()["workload"].get("save", {}).get("path")
+    if saved and result.ok:
+        where += f"\nsaved      {saved} (a Hugging Face model folder: serve it with --set model.path={saved})"
+    emit(args, {"run_dir": str(result.run_dir), "summary": summary, "saved": saved if result.ok else None},
           render_summary(summary) + where + f"\ntrace      {result.run_dir}")
     return 0 if result.ok else 1
 

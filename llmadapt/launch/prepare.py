@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 
 from llmadapt.adapter.declaration import EnvironmentSpec
-from llmadapt.errors import LlmadaptError
+from llmadapt.errors import LlmadaptError, WorkloadError
 from llmadapt.host import state_dir
 from llmadapt.launch.environments import process_env, python_for
 from llmadapt.spec import Workload
@@ -28,8 +28,35 @@ def checkpoint_dir(workload: Workload) -> Path:
     return state_dir() / "checkpoints" / checkpoint_key(workload.model, workload.seed)
 
 
+def checked_folder(workload: Workload) -> Path:
+    """model.path, if its content is still what the workload recorded (a folder changed after a workload was
+    written, or another folder at the same path on this machine, would run another model under its hash)."""
+    from llmadapt.modelfolder import FolderError, content_hash
+
+    m = workload.model
+    try:
+        now = content_hash(m.path)
+    except (FolderError, OSError) as exc:
+        raise WorkloadError("model.path", m.path, f"cannot be read: {exc}") from None
+    if now != m.checksum:
+        raise WorkloadError("model.path", m.path, f"changed since the workload was built (content hash {now}, "
+                            f"recorded {m.checksum}): build the workload again from its file")
+    return Path(m.path)
+
+
+def check_save_folder(workload: Workload) -> None:
+    """save.path: a new or empty folder (a saved model is never overwritten, nor mixed with other files)."""
+    path = workload.save.path
+    if path and Path(path).exists() and (not Path(path).is_dir() or any(Path(path).iterdir())):
+        raise WorkloadError("save.path", path, "exists and is not an empty folder: name a new one (a saved model "
+                            "is never overwritten)")
+
+
 def ensure_checkpoint(workload: Workload, environment: EnvironmentSpec) -> Path:
-    """The canonical checkpoint of the workload, built with the right environment if missing."""
+    """The canonical checkpoint of the workload, built with the right environment if missing; a model folder
+    (model.path), checked to hold what the workload was built from."""
+    if workload.model.path:
+        return checked_folder(workload)
     target = checkpoint_dir(workload)
     if (target / "READY").is_file():
         return target

@@ -26,7 +26,7 @@ from llmadapt.host import free_port
 from llmadapt.launch.collect import Collector
 from llmadapt.launch.environments import python_for
 from llmadapt.launch.multinode import gather, run_node_agent, run_node_zero, warn_loopback
-from llmadapt.launch.prepare import ensure_checkpoint
+from llmadapt.launch.prepare import check_save_folder, ensure_checkpoint
 from llmadapt.launch.serve import run_serving
 from llmadapt.launch.settings import LAUNCHERS, NodeSettings, check_adapter_settings, check_run_options, make_run_id
 from llmadapt.launch.sinks import RecordSinks
@@ -88,6 +88,7 @@ def _run(workload: Workload, adapter: str, launcher: str, out: str | Path, run_i
     check_adapter_settings(workload, [adapter])
     workload = workload.for_adapter(adapter)
     check_supported(info, workload)
+    check_save_folder(workload)
     if launcher not in LAUNCHERS and launcher not in info.launchers:
         known = ", ".join([*LAUNCHERS, *info.launchers])
         raise LlmadaptError(f"unknown launcher {launcher!r} for adapter {adapter!r}; known: {known}")
@@ -111,7 +112,7 @@ def _run(workload: Workload, adapter: str, launcher: str, out: str | Path, run_i
     else:
         per_node = nodes.procs_per_node(world)
     python = None if launcher == "inline" else python_for(info.environment)
-    if python is not None:
+    if python is not None or workload.model.path:
         ensure_checkpoint(workload, info.environment)
     multinode = launcher == "torchrun" and nodes.nnodes > 1
     if multinode:

@@ -25,6 +25,7 @@ def llmadapt_register_adapters(register):
             quantization=("none", "int8", "nf4"),
             lora=True,
             moe=True,
+            save=True,
         ),
         description="Plain PyTorch + transformers: DDP over gloo/NCCL, gradient checkpointing, peft LoRA, "
                     "bitsandbytes QLoRA. The reference every other adapter is compared against.",

@@ -39,6 +39,7 @@ class TorchTrainer(Trainer):
             )
             kwargs["device_map"] = {"": ctx.device}
         model = AutoModelForCausalLM.from_pretrained(str(ctx.checkpoint), **kwargs)
+        self.model_loaded()
         if quant == "none":
             model.to(ctx.device)
         model.config.use_cache = False
@@ -71,6 +72,11 @@ class TorchTrainer(Trainer):
             cls = torch.optim.AdamW if opt == "adamw" else torch.optim.Adam
             self.optimizer = cls(params, lr=w.train.lr, weight_decay=w.train.weight_decay)
         self._flash = w.optimizations.flash_attention
+
+    def save_pretrained(self, folder) -> None:
+        from llmadapt.adapter.weights import save_hf_model
+
+        save_hf_model(self.model.module if self.ddp else self.model, folder, write=self.ctx.rank == 0)
 
     def _attention_backend(self):
         if not self._flash:

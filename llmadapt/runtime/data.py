@@ -24,7 +24,8 @@ class TokenData:
             if tokenizer is None:
                 raise ValueError("jsonl data needs the canonical tokenizer")
             self._examples = self._load_jsonl(Path(workload.data.path), tokenizer)
-            self._pad = tokenizer.pad_token_id
+            # Many published tokenizers (Llama's) have no pad token: padding is masked out of the loss anyway.
+            self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
 
     # -- global order ---------------------------------------------------------------
     def sample(self, index: int) -> Sample:
@@ -94,8 +95,9 @@ class TokenData:
             row = json.loads(line)
             if d.prompt_field not in row or d.answer_field not in row:
                 raise ValueError(f"{path}:{number}: needs fields {d.prompt_field!r} and {d.answer_field!r}")
-            prompt = [tokenizer.bos_token_id] + tokenizer.encode(row[d.prompt_field] + "\n", add_special_tokens=False)
-            answer = tokenizer.encode(row[d.answer_field], add_special_tokens=False) + [tokenizer.eos_token_id]
+            prompt = [tokenizer.bos_token_id] * (tokenizer.bos_token_id is not None) + tokenizer.encode(row[d.prompt_field] + "\n", add_special_tokens=False)
+            answer = tokenizer.encode(row[d.answer_field], add_special_tokens=False) \
+                + [tokenizer.eos_token_id] * (tokenizer.eos_token_id is not None)
             examples.append((prompt, answer))
         if not examples:
             raise ValueError(f"{path}: no examples")

@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 from llmadapt.adapter.context import PlannedRequest
+from llmadapt.errors import LlmadaptError
 from llmadapt.spec import LengthSpec, Workload
 
 
@@ -50,15 +51,17 @@ def arrival_offsets(workload: Workload, n: int, rng: random.Random) -> list[floa
 
 
 def word_pool(tokenizer) -> list[str]:
-    """Words that are one token each with a leading space, so a prompt of n words is exactly n tokens."""
+    """Words that are one token each with a leading space, so a prompt of n words is exactly n tokens. The space
+    is byte-level BPE's 'Ġ' (GPT-2, Llama 3) or SentencePiece's '▁' (Llama 2, Mixtral)."""
     pool = []
     for token in sorted(tokenizer.get_vocab()):
-        if token.startswith("\u0120") and token[1:].isalpha() and len(token) > 2:
+        if token[:1] in ("\u0120", "\u2581") and token[1:].isalpha() and len(token) > 2:
             word = " " + token[1:]
             if len(tokenizer.encode(word, add_special_tokens=False).ids) == 1:
                 pool.append(word)
     if len(pool) < 8:
-        raise ValueError(f"the tokenizer has only {len(pool)} single-token words: cannot build exact prompts")
+        raise LlmadaptError(f"the tokenizer has only {len(pool)} words that are one token with a leading space: "
+                            "serving prompts of exact lengths cannot be built from it")
     return pool
 
 

@@ -117,7 +117,15 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
         cls = getattr(importlib.import_module(module_name), class_name)
         ctx = WorkerContext(workload, place.rank, place.local_rank, place.world_size, device, checkpoint, run_dir)
         trainer = cls(ctx)
+        setup_start = time.perf_counter()
         trainer.setup()
+        setup = _setup_metrics(place.rank, time.perf_counter() - setup_start, ctx.is_cuda)
+        loaded = getattr(trainer, "loaded_at", None)
+        if loaded is not None:  # the adapter marked when its weights were in place
+            setup += [Metric(rank=place.rank, name="load_seconds", value=loaded[0] - setup_start, unit="s",
+                             source="llmadapt"),
+                      Metric(rank=place.rank, name="load_peak_rss_bytes", value=loaded[1], unit="B",
+                             source="getrusage")]
 
         tokenizer = None
         if workload.data.source == "jsonl":
@@ -135,10 +143,12 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
             adapter_version=launch["adapter_version"], framework=launch["framework"],
             framework_version=trainer.framework_version(), launcher=launch["launcher"],
             workload_hash=workload.content_hash, problem_hash=workload.problem_hash, workload=workload.to_dict(),
-            checkpoint_hash=recorded_weights_hash(checkpoint), device=describe_device(device),
+            checkpoint_hash=workload.model.checksum or recorded_weights_hash(checkpoint), device=describe_device(device),
             software=software_versions(), patches=list(trainer.patches),
         ))
 
+        for metric in setup:
+            writer.write(metric)
         fault = launch.get("fault")
         profiled = set(workload.profile.steps)
         sampler = Sampler(place.rank, workload.telemetry.interval_s,
@@ -188,6 +198,8 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
             writer.write(Metric(rank=place.rank, name="energy_measured_steps", value=energy_end - energy_start,
                                 unit="J", source="nvml"))
         step_index = None
+        if workload.save.path:
+            writer.write(_save(trainer, workload, checkpoint, place.rank))
         for extra in trainer.final_records():
             writer.write(extra)
         writer.write(End(rank=place.rank, time=utc_now()))
@@ -212,6 +224,41 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
               file=sys.stderr)
         return code or 1
     return code
+
+
+def _setup_metrics(rank: int, seconds: float, cuda: bool) -> list[Metric]:
+    """What building the model cost this rank: time, and peak memory so far (the process's high-water mark,
+    imports included, so loading is in it: what memory-bounded loading bounds)."""
+    import resource
+
+    metrics = [Metric(rank=rank, name="setup_seconds", value=seconds, unit="s", source="llmadapt"),
+               Metric(rank=rank, name="setup_peak_rss_bytes", value=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                      * 1024.0, unit="B", source="getrusage")]
+    if cuda:
+        import torch
+
+        metrics.append(Metric(rank=rank, name="setup_peak_device_bytes", value=float(torch.cuda.max_memory_allocated()),
+                              unit="B", source="torch.cuda"))
+    return metrics
+
+
+def _save(trainer: Trainer, workload, checkpoint: Path, rank: int) -> Metric:
+    """The trained model as a Hugging Face folder: the adapter writes weights and config (gathered), rank 0 adds
+    the tokenizer and generation config of the checkpoint it started from; every rank waits for the folder."""
+    import shutil
+
+    start = time.perf_counter()
+    folder = Path(workload.save.path)
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    trainer.save_pretrained(folder)
+    if rank == 0:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+            if (checkpoint / name).is_file():
+                shutil.copyfile(checkpoint / name, folder / name)
+    if workload.world_size > 1:
+        _barrier()
+    return Metric(rank=rank, name="save_seconds", value=time.perf_counter() - start, unit="s", source="llmadapt")
 
 
 def _barrier() -> None:
@@ -304,3 +351,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+

@@ -78,6 +78,7 @@ SUPPORTS = Supports(
     flash_attention=False,
     lora=True,
     moe=True,
+    save=True,  # ColossalAI's checkpoint IO gathers; LoRA runs are refused in check()
 )
 
 GEMINI = ("ColossalAI offloads parameters only through GeminiPlugin, whose CPUAdam/HybridAdam kernels link "
@@ -168,6 +169,9 @@ def check(workload) -> list[tuple[str, Any, str]]:
         out.append(("optimizations.recompute", o.recompute, "none for MoE (not exercised)"))
     if workload.model.is_moe and workload.lora.rank:
         out.append(("lora.rank", workload.lora.rank, "0 for MoE (not exercised)"))
+    if workload.save.path and workload.lora.rank:
+        out.append(("save.path", workload.save.path, "not with LoRA here (ColossalAI saves LoRA weights apart, "
+                    "unmerged): save a full fine-tune, or use the torch or deepspeed adapter"))
     return out
 
 

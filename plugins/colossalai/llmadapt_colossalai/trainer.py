@@ -60,7 +60,11 @@ class ColossalAITrainer(Trainer):
 
         from colossalai.booster import Booster
 
-        model = self._load_model()
+        # Tensor or pipeline parallelism: the model is built lazily (ColossalAI's LazyInitContext records the
+        # construction, no weights) and materialised already sliced by boost; then each rank loads its slices
+        # from the checkpoint's shards (booster.load_model), never the whole model.
+        lazy = self.plugin_name in ("HybridParallelPlugin", "MoeHybridParallelPlugin") and not w.lora.rank
+        model = self._lazy_model() if lazy else self._load_model()
         if w.lora.rank:
             from peft import LoraConfig
 
@@ -74,6 +78,12 @@ class ColossalAITrainer(Trainer):
             self.booster = Booster(plugin=self._make_plugin(model))
         optimizer = self._make_optimizer([q for q in model.parameters() if q.requires_grad])
         self.model, self.optimizer, *_ = self.booster.boost(model, optimizer)
+        if lazy:
+            from llmadapt.modelfolder import INDEX, WEIGHTS
+
+            index = ctx.checkpoint / INDEX
+            self.booster.load_model(self.model, str(index if index.is_file() else ctx.checkpoint / WEIGHTS))
+            self.model_loaded()  # lazily built: boost (the slicing and the optimizer's wrapping) came first
         plugin = self.booster.plugin
 
         if self.plugin_name in ("HybridParallelPlugin", "MoeHybridParallelPlugin"):
@@ -120,9 +130,12 @@ class ColossalAITrainer(Trainer):
         # TorchDDPPlugin does not handle precision: bf16 there means bf16 weights, as in the reference.
         # The other plugins cast to bf16 themselves and keep fp32 master weights (or FSDP's mixed precision).
         bf16_weights = w.precision == "bf16" and self.plugin_name == "TorchDDPPlugin"
+        # transformers 4.51 reads rope_theta at the top level only; a folder transformers 5 wrote has it under
+        # rope_parameters alone: give it the value the workload read from the folder.
         model = AutoModelForCausalLM.from_pretrained(
             str(ctx.checkpoint), torch_dtype=torch.bfloat16 if bf16_weights else torch.float32,
-            attn_implementation="eager")
+            attn_implementation="eager", rope_theta=w.model.rope_theta)
+        self.model_loaded()
         model.config.use_cache = False
         # transformers 4.x ignores 5.x's rope_parameters: make sure it read the canonical rope_theta.
         theta = getattr(model.config, "rope_theta", None)
@@ -131,6 +144,18 @@ class ColossalAITrainer(Trainer):
                                f"canonical checkpoint, the workload says {w.model.rope_theta}")
         if w.optimizations.recompute == "full":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    def _lazy_model(self):
+        import torch
+        from colossalai.lazy import LazyInitContext
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        w = self.ctx.workload
+        config = AutoConfig.from_pretrained(str(self.ctx.checkpoint), rope_theta=w.model.rope_theta)
+        with LazyInitContext():
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, attn_implementation="eager")
+        model.config.use_cache = False
         return model
 
     def _make_plugin(self, model):
@@ -285,6 +310,15 @@ class ColossalAITrainer(Trainer):
         for s in sums:
             loss_sum += s
         return [Phase("forward_backward", (t1 - t0) / 1e9, "llmadapt")]
+
+    def save_pretrained(self, folder) -> None:
+        """ColossalAI's own checkpoint IO for the plugin in use (it gathers tensor-parallel slices and FSDP shards),
+        sharded safetensors with Hugging Face's names; config.json is the checkpoint's."""
+        import shutil
+
+        self.booster.save_model(self.model, str(folder), shard=True, use_safetensors=True, size_per_shard=1024)
+        if self.ctx.rank == 0:
+            shutil.copyfile(self.ctx.checkpoint / "config.json", folder / "config.json")
 
     def teardown(self) -> None:
         import torch.distributed as dist

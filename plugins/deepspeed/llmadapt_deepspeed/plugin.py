@@ -105,6 +105,7 @@ SUPPORTS = Supports(
     moe=True,
     # torch.optim (default, nothing compiles) or DeepSpeedCPUAdam (C++, JIT-compiled once per machine).
     optimizer_impls=("torch", "cpu_adam"),
+    save=True,  # ZeRO-3 partitions gathered; LoRA merged
 )
 
 

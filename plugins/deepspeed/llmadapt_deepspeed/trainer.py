@@ -89,10 +89,19 @@ class DeepSpeedTrainer(Trainer):
                 BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
                 if quant == "nf4" else BitsAndBytesConfig(load_in_8bit=True))
             kwargs["device_map"] = {"": ctx.device}
+        self._zero_init = None
+        if w.optimizations.zero_stage == 3 and quant == "none":
+            # ZeRO-3 from the start: while this object lives, transformers builds the model inside deepspeed.zero.Init
+            # (each rank materialises only its partition) and loads the checkpoint shard by shard into the
+            # partitions, so no rank ever holds the whole model.
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._zero_init = HfDeepSpeedConfig(self.config)
         model = AutoModelForCausalLM.from_pretrained(
             str(ctx.checkpoint), dtype=torch.float32,  # DeepSpeed casts to bf16/fp16 and keeps fp32 master weights
             attn_implementation="sdpa" if w.optimizations.flash_attention else "eager", **kwargs,
         )
+        self.model_loaded()
         model.config.use_cache = False
         if quant != "none":
             from peft import prepare_model_for_kbit_training
@@ -148,6 +157,21 @@ class DeepSpeedTrainer(Trainer):
         # whose inner matmul the profiler counts on top of the F.linear it patches (linear FLOPs
         # come out doubled), and partitioned parameters count as 0.
         self._profile_step = max(w.train.warmup_steps - 1, 0) if w.optimizations.zero_stage < 3 else None
+
+    def save_pretrained(self, folder) -> None:
+        """Under ZeRO-3 the partitions are gathered first (every rank takes part; each holds the whole model
+        for the moment it takes rank 0 to write it)."""
+        import contextlib
+
+        import deepspeed
+
+        from llmadapt.adapter.weights import save_hf_model
+
+        module = self.engine.module
+        gather = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+                  if self.ctx.workload.optimizations.zero_stage == 3 else contextlib.nullcontext())
+        with gather:
+            save_hf_model(module, folder, write=self.ctx.rank == 0)
 
     def _load_cpu_adam(self) -> None:
         """Build (first use: gcc, minutes) or load DeepSpeed's C++ CPU Adam op, timed: the trace says what it cost."""

@@ -44,6 +44,7 @@ SUPPORTS = Supports(
     # selective: megatron recomputes core attention only; full: every transformer layer.
     recompute=("none", "selective", "full"),
     moe=True,
+    save=True,  # every rank's slice gathered and converted back (convert.megatron_to_hf)
 )
 
 

@@ -19,7 +19,7 @@ from llmadapt.adapter import FineTuner, StepResult, Trainer
 from llmadapt.adapter.breakdown import DATA_PARALLEL_WRAPPERS
 from llmadapt.contract import Phase
 
-from .convert import hf_to_megatron, load_into
+from .convert import CONVERT_VERSION, hf_to_megatron, load_into, megatron_to_hf
 from .cpu_compat import Compat
 
 SOURCE = "megatron"
@@ -91,8 +91,6 @@ class MegatronTrainer(Trainer):
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from megatron.core.timers import Timers
         from megatron.core.transformer.transformer_config import TransformerConfig
-        from safetensors.torch import load_file
-
         ctx, w = self.ctx, self.ctx.workload
         m, p, o, t = w.model, w.parallelism, w.optimizations, w.train
         ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
@@ -138,12 +136,8 @@ class MegatronTrainer(Trainer):
             post_process=self.last_stage, parallel_output=True, share_embeddings_and_output_weights=m.tie_embeddings,
             position_embedding_type="rope", rotary_base=m.rope_theta,
         )
-        hf = load_file(str(ctx.checkpoint / "model.safetensors"))
-        load_into(model, hf_to_megatron(
-            hf, m, tp=p.tp, tp_rank=ps.get_tensor_model_parallel_rank(), pp=p.pp,
-            pp_rank=ps.get_pipeline_model_parallel_rank(), ep=p.ep, ep_rank=ps.get_expert_model_parallel_rank(),
-            etp=ps.get_expert_tensor_parallel_world_size(), etp_rank=ps.get_expert_tensor_parallel_rank()))
-        del hf
+        self._load_rank_shard(model, ps)
+        self.model_loaded()
         model.to(ctx.device)
 
         self.experts = _ExpertCounter(model, m) if m.is_moe else None
@@ -170,6 +164,57 @@ class MegatronTrainer(Trainer):
         self._scale = 1.0
 
     # -- one step ------------------------------------------------------------------------------
+    def _load_rank_shard(self, model, ps) -> None:
+        """This rank's converted weights into ``model``: read from the checkpoint tensor by tensor (only what this
+        rank's tensor-, pipeline- and expert-parallel slice needs), converted, and cached in the state folder by
+        the checkpoint's content hash and the slice, so the next run on this layout loads one file of the rank's
+        share. The cache is written from the loaded model, once the converted copy is gone."""
+        import os
+
+        from safetensors.torch import save_file
+
+        from llmadapt.adapter.weights import CheckpointWeights
+        from llmadapt.host import state_dir
+        from llmadapt.models import recorded_weights_hash
+
+        ctx, m, p = self.ctx, self.ctx.workload.model, self.ctx.workload.parallelism
+        where = dict(tp=p.tp, tp_rank=ps.get_tensor_model_parallel_rank(), pp=p.pp,
+                     pp_rank=ps.get_pipeline_model_parallel_rank(), ep=p.ep, ep_rank=ps.get_expert_model_parallel_rank(),
+                     etp=ps.get_expert_tensor_parallel_world_size(), etp_rank=ps.get_expert_tensor_parallel_rank())
+        self._where = where
+        checksum = m.checksum or recorded_weights_hash(ctx.checkpoint)
+        # Written from the model's parameters: in its dtype, which names the file with the slice.
+        dtype = str(self.dtype).rpartition(".")[2]
+        name = f"{checksum}-v{CONVERT_VERSION}-{dtype}-" + "-".join(f"{k}{v}" for k, v in where.items()) + ".safetensors"
+        cached = state_dir() / "megatron-shards" / name
+        if checksum and cached.is_file():
+            load_into(model, CheckpointWeights(cached.parent, cached.name))  # a tensor at a time
+            return
+        weights = hf_to_megatron(CheckpointWeights(ctx.checkpoint), m, **where)
+        load_into(model, weights)
+        del weights
+        if checksum:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+            save_file({k: v.detach().contiguous() for k, v in model.named_parameters()}, str(tmp))
+            os.replace(tmp, cached)
+
+    def save_pretrained(self, folder) -> None:
+        """Every rank's slice gathered on rank 0 and converted back to the Hugging Face layout (megatron_to_hf);
+        config.json is the checkpoint's: the architecture did not change."""
+        import shutil
+
+        import torch.distributed as dist
+
+        from llmadapt.adapter.weights import write_safetensors
+
+        mine = (self._where, {k: v.detach().cpu() for k, v in self.model.module.named_parameters()})
+        every = [None] * dist.get_world_size() if self.ctx.rank == 0 else None
+        dist.gather_object(mine, every, dst=0)
+        if self.ctx.rank == 0:
+            write_safetensors(folder, megatron_to_hf(every, self.ctx.workload.model))
+            shutil.copyfile(self.ctx.checkpoint / "config.json", folder / "config.json")
+
     def _forward_step(self, data_iterator, model):
         import torch
 

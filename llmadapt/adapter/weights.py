@@ -1,0 +1,105 @@
+"""A checkpoint folder's tensors, read when asked for: a rank that needs a tenth of a model reads a tenth.
+
+`CheckpointWeights` maps tensor names to tensors across a folder's safetensors shards (the index's
+``weight_map``, or the one ``model.safetensors``), reading a tensor's bytes from its shard only on access. Adapters that convert or slice weights per rank (Megatron-core's tensor- and
+pipeline-parallel shards) read through it instead of loading the whole state dict.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from llmadapt.modelfolder import INDEX, WEIGHTS
+
+_DTYPES: dict[str, Any] = {}  # safetensors' dtype names -> torch dtypes, filled on first use (torch is heavy)
+
+
+class CheckpointWeights(Mapping):
+    def __init__(self, folder: str | Path, file: str = WEIGHTS) -> None:
+        """``file``: the one safetensors file to read when the folder has no index."""
+        self.folder = Path(folder)
+        if (self.folder / INDEX).is_file():
+            self._file_of = json.loads((self.folder / INDEX).read_text())["weight_map"]
+        else:
+            self._file_of = dict.fromkeys(self._header(file)[0], file)
+        self._headers: dict[str, tuple[dict[str, Any], int]] = {}
+
+    def _header(self, file: str) -> tuple[dict[str, Any], int]:
+        """(tensor entries, where the data starts) of one shard."""
+        with open(self.folder / file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        return header, 8 + length
+
+    def __getitem__(self, name: str):
+        """Read with plain file reads, not a memory map: only the tensor's bytes enter this process, so its
+        resident memory is what it keeps (a map would count every page it touched)."""
+        import torch
+
+        file = self._file_of[name]
+        if file not in self._headers:
+            self._headers[file] = self._header(file)
+        header, base = self._headers[file]
+        meta = header[name]
+        start, end = meta["data_offsets"]
+        if not _DTYPES:
+            _DTYPES.update({"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                            "U8": torch.uint8, "BOOL": torch.bool})
+        dtype = _DTYPES[meta["dtype"]]
+        if end == start:
+            return torch.empty(meta["shape"], dtype=dtype)
+        data = bytearray(end - start)
+        with open(self.folder / file, "rb") as f:
+            f.seek(base + start)
+            f.readinto(data)
+        return torch.frombuffer(data, dtype=dtype).reshape(meta["shape"])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._file_of
+
+
+def save_hf_model(model, folder: str | Path, *, write: bool) -> None:
+    """A transformers model, peft-wrapped or not, as a Hugging Face folder (config.json and safetensors shards
+    in the published layout, as ``save_pretrained`` writes them): LoRA merged into the base weights, so any
+    engine serves the result. ``write``: this rank writes (rank 0); the others only merge, as the gather needs."""
+    if hasattr(model, "merge_and_unload"):  # a peft model
+        model = model.merge_and_unload()
+    if write:
+        model.save_pretrained(str(folder), safe_serialization=True, max_shard_size="1GB")
+
+
+def write_safetensors(folder: str | Path, tensors: dict[str, Any], shard_bytes: int = 1 << 30) -> None:
+    """A state dict as Hugging Face writes one: ``model.safetensors``, or shards of at most ``shard_bytes`` (in
+    the dict's order) with their ``model.safetensors.index.json``."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous()
+        size += nbytes
+    names = [WEIGHTS] if len(shards) == 1 else [f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+                                                 for k in range(1, len(shards) + 1)]
+    for file, shard in zip(names, shards):
+        save_file(shard, str(Path(folder) / file), metadata={"format": "pt"})
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {name: file for file, shard in zip(names, shards) for name in shard}}
+        (Path(folder) / INDEX).write_text(json.dumps(index, indent=2))
