@@ -150,6 +150,11 @@ def _tensors(folder: Path) -> dict[str, list[int]]:
 
 
 def _header(shard: Path) -> dict[str, list[int]]:
+    return {name: meta["shape"] for name, meta in read_header(shard)[0].items()}
+
+
+def read_header(shard: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's tensor entries (dtype, shape, data_offsets) and the offset where their data starts."""
     if not shard.is_file():
         raise FolderError(f"shard {shard.name} is missing")
     try:
@@ -160,7 +165,32 @@ def _header(shard: Path) -> dict[str, list[int]]:
             header = json.loads(f.read(length))
     except (OSError, struct.error, ValueError, UnicodeDecodeError) as exc:
         raise FolderError(f"{shard.name} is not a readable safetensors file ({exc})") from None
-    return {name: meta["shape"] for name, meta in header.items() if name != "__metadata__"}
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+def shard_layout(sizes: list[tuple[str, int]], shard_bytes: int) -> list[tuple[str, list[str]]]:
+    """How Hugging Face lays weights out in files: (file name, tensor names) per shard, in order, a shard
+    closed before it would pass ``shard_bytes``; one ``model.safetensors`` when everything fits one."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes:
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if len(groups) == 1:
+        return [(WEIGHTS, groups[0])]
+    return [(f"model-{k:05d}-of-{len(groups):05d}.safetensors", group) for k, group in enumerate(groups, 1)]
+
+
+def write_index(folder: Path, layout: list[tuple[str, list[str]]], total_bytes: int) -> None:
+    """The weights index of a sharded layout (none for one file)."""
+    if len(layout) > 1:
+        weight_map = {name: file for file, names in layout for name in names}
+        (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map},
+                                               indent=2))
 
 
 def _tokenizer_size(folder: Path) -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 import attrs
 
 from llmadapt.host import state_dir
-from llmadapt.modelfolder import INDEX, WEIGHTS, content_hash
+from llmadapt.modelfolder import content_hash, shard_layout, write_index
 from llmadapt.spec import ModelSpec
 
 RECIPE_VERSION = 2  # bump when the way checkpoints are built changes (2: written streaming, in shards)
@@ -174,19 +174,6 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, pad_token_id: int 
     return tensor
 
 
-def _shards(plan: list[tuple[str, tuple[int, ...]]], shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, shape in plan:
-        nbytes = 4 * math.prod(shape)
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, shape))
-        size += nbytes
-    return shards
-
-
 def _build(model: ModelSpec, seed: int, out: Path, shard_bytes: int | None = None) -> None:
     """Written as it is made, one shard at a time: the writer holds at most one shard (plus the tensor being
     made), whatever the model's size. One file when the model fits one shard, as save_pretrained does."""
@@ -208,18 +195,13 @@ def _build(model: ModelSpec, seed: int, out: Path, shard_bytes: int | None = Non
     cfg["rope_theta"] = model.rope_theta
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
-    shards = _shards(tensor_plan(model), shard_bytes or SHARD_BYTES)
-    names = [WEIGHTS] if len(shards) == 1 else [f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-                                                 for k in range(1, len(shards) + 1)]
-    weight_map, total = {}, 0
-    for file, shard in zip(names, shards):
-        tensors = {name: init_tensor(name, shape, seed, tokenizer.pad_token_id) for name, shape in shard}
+    plan = dict(tensor_plan(model))
+    layout = shard_layout([(name, 4 * math.prod(shape)) for name, shape in plan.items()], shard_bytes or SHARD_BYTES)
+    for file, names in layout:
+        tensors = {name: init_tensor(name, plan[name], seed, tokenizer.pad_token_id) for name in names}
         save_file(tensors, str(out / file), metadata={"format": "pt"})
-        total += sum(t.numel() * 4 for t in tensors.values())
-        weight_map.update(dict.fromkeys(tensors, file))
         del tensors  # before the next shard is made
-    if len(shards) > 1:
-        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    write_index(out, layout, 4 * sum(math.prod(shape) for shape in plan.values()))
     (out / "READY").write_text(json.dumps({"weights_sha256": content_hash(out), "key": out.name}))
 
 

@@ -8,12 +8,11 @@ pipeline-parallel shards) read through it instead of loading the whole state dic
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from llmadapt.modelfolder import INDEX, WEIGHTS
+from llmadapt.modelfolder import INDEX, WEIGHTS, read_header, shard_layout, write_index
 
 _DTYPES: dict[str, Any] = {}  # safetensors' dtype names -> torch dtypes, filled on first use (torch is heavy)
 
@@ -25,16 +24,8 @@ class CheckpointWeights(Mapping):
         if (self.folder / INDEX).is_file():
             self._file_of = json.loads((self.folder / INDEX).read_text())["weight_map"]
         else:
-            self._file_of = dict.fromkeys(self._header(file)[0], file)
+            self._file_of = dict.fromkeys(read_header(self.folder / file)[0], file)
         self._headers: dict[str, tuple[dict[str, Any], int]] = {}
-
-    def _header(self, file: str) -> tuple[dict[str, Any], int]:
-        """(tensor entries, where the data starts) of one shard."""
-        with open(self.folder / file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        header.pop("__metadata__", None)
-        return header, 8 + length
 
     def __getitem__(self, name: str):
         """Read with plain file reads, not a memory map: only the tensor's bytes enter this process, so its
@@ -43,7 +34,7 @@ class CheckpointWeights(Mapping):
 
         file = self._file_of[name]
         if file not in self._headers:
-            self._headers[file] = self._header(file)
+            self._headers[file] = read_header(self.folder / file)
         header, base = self._headers[file]
         meta = header[name]
         start, end = meta["data_offsets"]
@@ -85,21 +76,8 @@ def write_safetensors(folder: str | Path, tensors: dict[str, Any], shard_bytes: 
     the dict's order) with their ``model.safetensors.index.json``."""
     from safetensors.torch import save_file
 
-    shards: list[dict[str, Any]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.contiguous()
-        size += nbytes
-    names = [WEIGHTS] if len(shards) == 1 else [f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-                                                 for k in range(1, len(shards) + 1)]
-    for file, shard in zip(names, shards):
-        save_file(shard, str(Path(folder) / file), metadata={"format": "pt"})
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {name: file for file, shard in zip(names, shards) for name in shard}}
-        (Path(folder) / INDEX).write_text(json.dumps(index, indent=2))
+    folder = Path(folder)
+    layout = shard_layout([(name, t.numel() * t.element_size()) for name, t in tensors.items()], shard_bytes)
+    for file, names in layout:
+        save_file({name: tensors[name].contiguous() for name in names}, str(folder / file), metadata={"format": "pt"})
+    write_index(folder, layout, sum(t.numel() * t.element_size() for t in tensors.values()))

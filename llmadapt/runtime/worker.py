@@ -247,13 +247,15 @@ def _save(trainer: Trainer, workload, checkpoint: Path, rank: int) -> Metric:
     the tokenizer and generation config of the checkpoint it started from; every rank waits for the folder."""
     import shutil
 
+    from llmadapt.modelfolder import TOKENIZER_FILES
+
     start = time.perf_counter()
     folder = Path(workload.save.path)
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     trainer.save_pretrained(folder)
     if rank == 0:
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        for name in (*TOKENIZER_FILES, "generation_config.json"):
             if (checkpoint / name).is_file():
                 shutil.copyfile(checkpoint / name, folder / name)
     if workload.world_size > 1:
