@@ -112,10 +112,11 @@ def regress(baseline: str, candidate: str, *, root: str | Path = "runs", thresho
         raise LlmadaptError("no cell (adapter, layout, workload) has runs in both the baseline and the candidate: "
                             "nothing to compare")
     changes = []
+    steps: dict[str, tuple[list[float], list[int]]] = {}  # a run's measured steps, read once for every metric
     for key, (a_runs, b_runs) in sorted(both.items()):
         names = metrics or [m for m in METRICS if all(m in r.metrics for r in a_runs + b_runs)]
         for name in names:
-            a, b = _samples(a_runs, name), _samples(b_runs, name)
+            a, b = _samples(a_runs, name, steps), _samples(b_runs, name, steps)
             if not a or not b:
                 continue
             changes.append(_judge(f"{key[1]} {key[2][:8]}", name, a, b, threshold, alpha))
@@ -125,14 +126,16 @@ def regress(baseline: str, candidate: str, *, root: str | Path = "runs", thresho
     return RegressReport(str(Query.parse(baseline)), str(Query.parse(candidate)), threshold, alpha, changes, unmatched)
 
 
-def _samples(runs: list[StoredRun], metric: str) -> list[float]:
+def _samples(runs: list[StoredRun], metric: str, steps: dict[str, tuple[list[float], list[int]]]) -> list[float]:
     values = [r.metrics[metric] for r in runs if metric in r.metrics]
     if len(values) < RUNS_FOR_A_TEST and metric in STEP_METRICS:  # few runs: their measured steps, pooled
         from llmadapt.analysis.compare import step_samples
 
         pooled: list[float] = []
         for r in runs:
-            seconds, tokens = step_samples(r.folder)
+            if str(r.folder) not in steps:
+                steps[str(r.folder)] = step_samples(r.folder)
+            seconds, tokens = steps[str(r.folder)]
             pooled += seconds if metric != "tokens_per_s" else [t / s for t, s in zip(tokens, seconds)]
         if len(pooled) >= 2:
             return pooled
