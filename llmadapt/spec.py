@@ -221,6 +221,23 @@ class SaveSpec:
 
 
 @attrs.frozen
+class EvalSpec:
+    """Evaluate the model being trained on held-out examples: before the first step, every ``every`` steps and after
+    the last (docs/workloads.md). The same examples, order and metric code on every stack (llmadapt.runtime.evaluation)."""
+
+    examples: int = attrs.field(default=0, validator=_at_least(0))
+    """Held-out examples; 0: no evaluation. Without ``path``, a jsonl data set's last ``examples`` rows are held out
+    of training, and synthetic data gets a stream of its own (other seeds than training's)."""
+    path: str | None = None
+    """A JSONL file of held-out examples (its first ``examples`` rows), with data's prompt and answer fields and an
+    optional ``choices`` list (multiple choice: the answer is one of them)."""
+    every: int = attrs.field(default=0, validator=_at_least(0))
+    """Also evaluate after every N steps (warm-up steps count: they train too); 0: before and after only."""
+    batch: int = attrs.field(default=16, validator=_at_least(1))
+    """Examples per forward pass (a memory bound only: the figures do not depend on it beyond rounding)."""
+
+
+@attrs.frozen
 class ProfileSpec:
     """Profile chosen measured steps with torch.profiler (docs/breakdown.md); the other steps run unprofiled."""
 
@@ -328,6 +345,7 @@ _LAYOUT_FIELDS = {
     "optimizations": ("zero_stage", "offload", "recompute", "flash_attention"),
     "profile": None,  # looking does not change the numbers
     "save": None,  # nor does keeping the result
+    "eval": ("batch",),  # how many examples share a forward pass
     "telemetry": None,
 }
 
@@ -350,6 +368,7 @@ class Workload:
     serve: ServeSpec = attrs.field(factory=ServeSpec)
     profile: ProfileSpec = attrs.field(factory=ProfileSpec)
     save: SaveSpec = attrs.field(factory=SaveSpec)
+    eval: EvalSpec = attrs.field(factory=EvalSpec)
     telemetry: TelemetrySpec = attrs.field(factory=TelemetrySpec)
     adapters: dict[str, dict[str, Any]] = attrs.field(factory=dict)
     """Settings for one adapter only: adapter name -> {dotted path: value} (``[adapters.megatron]`` in a file,
@@ -420,13 +439,13 @@ class Workload:
         data["sources"] = {p: "file" for p in _flatten({k: v for k, v in data.items() if k != "adapters"})}
         data["sources"].update({f"{name}:{p}": f"file [adapters.{name}]"
                                 for name, section in data["adapters"].items() for p in section})
-        for key in ("data", "model"):
+        for key in ("data", "model", "eval"):
             section = data.get(key)
             if isinstance(section, dict) and isinstance(section.get("path"), str) and not Path(section["path"]).is_absolute():
                 # Data and model paths in a file are relative to that file, so examples run from anywhere
                 # (a hub-like name that is no folder there stays as written, to be named as such).
                 local = (path.parent / section["path"]).resolve()
-                if key == "data" or local.exists():
+                if key != "model" or local.exists():
                     data = {**data, key: {**section, "path": str(local)}}
         return cls.from_dict(data)
 
@@ -515,6 +534,8 @@ class Workload:
         labels and per-adapter settings left out."""
         data = _without_labels(self.to_dict())
         for section, fields in _LAYOUT_FIELDS.items():
+            if section not in data:  # left out of the hash altogether (an eval section that evaluates nothing)
+                continue
             if fields is None:
                 data.pop(section)
             else:
@@ -546,9 +567,12 @@ class Workload:
 
 def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
     """A workload's dict less what does not define it: labels, per-adapter settings, sources, the model
-    folder's location (its content is the checksum; absent for a preset, so older hashes stay as they were)."""
+    folder's location (its content is the checksum; absent for a preset, so older hashes stay as they were), and
+    the eval section when nothing is evaluated (so are older hashes)."""
     for key in ("name", "adapters", "sources"):
         data.pop(key)
+    if not data["eval"]["examples"]:
+        data.pop("eval")
     for key in ("name", "path"):
         data["model"].pop(key)
     if data["model"]["checksum"] is None:
@@ -667,20 +691,46 @@ def _check_workload(w: Workload) -> None:
                             "merged into 4- or 8-bit weights would be dequantized): train without quantization")
     if w.kind == "serve":
         _check_serve(w)
+    rows = None
     if w.data.source == "jsonl":
         if not w.data.path:
             raise WorkloadError("data.path", w.data.path, "data.source = 'jsonl' needs a path to a JSONL file")
         if not Path(w.data.path).is_file():
             raise WorkloadError("data.path", w.data.path, "no such file")
-        _check_jsonl(w.data)
+        rows = _check_jsonl(w.data, w.data.path, "data.path")
+    _check_eval(w, rows)
 
 
-def _check_jsonl(d: DataSpec) -> None:
-    """Every line an object with the prompt and answer fields as text: checked here, not minutes later."""
+def _check_eval(w: Workload, data_rows: int | None) -> None:
+    e = w.eval
+    if not e.examples:
+        for name in ("path", "every"):
+            if getattr(e, name):
+                raise WorkloadError(f"eval.{name}", getattr(e, name), "needs eval.examples > 0 (how many to evaluate)")
+        return
+    if w.kind == "serve":
+        raise WorkloadError("eval.examples", e.examples, "evaluation is for train and finetune workloads")
+    if w.optimizations.quantization != "none":
+        raise WorkloadError("eval.examples", e.examples, "evaluation reads the trained model as a Hugging Face "
+                            "folder, which quantized base weights cannot be saved as (see save.path)")
+    if e.path is not None:
+        if not Path(e.path).is_file():
+            raise WorkloadError("eval.path", e.path, "no such file")
+        rows = _check_jsonl(w.data, e.path, "eval.path", choices=True)
+        if e.examples > rows:
+            raise WorkloadError("eval.examples", e.examples, f"more than the {rows} examples in eval.path")
+    elif data_rows is not None and e.examples >= data_rows:
+        raise WorkloadError("eval.examples", e.examples, f"holds out too many of data.path's {data_rows} examples: "
+                            "training needs at least one (or give eval.path)")
+
+
+def _check_jsonl(d: DataSpec, path: str, field_name: str, choices: bool = False) -> int:
+    """Every line an object with the prompt and answer fields as text (and for evaluation, an optional ``choices``
+    list of texts holding the answer): checked here, not minutes later. Returns the number of examples."""
     try:
-        text = Path(d.path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise WorkloadError("data.path", d.path, f"cannot be read as UTF-8 text: {exc}") from None
+        raise WorkloadError(field_name, path, f"cannot be read as UTF-8 text: {exc}") from None
     rows = 0
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -688,14 +738,21 @@ def _check_jsonl(d: DataSpec) -> None:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise WorkloadError("data.path", d.path, f"line {number} is not JSON ({exc.msg})") from None
+            raise WorkloadError(field_name, path, f"line {number} is not JSON ({exc.msg})") from None
         for field in (d.prompt_field, d.answer_field):
             if not isinstance(row, dict) or not isinstance(row.get(field), str):
-                raise WorkloadError("data.path", d.path, f"line {number} needs a text field {field!r} "
+                raise WorkloadError(field_name, path, f"line {number} needs a text field {field!r} "
                                     "(set data.prompt_field / data.answer_field to the file's names)")
+        if choices and "choices" in row:
+            options = row["choices"]
+            if not isinstance(options, list) or len(options) < 2 or not all(isinstance(c, str) for c in options):
+                raise WorkloadError(field_name, path, f"line {number}: choices must be a list of two or more texts")
+            if row[d.answer_field] not in options:
+                raise WorkloadError(field_name, path, f"line {number}: the answer is not one of its choices")
         rows += 1
     if not rows:
-        raise WorkloadError("data.path", d.path, "has no examples (the file is empty)")
+        raise WorkloadError(field_name, path, "has no examples (the file is empty)")
+    return rows
 
 
 def _check_serve(w: Workload) -> None:

@@ -41,7 +41,7 @@ def runs(tmp_path_factory) -> Path:
                out=out).ok
     for batch in (8, 16):
         assert run(train("tiny-llama", f"train.global_batch={batch}"), "torch", out=out).ok
-    assert run(train("tiny-mixtral", "train.global_batch=4"), "torch", out=out).ok
+    assert run(train("tiny-mixtral", "train.global_batch=4", "eval.examples=4"), "torch", out=out).ok
     if not environments_unready("plain"):
         assert run(train("tiny-llama", "train.global_batch=4"), "plain", out=out).ok
     port = free_port()
@@ -66,7 +66,7 @@ def runs(tmp_path_factory) -> Path:
 
 
 EXPECTED_CHARTS = {"loss", "step_time", "memory", "breakdown_modules", "breakdown_operators", "expert_load",
-                   "latency_cdf", "latency_vs_load", "throughput_vs_batch"}
+                   "evaluation", "eval_expert_load", "latency_cdf", "latency_vs_load", "throughput_vs_batch"}
 
 
 def test_the_report_holds_the_table_and_every_figure_its_runs_have(runs, tmp_path):

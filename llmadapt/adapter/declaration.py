@@ -88,6 +88,8 @@ class Supports:
         need(not workload.lora.rank or self.lora, "lora.rank", workload.lora.rank, "supported: 0 (no LoRA)")
         need(workload.save.path is None or self.save, "save.path", workload.save.path,
              "this adapter cannot save the trained model")
+        need(not workload.eval.examples or self.save, "eval.examples", workload.eval.examples,
+             "0: evaluation reads the trained model through its Hugging Face save, which this adapter cannot write")
         need(not workload.model.is_moe or self.moe, "model.num_experts", workload.model.num_experts,
              "supported: 0 (dense models only)")
         return out

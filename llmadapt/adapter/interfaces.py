@@ -72,6 +72,14 @@ class Trainer(abc.ABC):
         is sharded, rank 0 writes. The core adds the tokenizer."""
         raise NotImplementedError(f"{type(self).__name__} cannot save the trained model")
 
+    def plain_transformers(self):
+        """A context in which transformers runs as in a process without this framework: evaluation loads the saved
+        model in it, on rank 0 alone (llmadapt.runtime.evaluation). Undo there what the framework registered with
+        transformers globally (e.g. a ZeRO-3 config that makes every load a collective). Default: nothing."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def final_records(self) -> list[Comm | Metric]:
         """Run-level figures from the framework (comms summaries, FLOPs profiler totals), written after the last step."""
         return []

@@ -38,6 +38,9 @@ class ExpertLoadCounter:
 
         self.num_experts = num_experts
         self.counting = False
+        self.token_mask = None
+        """Count only these tokens (a bool tensor over the batch's positions, batch-major, as routers see them):
+        evaluation leaves padding out; training counts every position it computes."""
         self._layers = []
         for module in model.modules():
             name = type(module).__name__
@@ -65,6 +68,9 @@ class ExpertLoadCounter:
             else:  # 4.x gate: logits
                 logits, k = output, top_k
                 indices = torch.topk(output, top_k, dim=-1).indices
+            if self.token_mask is not None:
+                keep = self.token_mask.reshape(-1).to(indices.device)
+                indices, logits = indices.reshape(-1, k)[keep], logits.reshape(-1, logits.shape[-1])[keep]
             self.counts[layer] += torch.bincount(indices.reshape(-1).cpu(), minlength=self.num_experts)
             self.ties[layer] += near_tie_count(logits, k)
 

@@ -64,11 +64,34 @@ class CheckpointWeights(Mapping):
 def save_hf_model(model, folder: str | Path, *, write: bool) -> None:
     """A transformers model, peft-wrapped or not, as a Hugging Face folder (config.json and safetensors shards
     in the published layout, as ``save_pretrained`` writes them): LoRA merged into the base weights, so any
-    engine serves the result. ``write``: this rank writes (rank 0); the others only merge, as the gather needs."""
-    if hasattr(model, "merge_and_unload"):  # a peft model
-        model = model.merge_and_unload()
+    engine serves the result. The model itself is left as it was (evaluation saves in the middle of training).
+    ``write``: this rank writes (rank 0); the others only take part in what the gather needs."""
+    if not hasattr(model, "get_base_model"):  # not a peft model
+        if write:
+            model.save_pretrained(str(folder), safe_serialization=True, max_shard_size="1GB")
+        return
+    base = model.get_base_model()
+    merged = merged_lora_state_dict(base)
     if write:
-        model.save_pretrained(str(folder), safe_serialization=True, max_shard_size="1GB")
+        base.save_pretrained(str(folder), state_dict=merged, safe_serialization=True, max_shard_size="1GB")
+
+
+def merged_lora_state_dict(base) -> dict:
+    """A peft model's base (``get_base_model()``) as the plain model's state dict, each LoRA layer's update
+    (``get_delta_weight``: B A times its scale) added to a copy of its base weight; LoRA's own tensors left out."""
+    out = {}
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        if ".base_layer." in name:
+            owner, _, leaf = name.rpartition(".base_layer.")
+            if leaf == "weight":
+                layer = base.get_submodule(owner)
+                tensor = tensor + sum(layer.get_delta_weight(a).to(tensor.dtype) for a in layer.active_adapters
+                                      if a in layer.lora_A)
+            name = f"{owner}.{leaf}"
+        out[name] = tensor.detach()
+    return out
 
 
 def write_safetensors(folder: str | Path, tensors: dict[str, Any], shard_bytes: int = 1 << 30) -> None:

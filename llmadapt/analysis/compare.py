@@ -90,6 +90,7 @@ def row_metrics(summary, baseline_losses: list[float | None] | None) -> dict[str
         "first_loss": s.losses[0] if s.losses else None, "last_loss": s.losses[-1] if s.losses else None,
         "parity_delta": delta,
         **_expert_columns(s.expert_imbalance),
+        **_eval_columns(s.evaluations),
     }
 
 
@@ -105,6 +106,30 @@ def _expert_columns(layers) -> dict[str, float]:
     return {"expert_cv": sum(x.cv for x in layers) / n,
             "expert_max_over_mean": sum(x.max_over_mean for x in layers) / n,
             "expert_idle": sum(x.idle_experts for x in layers) / n}
+
+
+# Runs with workload.eval: the held-out figures before training and after the last step (Evaluation)
+EVAL_COLUMNS = [("eval_loss_before", "eval loss before", ".4f"), ("eval_loss", "eval loss", ".4f"),
+                ("eval_exact_match", "exact match", ".3f"), ("eval_choice_accuracy", "choice acc", ".3f"),
+                ("eval_expert_cv", "eval expert CV", ".3f")]
+
+
+def _eval_columns(points) -> dict[str, float]:
+    if not points:
+        return {}
+    from llmadapt.contract.breakdowns import imbalance
+
+    first, last = points[0], points[-1]
+    out = {"eval_loss_before": first.loss, "eval_loss": last.loss}
+    if last.exact_match is not None:
+        out["eval_exact_match"] = last.exact_match
+    if last.choice_accuracy is not None:
+        out["eval_choice_accuracy"] = last.choice_accuracy
+    if last.expert_load:
+        cvs = [f[0] for f in map(imbalance, last.expert_load) if f is not None]
+        if cvs:
+            out["eval_expert_cv"] = sum(cvs) / len(cvs)
+    return out
 
 
 @attrs.frozen
@@ -128,6 +153,7 @@ class Comparison:
         columns = SERVE_COLUMNS if serve else TRAIN_COLUMNS
         if any("expert_cv" in r.metrics for r in self.rows):
             columns = columns + EXPERT_COLUMNS
+        columns = columns + [c for c in EVAL_COLUMNS if any(c[0] in r.metrics for r in self.rows)]
         problems = {h: f"P{i}" for i, h in enumerate(self.problems(), 1)}
         head = ["problem", "run", "status"] + [title for _, title, _ in columns]
         uncertain = any(r.estimates for r in self.rows)

@@ -130,35 +130,81 @@ def breakdown_bars(rows: list[tuple[str, dict[str, Any]]], key: str, order: tupl
 
 def expert_heatmaps(runs: list[ReportRun]):
     """Per MoE run: tokens per expert and layer (mean over the steps after warm-up, share of the layer's)."""
-    moe = []
+    panels = []
     for r in runs:
         loads = [rec["expert_load"] for rec in r.records if rec["type"] == "step" and rec.get("expert_load")
                  and not rec["warmup"] and rec["rank"] == 0]
         if loads:
-            moe.append((r, loads))
-    if not moe:
+            layers, experts = len(loads[0]), len(loads[0][0])
+            grid = [[sum(step[layer][e] for step in loads) for e in range(experts)] for layer in range(layers)]
+            imb = r.summary.get("expert_imbalance") or []
+            cv = f"CV {sum(x['cv'] for x in imb) / len(imb):.2f}" if imb else ""
+            panels.append((f"{r.label}\n{cv}", grid))
+    return _heatmaps(panels[:6])
+
+
+def eval_expert_heatmaps(runs: list[ReportRun]):
+    """Per MoE run with evaluations: tokens per expert and layer on the held-out examples before training and
+    after the last step, side by side (study B's shift in routing)."""
+    from llmadapt.contract.breakdowns import imbalance
+
+    panels = []
+    for r in runs:
+        points = [e for e in r.summary.get("evaluations") or [] if e.get("expert_load")]
+        if len(points) < 2:
+            continue
+        for when, e in (("before", points[0]), (f"step {points[-1]['step']}", points[-1])):
+            cvs = [f[0] for f in map(imbalance, e["expert_load"]) if f is not None]
+            panels.append((f"{r.label}, {when}\nCV {sum(cvs) / max(len(cvs), 1):.2f}", e["expert_load"]))
+    return _heatmaps(panels[:6])
+
+
+def _heatmaps(panels: list[tuple[str, list[list[int]]]]):
+    """One heatmap per (title, tokens[layer][expert]) panel, as shares of each layer's tokens, on one colour scale."""
+    if not panels:
         return None
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(moe[:6]), figsize=(2.9 * len(moe[:6]) + 1.2, 2.9), squeeze=False,
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.9 * len(panels) + 1.2, 2.9), squeeze=False,
                              layout="constrained")
-    grids = []
-    for r, loads in moe[:6]:
-        layers, experts = len(loads[0]), len(loads[0][0])
-        grid = [[sum(step[layer][e] for step in loads) for e in range(experts)] for layer in range(layers)]
-        grids.append([[v / (sum(row) or 1) for v in row] for row in grid])
+    grids = [[[v / (sum(row) or 1) for v in row] for row in grid] for _, grid in panels]
     top = max(v for g in grids for row in g for v in row)
     image = None
-    for ax, (r, _), shares in zip(axes[0], moe[:6], grids):
+    for ax, (title, _), shares in zip(axes[0], panels, grids):
         image = ax.imshow(shares, aspect="auto", cmap="viridis", vmin=0, vmax=top)
-        imb = r.summary.get("expert_imbalance") or []
-        cv = f"CV {sum(x['cv'] for x in imb) / len(imb):.2f}" if imb else ""
-        ax.set_title(f"{r.label}\n{cv}", fontsize=8)
+        ax.set_title(title, fontsize=8)
         ax.set_xlabel("expert")
         ax.set_ylabel("layer")
         ax.set_xticks(range(len(shares[0])))
         ax.set_yticks(range(len(shares)))
         ax.grid(False)
     fig.colorbar(image, ax=axes[0].tolist(), fraction=0.04, label="share of the layer's tokens")
+    return fig
+
+
+def evaluation_curves(runs: list[ReportRun]):
+    """Held-out loss, and exact match (solid; per-token accuracy, dashed, for synthetic data without answers),
+    against the steps trained, per run with evaluations."""
+    evaluated = [(r, r.summary["evaluations"]) for r in runs if r.summary.get("evaluations")]
+    if not evaluated:
+        return None
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
+    losses = [e["loss"] for _, points in evaluated for e in points]
+    for i, (r, points) in enumerate(evaluated):
+        steps = [e["step"] for e in points]
+        style = dict(marker="o", ms=3, lw=1.2, color=_COLORS[i % 20], label=r.label, alpha=0.85)
+        left.plot(steps, [e["loss"] for e in points], **style)
+        exact = points[0].get("exact_match") is not None
+        right.plot(steps, [e["exact_match" if exact else "token_accuracy"] for e in points],
+                   ls="-" if exact else "--", **style)
+    if min(losses) > 0 and max(losses) / min(losses) > 20:
+        left.set_yscale("log")
+    left.set_xlabel("steps trained")
+    left.set_ylabel("held-out loss (nats per token)")
+    right.set_xlabel("steps trained")
+    right.set_ylabel("exact match (dashed: per token)")
+    right.set_ylim(-0.02, 1.02)
+    _legend(right)
     return fig
 
 

@@ -115,6 +115,8 @@ def render_summary(s: dict[str, Any]) -> str:
     if s.get("expert_imbalance"):
         lines += ["", "experts    load per MoE layer over the steps after warm-up (CV: std/mean of tokens per expert)",
                   render_imbalance(s["expert_imbalance"])]
+    if s.get("evaluations"):
+        lines += ["", *render_evaluations(s["evaluations"])]
     if s.get("telemetry"):
         lines += render_telemetry(s["telemetry"])
     if s.get("breakdown"):
@@ -129,6 +131,34 @@ def render_imbalance(layers: list[dict[str, Any]]) -> str:
     rows = [[str(x["layer"]), f"{x['cv']:.3f}", f"{x['cv_max']:.3f}", f"{x['max_over_mean']:.2f}",
              f"{x['max_over_mean_max']:.2f}", f"{x['idle_experts']:.2f}", str(x["idle_experts_max"])] for x in layers]
     return "\n".join(text_table(head, rows))
+
+
+def render_evaluations(points: list[dict[str, Any]]) -> list[str]:
+    """The held-out figures at each evaluation; for MoE models, each layer's expert load before and after."""
+    from llmadapt.analysis.table import text_table
+    from llmadapt.contract.breakdowns import imbalance
+
+    def fmt(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    lines = [f"evaluation {points[0]['examples']} held-out examples, {points[0]['tokens']} scored tokens "
+             "(step 0: before training)"]
+    head = ["step", "loss", "perplexity", "token acc", "exact match", "choice acc", "seconds"]
+    rows = [[str(e["step"]), f"{e['loss']:.4f}", f"{e['perplexity']:.3g}", f"{e['token_accuracy']:.3f}",
+             fmt(e.get("exact_match"), ".3f"), fmt(e.get("choice_accuracy"), ".3f"), f"{e['seconds']:.2f}"]
+            for e in points]
+    lines += text_table(head, rows)
+    first, last = points[0], points[-1]
+    if first.get("expert_load") and last.get("expert_load") and last is not first:
+        lines += ["", f"experts    share of routed tokens per expert on the held-out examples, step {first['step']} "
+                  f"-> step {last['step']} (CV: std/mean of tokens per expert)"]
+        rows = []
+        for layer, (before, after) in enumerate(zip(first["expert_load"], last["expert_load"])):
+            shares = [f"{b / max(sum(before), 1):.2f}->{a / max(sum(after), 1):.2f}" for b, a in zip(before, after)]
+            cvs = [imbalance(x) for x in (before, after)]
+            rows.append([str(layer), *(fmt(c[0] if c else None, ".3f") for c in cvs), "  ".join(shares)])
+        lines += text_table(["layer", "CV before", "CV after", "share per expert"], rows)
+    return lines
 
 
 def render_telemetry(t: dict[str, Any]) -> list[str]:
@@ -190,7 +220,7 @@ def render_breakdown(b: dict[str, Any]) -> list[str]:
     return lines
 
 
-EXPORT_FORMATS = ("json", "csv", "breakdown-csv", "chrome-trace", "vllm-bench")
+EXPORT_FORMATS = ("json", "csv", "breakdown-csv", "evaluation-csv", "chrome-trace", "vllm-bench")
 
 
 def export(run_dir: str | Path, fmt: str) -> str:
@@ -211,6 +241,8 @@ def export(run_dir: str | Path, fmt: str) -> str:
         return _requests_csv([r for r in records if r["type"] == "request"])
     if fmt == "breakdown-csv":
         return _breakdown_csv([r for r in records if r["type"] == "breakdown"])
+    if fmt == "evaluation-csv":
+        return _evaluation_csv([r for r in records if r["type"] == "evaluation"])
     steps = [r for r in records if r["type"] == "step"]
     if fmt == "csv":
         return _steps_csv(steps)
@@ -239,6 +271,26 @@ def _steps_csv(steps: list[dict[str, Any]]) -> str:
             experts += ["", "", ""] if figures is None else [f"{figures[0]:.6g}", f"{figures[1]:.6g}", figures[2]]
         writer.writerow([s["rank"], s["step"], s["warmup"], s.get("profiled", False), s["seconds"], s["tokens"],
                          s["samples"], s["loss"], peak, *[phases.get(n, "") for n in phase_names], *experts])
+    return buf.getvalue()
+
+
+def _evaluation_csv(points: list[dict[str, Any]]) -> str:
+    """One row per evaluation; MoE models add one row per layer and expert with its tokens on the held-out
+    examples (long form: the before/after shift in routing is a pivot away)."""
+    if not points:
+        raise LlmadaptError("no evaluation in this run: set eval.examples (docs/workloads.md)")
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    figures = ["examples", "tokens", "loss", "perplexity", "token_accuracy", "exact_match", "choice_accuracy",
+               "seconds"]
+    writer.writerow(["step", "table", *figures, "layer", "expert", "expert_tokens", "near_ties"])
+    for e in sorted(points, key=lambda e: e["step"]):
+        writer.writerow([e["step"], "evaluation", *("" if e.get(k) is None else e[k] for k in figures), "", "", "", ""])
+        ties = e.get("expert_near_ties") or []
+        for layer, counts in enumerate(e.get("expert_load") or []):
+            for expert, tokens in enumerate(counts):
+                writer.writerow([e["step"], "expert_load", *[""] * len(figures), layer, expert, tokens,
+                                 ties[layer] if layer < len(ties) else ""])
     return buf.getvalue()
 
 

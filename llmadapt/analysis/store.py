@@ -110,6 +110,11 @@ def metrics_of(summary: dict[str, Any]) -> dict[str, float]:
     if layers:
         put("expert_cv", sum(x["cv"] for x in layers) / len(layers))
     put("joules_per_token", (summary.get("telemetry") or {}).get("joules_per_token"))
+    points = summary.get("evaluations") or []
+    if points:  # before training and after the last step
+        for key in ("loss", "exact_match", "choice_accuracy"):
+            put(f"eval_{key}_before", points[0].get(key))
+            put(f"eval_{key}", points[-1].get(key))
     for c in (summary.get("breakdown") or {}).get("modules", []):
         put(f"breakdown.{c['name']}_s", c["seconds"])
     return out

@@ -105,9 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("export", cmd_export, "export a run as JSON, CSV, a Chrome trace (Perfetto) or vLLM-bench keys")
     p.add_argument("run", help="run directory")
-    p.add_argument("--format", required=True, choices=["json", "csv", "breakdown-csv", "chrome-trace", "vllm-bench"],
+    p.add_argument("--format", required=True, choices=["json", "csv", "breakdown-csv", "evaluation-csv", "chrome-trace",
+                                                         "vllm-bench"],
                    action=Once, help="csv: steps (requests for serving); breakdown-csv: the profiled steps' classes, "
-                   "layers, collectives; vllm-bench: a serving run's summary under `vllm bench serve`'s result keys")
+                   "layers, collectives; evaluation-csv: the held-out figures per evaluation (and expert loads); "
+                   "vllm-bench: a serving run's summary under `vllm bench serve`'s result keys")
     p.add_argument("-o", "--output", help="file to write (default: stdout)")
 
     p = command("runs", cmd_runs, "list the runs in a folder (its run store), filtered by key=value terms; "

@@ -21,8 +21,9 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.3"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
-# 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry
+SCHEMA_VERSION = "1.4"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+# 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
+# 1.4: evaluation records and the summary's evaluations
 
 
 @attrs.frozen
@@ -375,6 +376,36 @@ class Metric:
 
 
 @attrs.frozen
+class Evaluation:
+    """The model as trained after ``step`` steps (0: before training) on the held-out examples (workload.eval),
+    written by rank 0. Computed by llmadapt's own code on the trained weights the stack saved
+    (llmadapt.runtime.evaluation): the same tokens, order and arithmetic whatever the stack."""
+
+    rank: int
+    step: int
+    examples: int
+    tokens: int
+    """Scored tokens: the answers' (with their end-of-sequence token), or every token of synthetic samples."""
+    loss: float
+    """Mean negative log-likelihood per scored token (nats)."""
+    perplexity: float
+    token_accuracy: float
+    """Share of scored tokens that are the model's most likely next token given the true tokens before them."""
+    exact_match: float | None
+    """Share of examples whose whole answer is that: what greedy decoding would generate, up to its end token.
+    None for synthetic data (no answers)."""
+    choice_accuracy: float | None
+    """Multiple choice (examples with ``choices``): share where the right choice has the highest log-likelihood."""
+    seconds: float
+    """Gathering and writing the trained model, loading it and the forward passes."""
+    expert_load: list[list[int]] | None = None
+    """MoE models: tokens per expert per layer over the examples' real tokens (padding left out)."""
+    expert_near_ties: list[int] | None = None
+    """Per layer, tokens routed by a near-tie (llmadapt.adapter.moe): where two stacks' loads may differ."""
+    type: Literal["evaluation"] = "evaluation"
+
+
+@attrs.frozen
 class Failure:
     """Why a rank, a worker or the run stopped early. Written by the worker when it can, else by the launcher."""
 
@@ -578,5 +609,7 @@ class Summary:
     """MoE runs: per layer, how unevenly the router spread tokens over the experts in the measured steps."""
     telemetry: TelemetrySummary | None = None
     """What the background sampler saw (workload.telemetry)."""
+    evaluations: list[Evaluation] | None = None
+    """Runs with workload.eval: the held-out figures before training, every eval.every steps and after, by step."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["summary"] = "summary"

@@ -17,6 +17,7 @@ from llmadapt.contract.records import (
     ClientLoad,
     Comm,
     End,
+    Evaluation,
     Failure,
     Header,
     Metric,
@@ -30,7 +31,7 @@ from llmadapt.errors import ContractError
 
 RECORD_TYPES: dict[str, type] = {
     "header": Header, "step": Step, "request": Request, "server_sample": ServerSample, "client_load": ClientLoad,
-    "comm": Comm, "breakdown": Breakdown, "telemetry": Telemetry,
+    "comm": Comm, "breakdown": Breakdown, "telemetry": Telemetry, "evaluation": Evaluation,
     "metric": Metric, "failure": Failure, "end": End, "summary": Summary,
     "op_bench": OpBench, "estimate": Estimate, "fit": Fit, "validation": Validation, "probe": Probe,
     "maxbatch": MaxBatch,

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 from llmadapt.contract.flops import mfu, model_flops_per_token, peak_flops
 from llmadapt.contract.breakdowns import breakdown_summary, expert_imbalance, telemetry_summary
-from llmadapt.contract.records import Device, Failure, Patch, Stats, Summary
+from llmadapt.contract.records import Device, Evaluation, Failure, Patch, Stats, Summary
 from llmadapt.spec import Workload
 
 
@@ -148,7 +148,15 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
             records, world, workload.telemetry.interval_s,
             [r["value"] for r in records if r["type"] == "metric" and r["name"] == "energy_measured_steps"],
             window_tokens),
+        evaluations=_evaluations(records),
     )
+
+
+def _evaluations(records: list[dict[str, Any]]) -> list[Evaluation] | None:
+    from llmadapt.contract.jsonl import from_json  # contract.jsonl imports this module
+
+    found = sorted((r for r in records if r["type"] == "evaluation"), key=lambda r: r["step"])
+    return [from_json(Evaluation, r) for r in found] or None
 
 
 def _peak(memory: dict[str, Any]) -> int | None:

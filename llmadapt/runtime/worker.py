@@ -128,7 +128,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
                              source="getrusage")]
 
         tokenizer = None
-        if workload.data.source == "jsonl":
+        if workload.data.source == "jsonl" or workload.eval.path:
             # The class the canonical tokenizer was saved as: AutoTokenizer of older transformers
             # (ColossalAI's 4.51) cannot read what 5.x writes in tokenizer_config.json.
             from transformers import PreTrainedTokenizerFast
@@ -154,6 +154,8 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
         sampler = Sampler(place.rank, workload.telemetry.interval_s,
                           (ctx.device.index or 0) if ctx.is_cuda else None).start()
         energy_start = None
+        evaluate = _evaluator(workload, trainer, data, run_dir, dist_started)
+        evaluate(0, writer)
         for step_index in range(workload.train.total_steps):
             _maybe_fault(fault, place.rank, step_index)
             data_start = time.perf_counter()
@@ -191,6 +193,9 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
                 _barrier()
             for sample in sampler.drain():
                 writer.write(sample)
+            if workload.eval.every and (step_index + 1) % workload.eval.every == 0 \
+                    and step_index + 1 < workload.train.total_steps:
+                evaluate(step_index + 1, writer)
         energy_end = sampler.energy_j()
         for sample in sampler.stop():
             writer.write(sample)
@@ -198,6 +203,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
             writer.write(Metric(rank=place.rank, name="energy_measured_steps", value=energy_end - energy_start,
                                 unit="J", source="nvml"))
         step_index = None
+        evaluate(workload.train.total_steps, writer)
         if workload.save.path:
             writer.write(_save(trainer, workload, checkpoint, place.rank))
         for extra in trainer.final_records():
@@ -240,6 +246,21 @@ def _setup_metrics(rank: int, seconds: float, cuda: bool) -> list[Metric]:
         metrics.append(Metric(rank=rank, name="setup_peak_device_bytes", value=float(torch.cuda.max_memory_allocated()),
                               unit="B", source="torch.cuda"))
     return metrics
+
+
+def _evaluator(workload: Workload, trainer: Trainer, data: TokenData, run_dir: Path, distributed: bool):
+    """evaluate(steps_done, writer): workload.eval's evaluation of the model as trained so far, written by rank 0;
+    a no-op when the workload evaluates nothing."""
+    def evaluate(step: int, writer) -> None:
+        if not workload.eval.examples:
+            return
+        from llmadapt.runtime.evaluation import evaluate_trained
+
+        record = evaluate_trained(trainer, data, step, run_dir, _barrier if distributed else None)
+        if record is not None:
+            writer.write(record)
+
+    return evaluate
 
 
 def _save(trainer: Trainer, workload, checkpoint: Path, rank: int) -> Metric:

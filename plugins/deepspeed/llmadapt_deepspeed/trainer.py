@@ -11,6 +11,8 @@ the gradient then equals the reference's exactly (up to float rounding).
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import os
 import sys
@@ -161,8 +163,6 @@ class DeepSpeedTrainer(Trainer):
     def save_pretrained(self, folder) -> None:
         """Under ZeRO-3 the partitions are gathered first (every rank takes part; each holds the whole model
         for the moment it takes rank 0 to write it)."""
-        import contextlib
-
         import deepspeed
 
         from llmadapt.adapter.weights import save_hf_model
@@ -172,6 +172,21 @@ class DeepSpeedTrainer(Trainer):
                   if self.ctx.workload.optimizations.zero_stage == 3 else contextlib.nullcontext())
         with gather:
             save_hf_model(module, folder, write=self.ctx.rank == 0)
+
+    @contextlib.contextmanager
+    def plain_transformers(self):
+        """While our HfDeepSpeedConfig is registered, from_pretrained partitions what it loads with collectives on
+        every rank: unregistered while rank 0 alone loads the evaluation model."""
+        if self._zero_init is None:
+            yield
+            return
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        try:
+            yield
+        finally:
+            set_hf_deepspeed_config(self._zero_init)
 
     def _load_cpu_adam(self) -> None:
         """Build (first use: gcc, minutes) or load DeepSpeed's C++ CPU Adam op, timed: the trace says what it cost."""
