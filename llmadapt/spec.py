@@ -218,6 +218,10 @@ class SaveSpec:
     """Write the model after the last step here: config.json, safetensors shards and the tokenizer, gathered from
     every rank's shards (ZeRO-3 partitions, tensor- and pipeline-parallel slices); LoRA weights merged into the
     base. A new or empty folder; a serving workload's ``model.path`` can name it."""
+    lora: str = attrs.field(default="merged", validator=_choice(("merged", "adapter")))
+    """LoRA fine-tunes: 'merged' (the whole model, LoRA merged into the base: a model folder any engine serves)
+    or 'adapter' (only the adapter, as peft writes it: adapter_config.json and adapter_model.safetensors, for
+    engines that load LoRA adapters onto the base)."""
 
 
 @attrs.frozen
@@ -568,11 +572,13 @@ class Workload:
 def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
     """A workload's dict less what does not define it: labels, per-adapter settings, sources, the model
     folder's location (its content is the checksum; absent for a preset, so older hashes stay as they were), and
-    the eval section when nothing is evaluated (so are older hashes)."""
+    the eval section when nothing is evaluated and save.lora at its default (so are older hashes)."""
     for key in ("name", "adapters", "sources"):
         data.pop(key)
     if not data["eval"]["examples"]:
         data.pop("eval")
+    if data["save"]["lora"] == "merged":
+        data["save"].pop("lora")
     for key in ("name", "path"):
         data["model"].pop(key)
     if data["model"]["checksum"] is None:
@@ -686,6 +692,8 @@ def _check_workload(w: Workload) -> None:
         )
     if w.save.path is not None and w.kind == "serve":
         raise WorkloadError("save.path", w.save.path, "saving the trained model is for train and finetune workloads")
+    if w.save.lora == "adapter" and not w.lora.rank:
+        raise WorkloadError("save.lora", w.save.lora, "'adapter' saves a LoRA adapter: needs lora.rank > 0")
     if w.save.path is not None and o.quantization != "none":
         raise WorkloadError("save.path", w.save.path, "quantized base weights cannot be saved as a model (QLoRA "
                             "merged into 4- or 8-bit weights would be dequantized): train without quantization")

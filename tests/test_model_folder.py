@@ -324,3 +324,40 @@ def test_saving_is_checked_before_launch(folder, tmp_path):
     with pytest.raises(WorkloadError, match="quantized base weights cannot be saved"):
         Workload.from_dict({"kind": "finetune", "lora": {"rank": 4, "target_modules": ["q_proj"]},
                             "optimizations": {"quantization": "nf4"}, "save": {"path": str(tmp_path / "x")}})
+
+
+@pytest.mark.parametrize("adapter", ["torch", "deepspeed"])
+def test_a_lora_adapter_alone_is_saved_as_peft_writes_it(adapter, folder, tmp_path):
+    """save.lora = 'adapter': the adapter's files only (gathered from ZeRO-3 on DeepSpeed); loaded by peft onto the
+    base folder and merged, they give the weights the merged save of the same run gives, to 1e-6 (the merge's
+    fp32 rounding)."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    if adapter not in adapters():
+        pytest.skip(f"the {adapter} adapter is not installed")
+    if environments_unready(adapter):
+        pytest.skip(environments_unready(adapter))
+    lora = [f"model.path={folder}", *SAVE, "kind=finetune", "lora.rank=4", "lora.target_modules=[q_proj,v_proj]",
+            *(["parallelism.dp=2", "optimizations.zero_stage=3"] if adapter == "deepspeed" else [])]
+    merged = Workload().with_overrides([*lora, f"save.path={tmp_path / 'merged'}"])
+    alone = merged.with_overrides([f"save.path={tmp_path / 'adapter'}", "save.lora=adapter"])
+    assert merged.problem_hash == alone.problem_hash
+    for w in (merged, alone):
+        result = run(w, adapter, out=tmp_path / "runs", timeout=600)
+        assert result.ok, result.summary.failures
+    files = sorted(p.name for p in (tmp_path / "adapter").iterdir())
+    assert "adapter_config.json" in files and "adapter_model.safetensors" in files
+    assert "config.json" not in files  # not a model folder: the base is the run's model
+    base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    rebuilt = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).merge_and_unload().state_dict()
+    reference = {}
+    for shard in (tmp_path / "merged").glob("*.safetensors"):
+        reference.update(load_file(str(shard)))
+    assert set(reference) <= set(rebuilt)
+    for name, tensor in reference.items():
+        assert torch.allclose(rebuilt[name], tensor, rtol=0, atol=1e-6), name
+    with pytest.raises(WorkloadError, match="needs lora.rank > 0"):
+        Workload().with_overrides(["save.lora=adapter"])

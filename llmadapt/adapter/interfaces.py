@@ -66,10 +66,11 @@ class Trainer(abc.ABC):
 
         self.loaded_at = (time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0)
 
-    def save_pretrained(self, folder: Path) -> None:
+    def save_pretrained(self, folder: Path, adapter_only: bool = False) -> None:
         """Write the trained weights into ``folder`` as Hugging Face safetensors with the model's config.json
-        (``workload.save.path``; declare ``Supports.save``). Called on every rank after the last step: gather what
-        is sharded, rank 0 writes. The core adds the tokenizer."""
+        (``workload.save.path``, and each evaluation; declare ``Supports.save``). Called on every rank: gather
+        what is sharded, rank 0 writes. The core adds the tokenizer. ``adapter_only`` (save.lora = 'adapter', LoRA
+        runs only): the LoRA adapter alone, as peft writes it; otherwise LoRA merged into the base."""
         raise NotImplementedError(f"{type(self).__name__} cannot save the trained model")
 
     def plain_transformers(self):

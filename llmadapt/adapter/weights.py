@@ -61,11 +61,16 @@ class CheckpointWeights(Mapping):
         return name in self._file_of
 
 
-def save_hf_model(model, folder: str | Path, *, write: bool) -> None:
+def save_hf_model(model, folder: str | Path, *, write: bool, adapter_only: bool = False) -> None:
     """A transformers model, peft-wrapped or not, as a Hugging Face folder (config.json and safetensors shards
     in the published layout, as ``save_pretrained`` writes them): LoRA merged into the base weights, so any
-    engine serves the result. The model itself is left as it was (evaluation saves in the middle of training).
-    ``write``: this rank writes (rank 0); the others only take part in what the gather needs."""
+    engine serves the result; or with ``adapter_only``, a peft model's adapter alone, as peft writes it. The model
+    itself is left as it was (evaluation saves in the middle of training). ``write``: this rank writes (rank 0);
+    the others only take part in what the gather needs."""
+    if adapter_only and hasattr(model, "get_base_model"):
+        if write:
+            model.save_pretrained(str(folder), safe_serialization=True)
+        return
     if not hasattr(model, "get_base_model"):  # not a peft model
         if write:
             model.save_pretrained(str(folder), safe_serialization=True, max_shard_size="1GB")

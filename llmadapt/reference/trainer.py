@@ -73,10 +73,11 @@ class TorchTrainer(Trainer):
             self.optimizer = cls(params, lr=w.train.lr, weight_decay=w.train.weight_decay)
         self._flash = w.optimizations.flash_attention
 
-    def save_pretrained(self, folder) -> None:
+    def save_pretrained(self, folder, adapter_only: bool = False) -> None:
         from llmadapt.adapter.weights import save_hf_model
 
-        save_hf_model(self.model.module if self.ddp else self.model, folder, write=self.ctx.rank == 0)
+        save_hf_model(self.model.module if self.ddp else self.model, folder, write=self.ctx.rank == 0,
+                      adapter_only=adapter_only)
 
     def _attention_backend(self):
         if not self._flash:

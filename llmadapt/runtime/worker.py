@@ -274,7 +274,7 @@ def _save(trainer: Trainer, workload, checkpoint: Path, rank: int) -> Metric:
     folder = Path(workload.save.path)
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
-    trainer.save_pretrained(folder)
+    trainer.save_pretrained(folder, adapter_only=workload.save.lora == "adapter")
     if rank == 0:
         for name in (*TOKENIZER_FILES, "generation_config.json"):
             if (checkpoint / name).is_file():

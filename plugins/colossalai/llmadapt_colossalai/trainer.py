@@ -311,7 +311,7 @@ class ColossalAITrainer(Trainer):
             loss_sum += s
         return [Phase("forward_backward", (t1 - t0) / 1e9, "llmadapt")]
 
-    def save_pretrained(self, folder) -> None:
+    def save_pretrained(self, folder, adapter_only: bool = False) -> None:  # no LoRA save here (refused)
         """ColossalAI's own checkpoint IO for the plugin in use (it gathers tensor-parallel slices and FSDP shards),
         sharded safetensors with Hugging Face's names; config.json is the checkpoint's."""
         import shutil

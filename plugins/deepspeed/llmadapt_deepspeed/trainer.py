@@ -160,7 +160,7 @@ class DeepSpeedTrainer(Trainer):
         # come out doubled), and partitioned parameters count as 0.
         self._profile_step = max(w.train.warmup_steps - 1, 0) if w.optimizations.zero_stage < 3 else None
 
-    def save_pretrained(self, folder) -> None:
+    def save_pretrained(self, folder, adapter_only: bool = False) -> None:
         """Under ZeRO-3 the partitions are gathered first (every rank takes part; each holds the whole model
         for the moment it takes rank 0 to write it)."""
         import deepspeed
@@ -171,7 +171,7 @@ class DeepSpeedTrainer(Trainer):
         gather = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
                   if self.ctx.workload.optimizations.zero_stage == 3 else contextlib.nullcontext())
         with gather:
-            save_hf_model(module, folder, write=self.ctx.rank == 0)
+            save_hf_model(module, folder, write=self.ctx.rank == 0, adapter_only=adapter_only)
 
     @contextlib.contextmanager
     def plain_transformers(self):

@@ -199,7 +199,7 @@ class MegatronTrainer(Trainer):
             save_file({k: v.detach().contiguous() for k, v in model.named_parameters()}, str(tmp))
             os.replace(tmp, cached)
 
-    def save_pretrained(self, folder) -> None:
+    def save_pretrained(self, folder, adapter_only: bool = False) -> None:  # no LoRA save here (refused)
         """Every rank's slice gathered on rank 0 and converted back to the Hugging Face layout (megatron_to_hf);
         config.json is the checkpoint's: the architecture did not change."""
         import shutil
