@@ -312,6 +312,32 @@ class SloSpec:
 
 
 @attrs.frozen
+class EngineSpec:
+    """Arguments of the serving engine, by one name on every engine: each adapter declares which it takes
+    (``Supports.engine``) and passes them as its engine's own flags; the defaults leave the engine's own defaults
+    (and the adapter's). Recorded with the workload in every trace's header."""
+
+    tensor_parallel: int = attrs.field(default=1, validator=_at_least(1))
+    """Tensor-parallel degree inside the engine (vLLM's --tensor-parallel-size)."""
+    quantization: str = "none"
+    """The engine's weight quantization method, by its name (vLLM's --quantization, e.g. 'fp8'); 'none': off."""
+    kv_cache_bytes: int | None = attrs.field(default=None, validator=attrs.validators.optional(_at_least(1)))
+    """KV-cache size (vLLM's --kv-cache-memory-bytes); None: the adapter's default."""
+    max_batched_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(_at_least(1)))
+    """Tokens per engine step (vLLM's --max-num-batched-tokens; the reference server's --cb-max-batch-tokens)."""
+    max_sequences: int | None = attrs.field(default=None, validator=attrs.validators.optional(_at_least(1)))
+    """Sequences in one batch (vLLM's --max-num-seqs)."""
+    scheduling: str = attrs.field(default="fcfs", validator=_choice(("fcfs", "priority")))
+    """Scheduling policy (vLLM's --scheduling-policy)."""
+
+    def given(self) -> dict[str, Any]:
+        """The arguments set away from their defaults."""
+        default = EngineSpec()
+        return {f.name: getattr(self, f.name) for f in attrs.fields(EngineSpec)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+@attrs.frozen
 class ServeSpec:
     """Serving: the request stream the load generator sends, the same to every engine."""
 
@@ -339,6 +365,11 @@ class ServeSpec:
     the engine shares the client's CPUs."""
     url: str | None = None
     """Attach to a running server at this URL instead of starting one (adapters that can)."""
+    engine: EngineSpec = attrs.field(factory=EngineSpec)
+    stream: int = attrs.field(default=0, validator=_at_least(0))
+    """Which of the workload's request streams (prompts, lengths, arrival times) to send; 0: the usual one. Load
+    sweeps give each load point its own, so that no prompt reaches one engine twice (a prefix cache would answer
+    it from memory), and the same point the same stream on every engine."""
 
 
 # Fields that change how a workload runs but not the numbers it computes (in exact arithmetic).
@@ -572,13 +603,18 @@ class Workload:
 def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
     """A workload's dict less what does not define it: labels, per-adapter settings, sources, the model
     folder's location (its content is the checksum; absent for a preset, so older hashes stay as they were), and
-    the eval section when nothing is evaluated and save.lora at its default (so are older hashes)."""
+    the eval section when nothing is evaluated, save.lora, serve.stream and serve.engine at their defaults (so are
+    older hashes)."""
     for key in ("name", "adapters", "sources"):
         data.pop(key)
     if not data["eval"]["examples"]:
         data.pop("eval")
     if data["save"]["lora"] == "merged":
         data["save"].pop("lora")
+    if not data["serve"]["stream"]:
+        data["serve"].pop("stream")
+    if data["serve"]["engine"] == attrs.asdict(EngineSpec()):
+        data["serve"].pop("engine")
     for key in ("name", "path"):
         data["model"].pop(key)
     if data["model"]["checksum"] is None:
@@ -765,6 +801,10 @@ def _check_jsonl(d: DataSpec, path: str, field_name: str, choices: bool = False)
 
 def _check_serve(w: Workload) -> None:
     s = w.serve
+    if s.url is not None and s.engine.given():
+        name, value = next(iter(s.engine.given().items()))
+        raise WorkloadError(f"serve.engine.{name}", value, "an attached engine (serve.url) runs with the arguments "
+                            "it was started with: set them where it is started")
     if s.url is not None:
         from urllib.parse import urlsplit
 

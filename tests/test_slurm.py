@@ -253,3 +253,46 @@ def test_no_slurm_on_the_machine_is_one_line(two_nodes, tmp_path, monkeypatch):
     with pytest.raises(LlmadaptError, match=r"^launcher 'slurm' needs Slurm's sbatch"):
         run(WORKLOAD, "torch", launcher="slurm", slurm=two_nodes, out=tmp_path / "runs")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_sweep_runs_as_a_job_array_and_resumes_after_the_job_is_killed(slurm, tmp_path):
+    """Four cells, one per array task, on the two nodes. The array is cancelled once a cell is done: the cell files
+    say what was done; running the sweep again submits only the cells not done, and the finished cell's run is
+    kept, not run again."""
+    import threading
+
+    from llmadapt.analysis import sweep as sweeps
+
+    sweep_file = tmp_path / "grid.toml"
+    sweep_file.write_text(
+        f'workload = "{Path(__file__).resolve().parents[1] / "examples" / "tiny-llama.toml"}"\n'
+        'adapters = ["torch"]\nset = ["train.steps=3", "train.warmup_steps=0", "telemetry.interval_s=0"]\n'
+        '[matrix]\n"seed" = [1, 2, 3, 4]\n')
+    out = tmp_path / "runs"
+    sweep = sweeps.load(sweep_file, out)
+    assert len(sweep.cells) == 4 and len({c.id for c in sweep.cells}) == 4
+    assert [c.id for c in sweeps.load(sweep_file, out).cells] == [c.id for c in sweep.cells]  # stable ids
+    messages: list[str] = []
+    submitted = threading.Thread(target=sweeps.run_on_slurm, args=(sweep, []), kwargs={"log": messages.append})
+    submitted.start()
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and not any(s == "done" for _, s, _ in sweep.status("slurm:llmadapt-test")):
+        time.sleep(0.5)
+    job = (sweep.folder / "slurm-job").read_text().strip()
+    subprocess.run(["scancel", job], check=True)
+    submitted.join(120)
+    states = [s for _, s, _ in sweep.status("slurm:llmadapt-test")]
+    assert "done" in states and states != ["done"] * 4, states
+    first_done = {c.id: st["attempts"][-1]["run_dir"] for c, s, st in sweep.status("slurm:llmadapt-test")
+                  if s == "done"}
+    again = sweeps.run_on_slurm(sweeps.load(sweep_file, out), [], log=messages.append)
+    assert again and again != job
+    array = (sweep.folder / "sweep.sbatch").read_text()
+    todo = [str(i) for i, c in enumerate(sweep.cells) if c.id not in first_done]
+    assert f"#SBATCH --array={','.join(todo)}" in array  # only what was not done
+    final = sweep.status("slurm:llmadapt-test")
+    assert [s for _, s, _ in final] == ["done"] * 4, [(c.title, st) for c, _, st in final]
+    for c, _, st in final:
+        if c.id in first_done:
+            assert st["attempts"][-1]["run_dir"] == first_done[c.id] and len(st["attempts"]) == 1
+        assert st["machine"] == "slurm:llmadapt-test" and st["node"] in ("n1", "n2")

@@ -60,6 +60,22 @@ class Supports:
     optimizer_impls: tuple[str, ...] = ("torch",)
     save: bool = False
     """Can write the trained model as a Hugging Face folder (``Trainer.save_pretrained``; workload.save.path)."""
+    engine: tuple[str, ...] = ()
+    """Serving: the engine arguments (fields of workload.serve.engine) the adapter passes to its engine."""
+    engine_quantization: tuple[str, ...] = ()
+    """Serving: the quantization methods its engine takes (serve.engine.quantization), besides 'none'."""
+
+    def engine_problems(self, workload: Workload) -> list[tuple[str, Any, str]]:
+        """(field, value, what is allowed) for each engine argument the adapter does not take."""
+        out = []
+        for name, value in workload.serve.engine.given().items():
+            if name not in self.engine:
+                out.append((f"serve.engine.{name}", value, "this adapter takes " + (
+                    ", ".join(f"serve.engine.{n}" for n in self.engine) or "no engine arguments")))
+            elif name == "quantization" and value not in self.engine_quantization:
+                out.append(("serve.engine.quantization", value, "supported: none, " + ", ".join(
+                    self.engine_quantization)))
+        return out
 
     def problems(self, workload: Workload) -> list[tuple[str, Any, str]]:
         """(field, value, what is allowed) for everything in the workload this adapter cannot do."""

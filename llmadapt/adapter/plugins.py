@@ -96,7 +96,8 @@ def check_supported(info: AdapterInfo, workload) -> None:
             f"adapter {info.name!r} does not support kind={workload.kind!r}; roles: {', '.join(info.roles)}"
         )
     # Training declarations say nothing about serving engines: serve workloads meet only the adapter's own rules.
-    problems = [] if workload.kind == "serve" else info.supports.problems(workload)
+    problems = info.supports.engine_problems(workload) if workload.kind == "serve" else \
+        info.supports.problems(workload)
     problems += info.check(workload) if info.check else []
     if problems:
         field, value, allowed = problems[0]

@@ -9,6 +9,8 @@ import signal
 import sys
 
 from llmadapt.cli.common import Once, add_command
+from llmadapt.cli.serving import cmd_load_sweep, cmd_sla
+from llmadapt.cli.sweep import cmd_sweep
 from llmadapt.cli.env import cmd_adapters, cmd_env_create, cmd_env_list, cmd_env_prune, cmd_schema
 from llmadapt.cli.runs import (
     cmd_compare,
@@ -91,6 +93,54 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare stored runs in --out instead of running: key=value terms, e.g. "
                         "'adapter=torch since=2026-12-01' ('' for all)")
     p.add_argument("--report", metavar="FILE", help="also write the comparison's HTML report (llmadapt report)")
+
+    p.add_argument("--attach", metavar="ADAPTER=URL,...",
+                   help="serving: measure engines already running, e.g. hf=http://127.0.0.1:8000,vllm=http://b:8000 "
+                        "(each adapter's serve.url; the same request plan for each, run back to back)")
+
+    def serving_args(p: argparse.ArgumentParser) -> None:
+        workload_args(p)
+        p.add_argument("--adapters", required=True, help="comma-separated serving adapters, e.g. hf,vllm")
+        p.add_argument("--attach", metavar="ADAPTER=URL,...",
+                       help="engines already running, e.g. vllm=http://127.0.0.1:8000 (instead of starting them)")
+
+    p = command("load-sweep", cmd_load_sweep, "serve at several loads against each engine (started once): a "
+                "latency-against-load table; each point is a run of its own")
+    serving_args(p)
+    p.add_argument("--rates", metavar="R1,R2,...|geometric:START:FACTOR[:MAX]",
+                   help="request rates (requests/s, the workload's arrival process), increasing; geometric steps "
+                        "continue until the engine saturates or MAX")
+    p.add_argument("--concurrencies", metavar="C1,C2,...|geometric:START:FACTOR[:MAX]",
+                   help="closed-loop concurrencies instead of rates")
+    p.add_argument("--repeat", type=int, default=1, metavar="N", help="runs per load (default 1)")
+
+    p = command("sla", cmd_sla, "find each engine's highest load that meets service-level objectives "
+                "(exponential probe, bisection, repeats at the answer)")
+    serving_args(p)
+    p.add_argument("--slo", action="append", metavar="METRIC_QUANTILE_ms<=LIMIT",
+                   help="an objective, e.g. ttft_p99_ms<=500 or tpot_p99_ms<=50 (repeat); metrics ttft, tpot, itl, "
+                        "e2el; quantiles p50, p90, p99, mean")
+    p.add_argument("--over", choices=["rate", "concurrency"], default="rate",
+                   help="search over request rate (default) or concurrency")
+    p.add_argument("--start", type=float, default=None, help="first load probed (default 1)")
+    p.add_argument("--max", type=float, default=None, help="highest load probed (default 1024 req/s, 256 in flight)")
+    p.add_argument("--resolution", type=float, default=0.1,
+                   help="stop bisecting when the bracket is this fraction wide (default 0.1; concurrency: 1)")
+    p.add_argument("--repeats", type=int, default=2, help="probes at the answer, all of which must pass (default 2)")
+
+    p = command("sweep", cmd_sweep, "run a sweep file's cells (resuming: finished cells are skipped, failed ones "
+                "retried), locally or as a Slurm job array; or show their status")
+    p.add_argument("action", choices=["run", "status"])
+    p.add_argument("sweep", help="sweep file (.toml, .yaml, .json): workload, adapters/cells, set, matrix, repeat, "
+                                 "retries")
+    p.add_argument("--set", action="append", metavar="[ADAPTER:]PATH=VALUE", help="override a workload field")
+    p.add_argument("--out", default="runs", help="folder for run directories and the sweep's state (default: ./runs)")
+    p.add_argument("--launcher", default="auto", metavar="LAUNCHER", help="for each cell's run (default: auto)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run (with --slurm: for the whole array)")
+    p.add_argument("--index", type=int, default=None, help="run only cell I (what each Slurm array task does)")
+    p.add_argument("--slurm", action="store_true", help="submit the cells not done as one Slurm job array and wait")
+    p.add_argument("--sbatch-option", action="append", metavar="OPTION",
+                   help="an sbatch option for the array, e.g. --partition=gpu (repeat)")
 
     p = command("parity", cmd_parity, "check two adapters' fp32 loss trajectories agree at every step")
     workload_args(p)

@@ -52,6 +52,7 @@ def cmd_compare(args) -> int:
 
     if args.runs is not None:
         given = [flag for flag, on in (("a workload file", args.workload), ("--adapters", args.adapters),
+                                       ("--attach", args.attach),
                                        ("--cell", args.cell), ("--matrix", args.matrix), ("--reuse", args.reuse),
                                        ("--repeat", args.repeat != 1)) if on]
         if given:
@@ -60,8 +61,13 @@ def cmd_compare(args) -> int:
     else:
         if args.workload is None:
             raise LlmadaptError("name a workload file to run, or --runs QUERY to compare stored runs")
+        from llmadapt.cli.serving import attach_settings
+
+        names = _adapter_names(args)
+        named = names + [c.partition(":")[0] for c in args.cell or []]
+        workload = workload_of(args).with_overrides(attach_settings(args.attach, named), source="--set")
         with cells_progress(args) as on_cell:
-            comparison = compare(workload_of(args), _adapter_names(args), cells=args.cell,
+            comparison = compare(workload, names, cells=args.cell,
                                  matrix=parse_matrix(args.matrix or []), refuse_unsupported=args.refuse_unsupported,
                                  repeat=args.repeat, reuse=args.reuse, on_cell=on_cell,
                                  log=None if on_cell else lambda m: print(m, file=sys.stderr, flush=True),

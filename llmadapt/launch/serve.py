@@ -9,7 +9,9 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import attrs
 
 from llmadapt.adapter.context import ServeContext, WrongServer
 from llmadapt.contract.jsonl import JsonlWriter
@@ -26,33 +28,52 @@ from llmadapt.runtime.requests import plan_requests
 from llmadapt.spec import Workload
 
 
-def run_serving(workload: Workload, info, out, run_id, timeout, progress) -> RunResult:
-    from llmadapt.launch.serve import run_serve
+@attrs.frozen
+class LoadPoint:
+    """One serving run against an engine that may serve several in a row (llmadapt.launch.loadsweep): the run's
+    workload (its arrival process and request stream) and its folder, already holding launch.json."""
 
+    workload: Workload
+    run_id: str
+    run_dir: Path
+
+
+def engine_launch(workload: Workload, info) -> tuple[str, Path | None]:
+    """(launcher, interpreter) for the workload's engine: attached by URL, or started in the adapter's
+    environment (whose absence fails here, before anything is written)."""
     attach = workload.serve.url is not None
     if not attach and info.environment is None:
         raise LlmadaptError(f"adapter {info.name!r} only attaches to a running engine: set serve.url")
-    python = None if attach else python_for(info.environment)  # fails before anything is written
-    launcher = "attach" if attach else "subprocess"
+    return ("attach", None) if attach else ("subprocess", python_for(info.environment))
+
+
+def new_point(workload: Workload, info, out, run_id: str | None, progress) -> LoadPoint:
+    """A serving run's folder with its launch.json, announced to ``progress``."""
+    launcher, python = engine_launch(workload, info)
     run_id = run_id or make_run_id(info.name, workload)
     run_dir = Path(out) / run_id
     run_dir.mkdir(parents=True, exist_ok=False)
-    launch = {
+    RunDir(run_dir).write_launch({
         "run_id": run_id, "adapter": info.name, "framework": info.framework, "role": "serve", "launcher": launcher,
         "world_size": 1, "workload": workload.to_dict(), "workload_hash": workload.content_hash,
         "python": str(python) if python else None, "created": time.time(),
-    }
-    RunDir(run_dir).write_launch(launch)
+    })
+    RunDir(run_dir).rank_file(0).touch()  # a run that fails before its header still has its (empty) record file
     if progress:
         progress({"type": "start", "run_dir": str(run_dir), "adapter": info.name, "label": workload.label,
                   "world_size": 1, "launcher": launcher})
-    failures: list[Failure] = []
+    return LoadPoint(workload, run_id, run_dir)
+
+
+def run_serving(workload: Workload, info, out, run_id, timeout, progress) -> RunResult:
+    point = new_point(workload, info, out, run_id, progress)
     try:
-        failures = run_serve(workload, info, run_id, run_dir, launcher, python, timeout, progress)
-    except KeyboardInterrupt as exc:
-        summarise(run_dir, [Failure(cause="interrupted", message=f"{interrupt_text(exc)} in the orchestrator")])
+        return serve_points(workload, info, point.run_dir, timeout, progress,
+                            lambda done: None if done else point)[0]
+    except KeyboardInterrupt as exc:  # stopped before the engine's loop could summarise the run
+        if not RunDir(point.run_dir).summary_file.is_file():
+            summarise(point.run_dir, [Failure(cause="interrupted", message=f"{interrupt_text(exc)} in the orchestrator")])
         raise
-    return RunResult(run_dir=run_dir, summary=summarise(run_dir, failures))
 
 
 # -- orchestration ------------------------------------------------------------------------------
@@ -109,25 +130,40 @@ class _Interrupts:
         return Terminated("terminated by SIGTERM") if self.signal == "SIGTERM" else KeyboardInterrupt()
 
 
-def run_serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: str, python: Path | None,
-              timeout: float | None, progress) -> list:
-    """Start (or attach to) the engine, wait until ready, drive the request plan, stop the engine.
+def serve_points(workload: Workload, info, engine_dir: Path, timeout: float | None, progress,
+                 next_point: Callable[[list[RunResult]], LoadPoint | None]) -> list[RunResult]:
+    """Start (or attach to) the engine of ``workload`` once, wait until it is ready, then run load points one after
+    the other against it, each summarised in its own folder, until ``next_point`` (given the results so far)
+    returns None; stop the engine. The engine's log goes to ``engine_dir``.
 
-    Returns launcher-level failures; every request outcome is in the records. Raises KeyboardInterrupt
-    (``Terminated`` for SIGTERM) once the engine is stopped, when the run was interrupted.
+    ``timeout`` bounds each point (the first one's from the engine's start). A point that fails (timeout, failed
+    requests) is a result; an engine that fails to start or dies ends the series with the current point failed.
+    Raises KeyboardInterrupt (``Terminated`` for SIGTERM) once the engine is stopped and the current point is
+    summarised as interrupted.
     """
     with _Interrupts() as interrupts:
-        return _serve(workload, info, run_id, run_dir, launcher, python, timeout, progress, interrupts)
+        return _serve(workload, info, engine_dir, timeout, progress, next_point, interrupts)
 
 
-def _serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: str, python: Path | None,
-           timeout: float | None, progress, interrupts: _Interrupts) -> list:
+def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, progress,
+           next_point: Callable[[list[RunResult]], LoadPoint | None], interrupts: _Interrupts) -> list[RunResult]:
     import importlib
 
     from llmadapt.contract.records import Failure, Header
     from llmadapt.host import free_port
 
-    attach = workload.serve.url is not None
+    results: list[RunResult] = []
+    point = next_point(results)
+    if point is None:
+        return results
+    launcher, python = engine_launch(workload, info)
+    attach = launcher == "attach"
+    failures: list = []
+
+    def finish(current: LoadPoint) -> None:
+        results.append(RunResult(run_dir=current.run_dir, summary=summarise(current.run_dir, list(failures))))
+        failures.clear()
+
     checkpoint = None
     if not attach:
         from llmadapt.launch.prepare import ensure_checkpoint
@@ -135,15 +171,15 @@ def _serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: str, 
         try:
             checkpoint = ensure_checkpoint(workload, info.environment)
         except LlmadaptError as exc:
-            return [Failure(cause="error", message=str(exc))]
+            failures.append(Failure(cause="error", message=str(exc)))
+            finish(point)
+            return results
     tokenizer = _load_tokenizer(workload, checkpoint)
-    plan = plan_requests(workload, tokenizer)
     module_name, _, class_name = info.roles["serve"].partition(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    server = cls(ServeContext(workload, info.name, run_dir, python, checkpoint, free_port()))
+    server = cls(ServeContext(workload, info.name, engine_dir, python, checkpoint, free_port()))
     secrets = sent_secrets(server)
-    writer = JsonlWriter(run_dir / "rank-00000.jsonl")
-    failures: list = []
+    current: list[LoadPoint] = [point]  # the point being run, for the interrupt's summary
 
     def fail(cause: str, message: str) -> None:
         failures.append(Failure(cause=cause, message=redact(message, secrets)))  # messages may quote the server
@@ -162,42 +198,65 @@ def _serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: str, 
         client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
         async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session:
             started = time.monotonic()
-            limit = STARTUP_TIMEOUT_S if timeout is None else min(timeout, STARTUP_TIMEOUT_S)  # --timeout 0 is 0
-            refused_since = None
+            if not await _wait_ready(session, started):
+                finish(current[0])
+                return
             while True:
-                try:
-                    ready, refused = await _ready(server, session)
-                except WrongServer as exc:
-                    fail("error", str(exc))
+                p = current[0]
+                await _one_point(p, session, started)
+                finish(p)
+                started = time.monotonic()
+                following = next_point(results)
+                if following is None:
                     return
-                # alive after ready too: a health check answered by another process on the port is not our engine
-                if ready and server.alive():
-                    break
-                if not server.alive():
-                    fail("crash", f"the engine exited during start-up; see {run_dir / 'engine.log'}")
+                current[0] = following
+                if not server.alive():  # the engine died: the points left would only fail
+                    fail("crash", f"the engine exited before this load point; see {engine_dir / 'engine.log'}")
+                    finish(following)
                     return
-                # Attached, a refused connection means nothing listens there: waiting would only hide that. A
-                # managed engine refuses until it listens, so it gets the whole start-up time while it lives.
-                refused_since = None if refused is None else refused_since or time.monotonic()
-                if attach and refused_since is not None and time.monotonic() - refused_since >= REFUSED_GRACE_S:
-                    fail("error", f"nothing answers at {server.ctx.base_url}: {refused} (retried for "
-                                  f"{REFUSED_GRACE_S:g} s; is the server running there, and is serve.url right?)")
-                    return
-                if time.monotonic() - started >= limit:
-                    fail("timeout", f"the engine was not ready within {limit:g} s")
-                    return
-                await asyncio.sleep(0.5)
-            if interrupts.signal:
-                raise asyncio.CancelledError
+
+    async def _wait_ready(session, started: float) -> bool:
+        limit = STARTUP_TIMEOUT_S if timeout is None else min(timeout, STARTUP_TIMEOUT_S)  # --timeout 0 is 0
+        refused_since = None
+        while True:
+            try:
+                ready, refused = await _ready(server, session)
+            except WrongServer as exc:
+                fail("error", str(exc))
+                return False
+            # alive after ready too: a health check answered by another process on the port is not our engine
+            if ready and server.alive():
+                return True
+            if not server.alive():
+                fail("crash", f"the engine exited during start-up; see {engine_dir / 'engine.log'}")
+                return False
+            # Attached, a refused connection means nothing listens there: waiting would only hide that. A
+            # managed engine refuses until it listens, so it gets the whole start-up time while it lives.
+            refused_since = None if refused is None else refused_since or time.monotonic()
+            if attach and refused_since is not None and time.monotonic() - refused_since >= REFUSED_GRACE_S:
+                fail("error", f"nothing answers at {server.ctx.base_url}: {refused} (retried for "
+                              f"{REFUSED_GRACE_S:g} s; is the server running there, and is serve.url right?)")
+                return False
+            if time.monotonic() - started >= limit:
+                fail("timeout", f"the engine was not ready within {limit:g} s")
+                return False
+            await asyncio.sleep(0.5)
+
+    async def _one_point(p: LoadPoint, session, started: float) -> None:
+        if interrupts.signal:
+            raise asyncio.CancelledError
+        w = p.workload
+        writer = JsonlWriter(RunDir(p.run_dir).rank_file(0))
+        try:
             writer.write(Header.starting_now(
-                run_id=run_id, rank=0, local_rank=0, world_size=1, role="serve",
+                run_id=p.run_id, rank=0, local_rank=0, world_size=1, role="serve",
                 adapter=info.name, adapter_version=info.version, framework=info.framework,
                 framework_version=redact(server.engine_version(), secrets), launcher=launcher,
-                workload_hash=workload.content_hash, problem_hash=workload.problem_hash, workload=workload.to_dict(),
-                checkpoint_hash=_recorded_hash(checkpoint), device=None, software=software_versions(("aiohttp", "tokenizers")),
-                patches=list(server.patches),
+                workload_hash=w.content_hash, problem_hash=w.problem_hash, workload=w.to_dict(),
+                checkpoint_hash=_recorded_hash(checkpoint), device=None,
+                software=software_versions(("aiohttp", "tokenizers")), patches=list(server.patches),
             ))
-            run = LoadGenerator(server, workload, plan, writer, progress).run(session)
+            run = LoadGenerator(server, w, plan_requests(w, tokenizer), writer, progress).run(session)
             if timeout is None:
                 await run
                 return
@@ -205,6 +264,8 @@ def _serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: str, 
                 await asyncio.wait_for(run, timeout=max(1.0, timeout - (time.monotonic() - started)))
             except TimeoutError:
                 fail("timeout", f"the run exceeded its timeout of {timeout:g} s")
+        finally:
+            writer.close()
 
     try:
         interrupts.hold = True  # a signal now is noted, not raised: a half-started engine could escape stop()
@@ -215,7 +276,9 @@ def _serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: str, 
             fail("error", f"the engine failed to start: {type(exc).__name__}: {exc}")
             startup_failed = True
         interrupts.hold = False
-        if not startup_failed and not interrupts.signal:
+        if startup_failed:
+            finish(point)
+        elif not interrupts.signal:
             try:
                 asyncio.run(main())
             except asyncio.CancelledError:
@@ -224,10 +287,13 @@ def _serve(workload: Workload, info, run_id: str, run_dir: Path, launcher: str, 
     finally:
         interrupts.hold = True
         server.stop()
-        writer.close()
     if interrupts.signal:
-        raise interrupts.exception()
-    return failures
+        exc = interrupts.exception()
+        if not results or results[-1].run_dir != current[0].run_dir:
+            failures.append(Failure(cause="interrupted", message=f"{interrupt_text(exc)} in the orchestrator"))
+            finish(current[0])
+        raise exc
+    return results
 
 
 async def _ready(server, session) -> tuple[bool, str | None]:

@@ -36,6 +36,7 @@ def llmadapt_register_adapters(register):
         framework="transformers-serve",
         roles={"serve": "llmadapt.reference.serve:HFServer"},
         environment=REFERENCE_ENVIRONMENT,
+        supports=Supports(engine=("max_batched_tokens",)),  # --cb-max-batch-tokens
         description="transformers' own OpenAI-compatible server (continuous batching) on the canonical checkpoint, "
                     "as a subprocess: the reference for serving.",
     ))

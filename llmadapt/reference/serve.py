@@ -32,7 +32,8 @@ class HFServer(OpenAICompatibleServer):
                "--host", "127.0.0.1", "--port", str(ctx.port), "--log-level", "warning",
                # a sized KV cache: unsized, transformers sizes it (and its batch) from the device's free memory,
                # which on CPU is the machine's RAM: 17 GB resident on a 23 GB machine, OOM-killed in CI
-               "--cb-num-blocks", str(CB_NUM_BLOCKS), "--cb-max-batch-tokens", str(CB_MAX_BATCH_TOKENS)]
+               "--cb-num-blocks", str(CB_NUM_BLOCKS), "--cb-max-batch-tokens",
+               str(ctx.workload.serve.engine.max_batched_tokens or CB_MAX_BATCH_TOKENS)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
         self.log = open(RunDir(ctx.run_dir).engine_log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, **engine_popen_options())
@@ -40,6 +41,20 @@ class HFServer(OpenAICompatibleServer):
 
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
+
+    def model_name(self) -> str:
+        """A `transformers serve` started on a model answers only requests that name it as it was started: the
+        checkpoint it was given. Attached, that is model.path if the workload has one, else where this machine
+        keeps the workload's canonical checkpoint (its /v1/models lists the hub cache, not the pinned model)."""
+        if self.ctx.checkpoint is not None:
+            return str(self.ctx.checkpoint)
+        m = self.ctx.workload.model
+        if m.path:
+            return m.path
+        from llmadapt.host import state_dir
+        from llmadapt.models import checkpoint_key
+
+        return str(state_dir() / "checkpoints" / checkpoint_key(m, self.ctx.workload.seed))
 
     def stop(self) -> None:
         proc = getattr(self, "proc", None)

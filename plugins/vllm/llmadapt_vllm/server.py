@@ -26,7 +26,7 @@ from llmadapt.adapter.sse import OpenAICompatibleServer, field
 from llmadapt.contract import Patch
 from llmadapt.errors import LlmadaptError
 
-from .plugin import REMOVE_AFTER_INSTALL
+from .plugin import ENGINE_FLAGS, REMOVE_AFTER_INSTALL
 
 STOP_GRACE_S = 30.0
 """SIGTERM to the server process, then this long before SIGKILL to its whole process group."""
@@ -165,7 +165,9 @@ class VLLMServer(OpenAICompatibleServer):
             "--seed", str(w.seed), "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--enforce-eager",  # no torch.compile warm-up (~50 s cold) that gains nothing on tiny models
             "--disable-uvicorn-access-log",
-        ] + (["--chat-template", CHAT_TEMPLATE] if w.serve.api == "chat" else [])
+        ] + (["--chat-template", CHAT_TEMPLATE] if w.serve.api == "chat" else []) + [
+            arg for name, value in w.serve.engine.given().items() if name != "kv_cache_bytes"
+            for arg in (ENGINE_FLAGS[name], str(value))]
 
     def start(self) -> None:
         ctx = self.ctx
@@ -188,7 +190,7 @@ class VLLMServer(OpenAICompatibleServer):
                 description=f"the canonical tokenizer has no chat template; the server was given {CHAT_TEMPLATE!r}, "
                             "which renders the user message alone (no role markers, no special tokens)",
             ))
-        kv = int(os.environ.get(KV_CACHE_ENV) or KV_CACHE_BYTES)
+        kv = ctx.workload.serve.engine.kv_cache_bytes or int(os.environ.get(KV_CACHE_ENV) or KV_CACHE_BYTES)
         cmd = self.command(kv)
         cache = ctx.run_dir / "vllm-cache"
         cache.mkdir(exist_ok=True)

@@ -1,0 +1,328 @@
+"""Sweeps: a comparison's grid as an object that survives interruptions and spreads over a Slurm cluster.
+
+A sweep file names a workload file, the adapters or cells, settings, a matrix and how often to repeat each cell:
+
+    workload = "tiny-llama.toml"          # relative to the sweep file
+    adapters = ["torch"]                  # and/or cells = ["deepspeed:parallelism.dp=2,optimizations.zero_stage=3"]
+    set = ["train.steps=4"]
+    repeat = 1                            # runs per cell
+    retries = 1                           # further attempts of a cell that failed
+    [matrix]
+    "optimizations.recompute" = ["none", "full"]
+
+It expands (`llmadapt.analysis.cells.plan`, as `compare` does) to cells with stable ids: a hash of the adapter,
+the cell's resolved workload and the repeat's number, the same wherever and whenever the file is read. A sweep's
+state lives in OUT/sweep-NAME-ID/: sweep.json (the cells) and one file per cell (cells/ID.json: pending, running,
+done or failed, with every attempt's run folder), each written atomically as the cell moves. Running the sweep
+again skips the cells already done, if their run is still there, finished ok on the same adapter version and
+machine; it retries failed cells up to ``retries`` more times, after which they stay failed, with their runs.
+Each cell's run is an ordinary run folder in OUT, which the run store, compare --runs and the report read.
+
+``llmadapt sweep run SWEEP --slurm`` submits the sweep as one Slurm job array, one cell per array task (each task
+runs ``llmadapt sweep run SWEEP --index I`` on its node, with the local launchers), and follows it; the cell files
+say what each task did, so a cancelled array is resumed by running the sweep again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+
+from llmadapt.analysis.cells import PlannedCell, as_cells, plan
+from llmadapt.errors import LlmadaptError
+from llmadapt.host import node_name, utc_now
+from llmadapt.spec import Workload, load_yaml
+
+STATES = ("pending", "running", "done", "failed")
+
+
+@attrs.frozen
+class SweepCell:
+    id: str
+    planned: PlannedCell
+    repeat: int
+
+    @property
+    def title(self) -> str:
+        return self.planned.title + (f" #{self.repeat + 1}" if self.repeat else "")
+
+
+@attrs.frozen
+class Sweep:
+    file: Path
+    name: str
+    workload: Workload
+    cells: list[SweepCell]
+    retries: int
+    folder: Path
+    """OUT/sweep-NAME-ID: sweep.json and the cells' state."""
+    out: Path
+
+    # -- state ------------------------------------------------------------------------------------------------
+    def state_file(self, cell: SweepCell) -> Path:
+        return self.folder / "cells" / f"{cell.id}.json"
+
+    def state(self, cell: SweepCell) -> dict[str, Any]:
+        path = self.state_file(cell)
+        if not path.is_file():
+            return {"status": "pending", "attempts": []}
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {"status": "pending", "attempts": []}
+
+    def _write_state(self, cell: SweepCell, state: dict[str, Any]) -> None:
+        path = self.state_file(cell)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"id": cell.id, "title": cell.title, "adapter": cell.planned.cell.adapter,
+                                   **state}, indent=1))
+        os.replace(tmp, path)
+
+    def finished(self, cell: SweepCell, machine: str | None = None) -> str | None:
+        """The run folder that finished this cell, if it still counts: there, ok, same workload, adapter version
+        and machine (``machine``, default this one: its node name, or 'slurm:CLUSTER' inside a Slurm job)."""
+        from llmadapt.adapter.plugins import get_adapter
+        from llmadapt.analysis.report import read_summary
+
+        state = self.state(cell)
+        if state["status"] != "done":
+            return None
+        run_dir = Path(state["attempts"][-1]["run_dir"])
+        try:
+            summary = read_summary(run_dir)
+            launch = json.loads((run_dir / "launch.json").read_text())
+        except (LlmadaptError, OSError, json.JSONDecodeError):
+            return None
+        same = (summary.get("status") == "ok" and launch.get("workload_hash") == cell.planned.workload.content_hash
+                and launch.get("adapter_version") == get_adapter(cell.planned.cell.adapter).version
+                and state.get("machine") == (machine or this_machine()))
+        return str(run_dir) if same else None
+
+    def status(self, machine: str | None = None) -> list[tuple[SweepCell, str, dict[str, Any]]]:
+        """Every cell with its status now: done (its run still counts on ``machine``), running, failed or
+        pending."""
+        out = []
+        for cell in self.cells:
+            state = self.state(cell)
+            status = state["status"]
+            if status == "done" and self.finished(cell, machine) is None:
+                status = "pending"  # its run is gone, failed, or from another version or machine
+            if status == "running" and not _alive(state):
+                status = "failed" if len(state["attempts"]) > self.retries else "pending"
+            out.append((cell, status, state))
+        return out
+
+    # -- running ----------------------------------------------------------------------------------------------
+    def run_cell(self, cell: SweepCell, *, log: Callable[[str], None] = lambda m: None,
+                 **run_options: Any) -> dict[str, Any]:
+        """Run one cell unless it is done: up to 1 + retries attempts, each recorded as it starts and ends."""
+        from llmadapt.launch.run import run
+
+        if self.finished(cell):
+            log(f"{cell.title}: done already ({self.finished(cell)})")
+            return self.state(cell)
+        state = self.state(cell)
+        attempts = [a for a in state.get("attempts", []) if a.get("status") in ("ok", "failed")]
+        earlier = state.get("earlier", [])
+        if state["status"] == "done":  # done, but its run no longer counts (gone, another version or machine)
+            earlier, attempts = earlier + attempts, []
+        if state["status"] == "failed" and len(attempts) > self.retries:
+            log(f"{cell.title}: failed {len(attempts)} times, not retried (retries = {self.retries})")
+            return state
+        while len(attempts) <= self.retries:
+            record = {"status": "running", "attempts": attempts, "earlier": earlier, "machine": this_machine(),
+                      "node": node_name(),
+                      "pid": os.getpid(), "started": utc_now(),
+                      "slurm_job": _slurm_task_id()}
+            self._write_state(cell, record)
+            log(f"{cell.title}: attempt {len(attempts) + 1} of {self.retries + 1}")
+            try:
+                result = run(cell.planned.workload, cell.planned.cell.adapter, **run_options)
+            except KeyboardInterrupt:
+                self._write_state(cell, {**record, "status": "pending"})  # stopped, not failed: run it again
+                raise
+            attempts = [*attempts, {"run_dir": str(result.run_dir), "status": "ok" if result.ok else "failed",
+                                    "ended": utc_now(),
+                                    "failure": "; ".join(f.message for f in result.summary.failures)[:500]}]
+            if result.ok:
+                break
+        final = {"status": attempts[-1]["status"].replace("ok", "done"), "attempts": attempts, "earlier": earlier,
+                 "machine": this_machine(), "node": node_name()}
+        self._write_state(cell, final)
+        return final
+
+    def run(self, *, log: Callable[[str], None] = lambda m: None, **run_options: Any) -> None:
+        for cell in self.cells:
+            self.run_cell(cell, log=log, **run_options)
+
+    def array_script(self, python: str, slurm_options: list[str]) -> str:
+        """The Slurm job array: task I runs cell I with this machine's llmadapt (the folders must be shared)."""
+        cli = [python, "-m", "llmadapt.cli", "sweep", "run", str(self.file.resolve()), "--out", str(self.out.resolve()),
+               "--index", "$SLURM_ARRAY_TASK_ID"]
+        lines = ["#!/bin/bash", f"# llmadapt sweep {self.name}: one cell per array task. Resubmit with: sbatch <this>",
+                 f"#SBATCH --job-name=llmadapt-sweep-{self.name}", f"#SBATCH --array=0-{len(self.cells) - 1}",
+                 "#SBATCH --ntasks=1", f"#SBATCH --output={self.folder.resolve()}/slurm-%A_%a.out",
+                 *(f"#SBATCH {o}" for o in slurm_options), f"cd {shlex.quote(str(Path.cwd()))}",
+                 " ".join(shlex.quote(c) if not c.startswith("$") else c for c in cli)]
+        return "\n".join(lines) + "\n"
+
+
+def _slurm_task_id() -> str | None:
+    job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{job}_{task}" if job and task else os.environ.get("SLURM_JOB_ID")
+
+
+def this_machine() -> str:
+    """What a finished cell must have run on to count: this node, or inside a Slurm job its cluster (a sweep's cells
+    run on whichever nodes the array tasks get)."""
+    cluster = os.environ.get("SLURM_CLUSTER_NAME")
+    return f"slurm:{cluster}" if cluster else node_name()
+
+
+def slurm_machine() -> str:
+    """'slurm:CLUSTER' for the cluster this machine submits to (what its array tasks record)."""
+    import subprocess
+
+    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True)
+    for line in out.stdout.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "ClusterName":
+            return f"slurm:{value.strip()}"
+    return "slurm:"
+
+
+def _alive(state: dict[str, Any]) -> bool:
+    """A cell marked running whose process is gone (killed with its node, scancelled) is not running."""
+    if state.get("node") != node_name():
+        return _slurm_task_alive(state)
+    try:
+        os.kill(int(state.get("pid", 0)), 0)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def load(path: str | Path, out: str | Path = "runs", overrides: list[str] | None = None) -> Sweep:
+    """A sweep file, expanded and checked (every cell resolved before anything runs); one line when it cannot be."""
+    path = Path(path)
+    if not path.is_file():
+        raise LlmadaptError(f"sweep file {path}: no such file")
+    try:
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = load_yaml(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise LlmadaptError(f"sweep file {path}: use .toml, .yaml or .json")
+    except LlmadaptError:
+        raise
+    except Exception as exc:
+        raise LlmadaptError(f"sweep file {path}: could not be parsed: {exc}") from None
+    if not isinstance(data, dict):
+        raise LlmadaptError(f"sweep file {path}: the top level must be a table")
+    known = {"name", "workload", "adapters", "cells", "set", "matrix", "repeat", "retries"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise LlmadaptError(f"sweep file {path}: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
+    if not isinstance(data.get("workload"), str):
+        raise LlmadaptError(f"sweep file {path}: 'workload' must name a workload file")
+    for key, kind in (("adapters", list), ("cells", list), ("set", list), ("matrix", dict)):
+        if key in data and not isinstance(data[key], kind):
+            raise LlmadaptError(f"sweep file {path}: {key!r} must be a {'list' if kind is list else 'table'}")
+    repeat, retries = data.get("repeat", 1), data.get("retries", 0)
+    if not isinstance(repeat, int) or repeat < 1:
+        raise LlmadaptError(f"sweep file {path}: 'repeat' must be a whole number >= 1")
+    if not isinstance(retries, int) or retries < 0:
+        raise LlmadaptError(f"sweep file {path}: 'retries' must be a whole number >= 0")
+    workload_path = (path.parent / data["workload"]).resolve()
+    workload = Workload.from_file(workload_path).with_overrides([*data.get("set", []), *(overrides or [])],
+                                                                source="--set")
+    matrix = {k: v if isinstance(v, list) else [v] for k, v in (data.get("matrix") or {}).items()}
+    try:
+        planned = plan(workload, as_cells(data.get("adapters"), data.get("cells")), matrix)
+    except LlmadaptError as exc:
+        raise LlmadaptError(f"sweep file {path}: {exc}") from None
+    planned = [p for p in planned if not p.unsupported]
+    if not planned:
+        raise LlmadaptError(f"sweep file {path}: no cell that its adapter can run")
+    cells = [SweepCell(_cell_id(p, r), p, r) for p in planned for r in range(repeat)]
+    name = str(data.get("name") or path.stem)
+    sweep_id = hashlib.sha256("".join(c.id for c in cells).encode()).hexdigest()[:8]
+    folder = Path(out) / f"sweep-{name}-{sweep_id}"
+    sweep = Sweep(path, name, workload, cells, retries, folder, Path(out))
+    folder.mkdir(parents=True, exist_ok=True)
+    description = {"name": name, "file": str(path.resolve()), "workload": str(workload_path), "retries": retries,
+                   "cells": [{"index": i, "id": c.id, "title": c.title, "adapter": c.planned.cell.adapter,
+                              "variant": c.planned.variant, "repeat": c.repeat,
+                              "workload_hash": c.planned.workload.content_hash} for i, c in enumerate(cells)]}
+    if not (folder / "sweep.json").is_file() or json.loads((folder / "sweep.json").read_text()) != description:
+        tmp = folder / f".sweep.json.{os.getpid()}"
+        tmp.write_text(json.dumps(description, indent=1))
+        os.replace(tmp, folder / "sweep.json")
+    return sweep
+
+
+def _slurm_task_alive(state: dict[str, Any]) -> bool:
+    """A cell run by a Slurm array task on another node: running while its job is in the queue."""
+    import shutil
+    import subprocess
+
+    job = state.get("slurm_job")
+    if not job or shutil.which("squeue") is None:
+        return True  # nothing to ask: trust the file
+    q = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True)
+    return q.returncode == 0 and bool(q.stdout.strip())
+
+
+def _cell_id(p: PlannedCell, repeat: int) -> str:
+    return hashlib.sha256(f"{p.cell.adapter}:{p.workload.content_hash}:{repeat}".encode()).hexdigest()[:12]
+
+
+def run_on_slurm(sweep: Sweep, slurm_options: list[str], *, log: Callable[[str], None], timeout: float | None = None,
+                 poll_s: float = 1.0) -> str:
+    """Submit the sweep's cells that are not done as one job array and wait for it; returns the job id. The cells'
+    files say how each ended (a task that died leaves its cell running: pending or failed once seen gone)."""
+    import subprocess
+
+    from llmadapt.launch.slurm import require_slurm
+
+    require_slurm()
+    todo = [i for i, (cell, status, _) in enumerate(sweep.status(slurm_machine())) if status != "done"]
+    if not todo:
+        log("every cell is done")
+        return ""
+    script = sweep.array_script(sys.executable, slurm_options).replace(
+        f"#SBATCH --array=0-{len(sweep.cells) - 1}", f"#SBATCH --array={','.join(map(str, todo))}")
+    path = sweep.folder / "sweep.sbatch"
+    path.write_text(script)
+    proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    if proc.returncode:
+        raise LlmadaptError(f"sbatch failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
+    job = proc.stdout.strip().split(";")[0]
+    log(f"submitted job array {job}: {len(todo)} cell(s); its script is {path}")
+    (sweep.folder / "slurm-job").write_text(job)
+    started = time.monotonic()
+    while True:
+        q = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i %T"], capture_output=True, text=True)
+        if not q.stdout.strip():
+            break
+        if timeout is not None and time.monotonic() - started > timeout:
+            subprocess.run(["scancel", job], capture_output=True)
+            log(f"job {job} cancelled after {timeout:g} s")
+            break
+        time.sleep(poll_s)
+    return job

@@ -1,0 +1,128 @@
+"""Serving at several loads: load-sweep (a latency-against-load table per engine) and sla (the highest load that
+meets service-level objectives, per engine). Both start each engine once, or attach to it (--attach)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from llmadapt.cli.common import emit, name_list, workload_of
+from llmadapt.errors import LlmadaptError
+
+
+def attach_settings(text: str | None, adapters: list[str]) -> list[str]:
+    """--attach hf=http://a:8000,vllm=http://b:8000 as per-adapter serve.url settings; an adapter that is not
+    in the comparison, or an entry that is no NAME=URL, is one line before anything starts."""
+    if not text:
+        return []
+    out = []
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        name, sep, url = entry.partition("=")
+        if not sep or not name or not url:
+            raise LlmadaptError(f"--attach {entry!r}: write ADAPTER=URL, e.g. vllm=http://127.0.0.1:8000")
+        if name not in adapters:
+            raise LlmadaptError(f"--attach names {name!r}, which is not among the adapters compared "
+                                f"({', '.join(adapters)})")
+        out.append(f"{name}:serve.url={url}")
+    return out
+
+
+def _engines(args) -> list[tuple[Any, Any]]:
+    """(adapter info, workload) per adapter, every one checked before any engine starts."""
+    from llmadapt.launch.loadsweep import prepared
+
+    if not args.adapters:
+        raise LlmadaptError("name the engines: --adapters hf,vllm")
+    names = name_list(args.adapters, distinct=True)
+    workload = workload_of(args).with_overrides(attach_settings(args.attach, names), source="--set")
+    return [prepared(workload, name) for name in names]
+
+
+def _progress(record: dict[str, Any]) -> None:
+    if record.get("type") == "start":
+        print(f"  {record['adapter']}: {record['label']} -> {record['run_dir']}", file=sys.stderr, flush=True)
+
+
+def cmd_load_sweep(args) -> int:
+    from llmadapt.analysis.compare import format_value
+    from llmadapt.analysis.table import text_table
+    from llmadapt.launch.loadsweep import load_sweep, parse_loads
+
+    if (args.rates is None) == (args.concurrencies is None):
+        raise LlmadaptError("give the loads: --rates 1,2,4 (requests/s) or --concurrencies 1,2,4 (one of the two)")
+    loads = parse_loads(args.rates, "rate") if args.rates is not None else parse_loads(args.concurrencies,
+                                                                                        "concurrency")
+    if args.repeat < 1:
+        raise LlmadaptError(f"--repeat {args.repeat}: at least 1")
+    engines = _engines(args)
+    data, rows = [], []
+    for info, workload in engines:
+        print(f"{info.name}: load sweep ({loads.kind})", file=sys.stderr, flush=True)
+        folder, points = load_sweep(workload, info, loads, args.out, repeat=args.repeat, timeout=args.timeout,
+                                    progress=_progress)
+        data.append({"adapter": info.name, "folder": str(folder),
+                     "points": [{"load": p.load.value, "repeat": p.repeat, **p.figures} for p in points]})
+        for p in points:
+            f = p.figures
+            rows.append([info.name, str(p.load) + (f" #{p.repeat + 1}" if args.repeat > 1 else ""),
+                         *(format_value(f.get(k), fmt) for k, fmt in _SWEEP_COLUMNS),
+                         "ok" if f.get("status") == "ok" and f.get("valid") else "FAILED" if f.get("status") != "ok"
+                         else "client behind"])
+    head = ["engine", "load", *(title for title, _ in _SWEEP_TITLES), "status"]
+    text = "\n".join(text_table(head, rows))
+    text += ("\nlatencies in ms; TPOT is vLLM's (AIPerf calls it ITL); ITL here is the gap between chunks; send lag: "
+             "how late the load generator sent, p99")
+    emit(args, data, text)
+    return 0 if all(r[-1] == "ok" for r in rows) else 1
+
+
+_SWEEP_COLUMNS = [("request_throughput", ".2f"), ("output_throughput", ",.1f"), ("ttft_p50_ms", ".1f"),
+                  ("ttft_p99_ms", ".1f"), ("tpot_p50_ms", ".1f"), ("tpot_p99_ms", ".1f"), ("itl_p99_ms", ".1f"),
+                  ("e2el_p99_ms", ".1f"), ("goodput", ".2f"), ("send_lag_p99_ms", ".2f")]
+_SWEEP_TITLES = [("req/s", ""), ("out tok/s", ""), ("TTFT p50", ""), ("TTFT p99", ""), ("TPOT p50", ""),
+                 ("TPOT p99", ""), ("ITL p99", ""), ("E2EL p99", ""), ("goodput", ""), ("send lag", "")]
+
+
+def cmd_sla(args) -> int:
+    import attrs
+
+    from llmadapt.analysis.table import text_table
+    from llmadapt.launch.loadsweep import Objective, sla_search
+
+    if not args.slo:
+        raise LlmadaptError("give at least one objective: --slo ttft_p99_ms<=500 (repeat for more)")
+    objectives = [Objective.parse(text) for text in args.slo]
+    kind = args.over
+    start = args.start if args.start is not None else 1.0
+    maximum = args.max if args.max is not None else (256.0 if kind == "concurrency" else 1024.0)
+    if not start > 0 or maximum < start or (kind == "concurrency" and (start != int(start) or maximum != int(maximum))):
+        raise LlmadaptError(f"--start {start:g} --max {maximum:g}: needs 0 < start <= max"
+                            + (", whole numbers for concurrency" if kind == "concurrency" else ""))
+    if not 0 < args.resolution < 1:
+        raise LlmadaptError(f"--resolution {args.resolution:g}: a fraction in (0, 1), e.g. 0.1 for 10%")
+    if args.repeats < 1:
+        raise LlmadaptError(f"--repeats {args.repeats}: at least 1")
+    engines = _engines(args)
+    results, lines, rows = [], [], []
+    for info, workload in engines:
+        print(f"{info.name}: SLA search over {kind} ({', '.join(map(str, objectives))})", file=sys.stderr, flush=True)
+        folder, r = sla_search(workload, info, objectives, kind, args.out, start=start, maximum=maximum,
+                               resolution=args.resolution, repeats=args.repeats, timeout=args.timeout,
+                               progress=_progress)
+        results.append({"folder": str(folder), **attrs.asdict(r)})
+        unit = "req/s" if kind == "rate" else "in flight"
+        rows.append([info.name, "-" if r.capacity is None else f"{r.capacity:g} {unit}",
+                     "-" if r.above is None else f"{r.above:g}", "-" if r.boundary is None else f"{r.boundary:.3g}",
+                     r.shape or "-", r.passes_at_capacity, str(len(r.probes)),
+                     "-" if r.scan_probes is None else str(r.scan_probes), r.note])
+        lines += ["", f"{info.name}: probes in order (search history: {folder / 'sla.json'})"]
+        lines += text_table(["#", "phase", "load", "margin", "met", "deciding figure"],
+                            [[str(i + 1), p.phase, f"{p.load:g}", f"{p.margin:+.2f}", "yes" if p.passed else "no",
+                              p.why] for i, p in enumerate(r.probes)])
+    head = ["engine", "capacity", "fails at", "boundary (fit)", "boundary", "passes", "probes", "scan would", "note"]
+    text = "\n".join([*text_table(head, rows), *lines])
+    text += ("\ncapacity: the highest load whose every probe met every objective; fails at: the lowest load above "
+             "it that did not; boundary: where an isotonic fit of the margin crosses zero; margin: the worst "
+             "(limit - value) / limit")
+    emit(args, results, text)
+    return 0 if all(r["capacity"] is not None for r in results) else 1

@@ -1,0 +1,446 @@
+"""Serving at several loads against one engine: load sweeps and SLA searches (docs/serving.md).
+
+A load is a request rate (the workload's open-loop arrival process, Poisson by default) or a concurrency (a closed
+loop). The engine starts once (or is attached to); every load point is a serving run of its own, a run folder that
+show, compare, the run store and the report read, with a request stream of its own (``serve.stream``): the same
+point gets the same stream on every engine, and no engine's prefix cache sees a prompt twice.
+
+The SLA search finds the highest load whose points meet every objective (e.g. ``ttft_p99_ms<=500``), the way
+AIPerf's recipes do: an exponential probe (start, x2, x4 ... until a point fails), then bisection between the
+highest passing and lowest failing load down to a resolution, then repeats at the answer (a repeat that fails
+moves the bracket down). Beside the bracket it fits the objectives' margin against load with isotonic
+(non-increasing) regression, which gives a boundary estimate robust to one noisy probe and says whether the
+boundary is smooth or a cliff. Every probe is in the search's history (sla.json), in order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import secrets
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+
+from llmadapt.errors import LlmadaptError
+from llmadapt.launch.serve import LoadPoint, engine_launch, new_point, serve_points
+from llmadapt.launch.summary import RunResult
+from llmadapt.spec import Workload
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+QUANTILES = ("p50", "p90", "p99", "mean")
+CLIFF = 5.0
+"""A boundary is a cliff when the fitted margin falls faster than this per unit of ln(load) across the bracket:
+beyond 5% of the limit for a 1% increase of load (a latency that explodes past saturation), else smooth."""
+FAILED_MARGIN = -1.0
+"""The margin of a point whose requests failed, or whose load generator fell behind: it meets no objective."""
+
+
+@attrs.frozen
+class Objective:
+    """One service-level objective on a percentile of a serving latency: ``ttft_p99_ms<=500``."""
+
+    metric: str
+    quantile: str
+    limit_ms: float
+
+    @classmethod
+    def parse(cls, text: str) -> Objective:
+        m = re.fullmatch(r"\s*([a-z0-9]+)_([a-z0-9]+)_ms\s*<=?\s*([0-9.eE+-]+)\s*", text)
+        if not m:
+            raise LlmadaptError(f"SLO {text!r}: write METRIC_QUANTILE_ms<=LIMIT, e.g. ttft_p99_ms<=500 (metrics: "
+                                f"{', '.join(METRICS)}; quantiles: {', '.join(QUANTILES)})")
+        metric, quantile, limit = m.group(1), m.group(2), m.group(3)
+        if metric not in METRICS:
+            raise LlmadaptError(f"SLO {text!r}: unknown metric {metric!r}; known: {', '.join(METRICS)} (AIPerf's "
+                                "ITL is vLLM's TPOT: see docs/serving.md)")
+        if quantile not in QUANTILES:
+            raise LlmadaptError(f"SLO {text!r}: unknown quantile {quantile!r}; known: {', '.join(QUANTILES)}")
+        try:
+            value = float(limit)
+        except ValueError:
+            raise LlmadaptError(f"SLO {text!r}: the limit {limit!r} is not a number") from None
+        if not value > 0 or math.isinf(value):
+            raise LlmadaptError(f"SLO {text!r}: the limit must be a positive number of milliseconds")
+        return cls(metric, quantile, value)
+
+    @property
+    def name(self) -> str:
+        return f"{self.metric}_{self.quantile}_ms"
+
+    def __str__(self) -> str:
+        return f"{self.name}<={self.limit_ms:g}"
+
+
+@attrs.frozen
+class Load:
+    """How hard a point pushes: ``rate`` requests/s (open loop) or ``concurrency`` requests in flight."""
+
+    kind: str
+    value: float
+
+    def apply(self, workload: Workload, stream: int) -> Workload:
+        if self.kind == "rate":
+            return workload.with_overrides([f"serve.arrival.rate={self.value!r}", f"serve.stream={stream}"],
+                                           source="sweep")
+        return workload.with_overrides(["serve.arrival.process=closed", f"serve.arrival.concurrency={int(self.value)}",
+                                        f"serve.stream={stream}"], source="sweep")
+
+    def __str__(self) -> str:
+        return f"{self.value:g} req/s" if self.kind == "rate" else f"concurrency {int(self.value)}"
+
+
+@attrs.frozen
+class Loads:
+    """The loads of a sweep: ``values`` in order, or a geometric series from values[0] by ``factor`` up to
+    saturation or ``maximum``."""
+
+    kind: str
+    values: list[float]
+    factor: float | None = None
+    maximum: float | None = None
+
+
+def parse_loads(text: str, kind: str) -> Loads:
+    """``1,2,4,8`` (increasing) or ``geometric:START:FACTOR[:MAX]``; one line naming what is wrong."""
+    what = "--rates" if kind == "rate" else "--concurrencies"
+    whole = kind == "concurrency"
+    if text.startswith("geometric:"):
+        parts = text.split(":")[1:]
+        try:
+            start, factor = float(parts[0]), float(parts[1])
+            top = float(parts[2]) if len(parts) > 2 else None
+        except (ValueError, IndexError):
+            raise LlmadaptError(f"{what} {text!r}: write geometric:START:FACTOR or geometric:START:FACTOR:MAX") from None
+        if not start > 0 or not factor > 1 or (top is not None and top < start) or (whole and start != int(start)):
+            raise LlmadaptError(f"{what} {text!r}: needs START > 0{' (whole)' if whole else ''}, FACTOR > 1 and "
+                                "MAX >= START")
+        return Loads(kind, [start], factor, top)
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise LlmadaptError(f"{what} {text!r}: a comma-separated list of numbers, e.g. 1,2,4,8") from None
+    if not values:
+        raise LlmadaptError(f"{what} is empty: give at least one load")
+    if any(not v > 0 or math.isinf(v) for v in values):
+        raise LlmadaptError(f"{what} {text!r}: every load must be a number > 0")
+    if any(b <= a for a, b in zip(values, values[1:])):
+        raise LlmadaptError(f"{what} {text!r}: the loads must increase")
+    if whole and any(v != int(v) for v in values):
+        raise LlmadaptError(f"{what} {text!r}: concurrencies are whole numbers")
+    return Loads(kind, values)
+
+
+def stream_for(load: Load, repeat: int) -> int:
+    """The request stream of a load point: fixed by the load and the repeat, so every engine gets the same."""
+    return zlib.crc32(f"{load.kind}:{load.value:.6g}:{repeat}".encode()) % (2**31 - 1) + 1
+
+
+# -- figures of one point ----------------------------------------------------------------------------------------
+def point_figures(result: RunResult) -> dict[str, Any]:
+    """What a load point measured: achieved throughput, latency percentiles, goodput, send lag, validity."""
+    s = result.summary
+    v = s.serving
+    out: dict[str, Any] = {"run_dir": str(result.run_dir), "status": s.status}
+    if v is None:
+        return out
+    out.update(request_throughput=v.request_throughput, output_throughput=v.output_throughput,
+               goodput=v.request_goodput, completed=v.completed, failed=v.failed, valid=v.valid,
+               send_lag_p99_ms=v.send_lag_ms.p99 if v.send_lag_ms else None)
+    for metric in METRICS:
+        st = getattr(v, f"{metric}_ms")
+        for q in QUANTILES:
+            out[f"{metric}_{q}_ms"] = getattr(st, q) if st else None
+    return out
+
+
+def margin(figures: dict[str, Any], objectives: list[Objective]) -> tuple[float, str]:
+    """The smallest (limit - value) / limit over the objectives (>= 0: all met) and what decided it."""
+    if figures.get("status") != "ok" or figures.get("failed") or not figures.get("valid", False):
+        why = ("failed requests" if figures.get("failed") else "the load generator fell behind its schedule"
+               if figures.get("status") == "ok" else "the run failed")
+        return FAILED_MARGIN, why
+    worst, why = math.inf, ""
+    for o in objectives:
+        value = figures.get(o.name)
+        if value is None:
+            return FAILED_MARGIN, f"no {o.name} measured"
+        m = (o.limit_ms - value) / o.limit_ms
+        if m < worst:
+            worst, why = m, f"{o.name} {value:.1f} (limit {o.limit_ms:g})"
+    return worst, why
+
+
+def isotonic_decreasing(xs: list[float], ys: list[float]) -> list[float]:
+    """The non-increasing function of x closest to the points in squared error (pool adjacent violators), at each
+    point's x: points at one x (repeats) get one value."""
+    pooled: dict[float, list[float]] = {}
+    for x, y in zip(xs, ys):
+        pooled.setdefault(x, []).append(y)
+    blocks: list[list[Any]] = []  # [mean, weight, xs]
+    for x in sorted(pooled):
+        blocks.append([sum(pooled[x]) / len(pooled[x]), len(pooled[x]), [x]])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            (m2, w2, x2), (m1, w1, x1) = blocks[-2], blocks[-1]
+            blocks[-2:] = [[(m2 * w2 + m1 * w1) / (w2 + w1), w2 + w1, x2 + x1]]
+    value = {x: m for m, _, members in blocks for x in members}
+    return [value[x] for x in xs]
+
+
+# -- running points ----------------------------------------------------------------------------------------------
+def _engine_dir(out: Path, adapter: str, what: str) -> Path:
+    folder = Path(out) / f"{time.strftime('%Y%m%d-%H%M%S')}-{adapter}-{what}-{secrets.token_hex(2)}"
+    folder.mkdir(parents=True, exist_ok=False)
+    return folder
+
+
+def _run_points(workload: Workload, info, out: Path, engine_dir: Path, timeout: float | None, progress,
+                choose: Callable[[list[RunResult]], tuple[Load, int] | None]) -> list[tuple[Load, int, RunResult]]:
+    """Run the points ``choose`` picks (given the results so far) against one engine; (load, repeat, result)."""
+    chosen: list[tuple[Load, int]] = []
+
+    def next_point(done: list[RunResult]) -> LoadPoint | None:
+        pick = choose(done)
+        if pick is None:
+            return None
+        chosen.append(pick)
+        load, repeat = pick
+        return new_point(load.apply(workload, stream_for(load, repeat)), info, out, None, progress)
+
+    results = serve_points(workload, info, engine_dir, timeout, progress, next_point)
+    return [(load, repeat, r) for (load, repeat), r in zip(chosen, results)]
+
+
+@attrs.frozen
+class SweepPoint:
+    load: Load
+    repeat: int
+    figures: dict[str, Any]
+
+
+def load_sweep(workload: Workload, info, loads: Loads, out: Path, *, repeat: int = 1, timeout: float | None = None,
+               progress=None) -> tuple[Path, list[SweepPoint]]:
+    """Every load in order, ``repeat`` times each, against one engine; a geometric series continues until the
+    engine saturates (achieved request rate below 90% of the offered rate; or, for concurrencies, under 5% more
+    throughput than the best lower one) or passes its maximum. Writes load-sweep.json in the sweep's folder
+    (which also holds the engine's log) and returns the folder and the points."""
+    engine_dir = _engine_dir(out, info.name, "load-sweep")
+    series = [Load(loads.kind, v) for v in loads.values]
+    picks: list[tuple[Load, int]] = []
+
+    def choose(done: list[RunResult]) -> tuple[Load, int] | None:
+        if loads.factor is not None and done and picks[-1][1] == repeat - 1:  # a load's last repeat is in
+            so_far = [SweepPoint(load, rep, point_figures(r)) for (load, rep), r in zip(picks, done)]
+            if _saturated(so_far, loads.kind):
+                return None
+        index, rep = divmod(len(done), repeat)
+        if index == len(series):
+            if loads.factor is None:
+                return None
+            step = series[-1].value * loads.factor
+            if loads.kind == "concurrency":
+                step = max(series[-1].value + 1, round(step))
+            if loads.maximum is not None and step > loads.maximum:
+                return None
+            series.append(Load(loads.kind, step))
+        picks.append((series[index], rep))
+        return picks[-1]
+
+    ran = _run_points(workload, info, out, engine_dir, timeout, progress, choose)
+    points = [SweepPoint(load, rep, point_figures(r)) for load, rep, r in ran]
+    _write(engine_dir / "load-sweep.json", {"adapter": info.name, "kind": loads.kind,
+                                            "points": [_point_json(p) for p in points]})
+    return engine_dir, points
+
+
+def _saturated(points: list[SweepPoint], kind: str) -> bool:
+    last = points[-1]
+    achieved = last.figures.get("request_throughput")
+    if achieved is None or last.figures.get("status") != "ok":
+        return True
+    if kind == "rate":
+        return achieved < 0.9 * last.load.value
+    earlier = [p for p in points if p.load.value < last.load.value and p.figures.get("request_throughput")]
+    return bool(earlier) and achieved < 1.05 * max(p.figures["request_throughput"] for p in earlier)
+
+
+def _point_json(p: SweepPoint) -> dict[str, Any]:
+    return {"load": p.load.value, "kind": p.load.kind, "repeat": p.repeat, **p.figures}
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+# -- the SLA search ----------------------------------------------------------------------------------------------
+@attrs.frozen
+class Probe:
+    """One point the search ran, in order: its load, repeat, phase, figures, margin and whether it passed."""
+
+    load: float
+    repeat: int
+    phase: str
+    """'probe' (exponential, up or down), 'bisect', or 'repeat' (at the answer)."""
+    figures: dict[str, Any]
+    margin: float
+    why: str
+    passed: bool
+
+
+@attrs.frozen
+class SlaResult:
+    adapter: str
+    kind: str
+    objectives: list[str]
+    capacity: float | None
+    """The highest load all of whose probes met every objective (None: not even the lowest probed)."""
+    above: float | None
+    """The lowest load above it that failed (None: the search reached its maximum still passing)."""
+    boundary: float | None
+    """Where the isotonic fit of the margin crosses zero, interpolated in log(load)."""
+    shape: str | None
+    """'smooth' or 'cliff' (CLIFF), judged across the final bracket; None without a bracket."""
+    passes_at_capacity: str
+    probes: list[Probe]
+    scan_probes: int | None
+    """Probes a plain scan at the same resolution would spend to bracket the same answer (repeats included)."""
+    note: str = ""
+
+
+def sla_search(workload: Workload, info, objectives: list[Objective], kind: str, out: Path, *, start: float,
+               maximum: float, resolution: float = 0.1, repeats: int = 2, max_probes: int = 40,
+               timeout: float | None = None, progress=None) -> tuple[Path, SlaResult]:
+    """The highest load meeting every objective, against one engine (see the module's docstring). Writes
+    sla.json (the objectives, every probe in order, the answer) after every probe; returns its folder and the
+    result."""
+    engine_dir = _engine_dir(out, info.name, "sla")
+    probes: list[Probe] = []
+    picks: list[tuple[float, int, str]] = []
+    state: dict[str, Any] = {"lo": None, "hi": None, "phase": "probe", "note": ""}
+
+    def passed_everywhere(load: float) -> bool:
+        mine = [p for p in probes if p.load == load]
+        return bool(mine) and all(p.passed for p in mine)
+
+    def resolved(lo: float, hi: float) -> bool:
+        return hi - lo <= 1 if kind == "concurrency" else hi / lo - 1 <= resolution
+
+    def midpoint(lo: float, hi: float) -> float:
+        return float((int(lo) + int(hi)) // 2) if kind == "concurrency" else float(f"{math.sqrt(lo * hi):.4g}")
+
+    def pick(load: float, phase: str) -> tuple[Load, int]:
+        repeat = sum(1 for p in picks if p[0] == load)
+        picks.append((load, repeat, phase))
+        return Load(kind, load), repeat
+
+    def take(done: list[RunResult]) -> None:
+        for (load, repeat, phase), r in zip(picks[len(probes):], done[len(probes):]):
+            figures = point_figures(r)
+            m, why = margin(figures, objectives)
+            probes.append(Probe(load, repeat, phase, figures, m, why, m >= 0))
+
+    def choose(done: list[RunResult]) -> tuple[Load, int] | None:
+        take(done)
+        following = decide()
+        state["finished"] = following is None
+        return following
+
+    def decide() -> tuple[Load, int] | None:
+        result = _sla_result(info.name, kind, objectives, probes, state, start, resolution, repeats)
+        _write(engine_dir / "sla.json", attrs.asdict(result))
+        if not probes:
+            return pick(start, "probe")
+        if len(probes) >= max_probes:
+            state["note"] = f"stopped after {max_probes} probes"
+            return None
+        last = probes[-1]
+        lo, hi = state["lo"], state["hi"]
+        if last.phase == "repeat" and not last.passed:  # the answer did not hold: the bracket moves down
+            hi = last.load
+            lo = max((p.load for p in probes if p.load < hi and passed_everywhere(p.load)), default=None)
+        elif last.phase != "repeat":
+            if last.passed:
+                lo = last.load if lo is None else max(lo, last.load)
+            else:
+                hi = last.load if hi is None else min(hi, last.load)
+        state["lo"], state["hi"] = lo, hi
+        if lo is None:  # nothing passes yet: halve
+            lower = min(p.load for p in probes) / 2
+            if kind == "concurrency":
+                lower = float(int(lower))
+            if lower < (1 if kind == "concurrency" else start / 8):  # slow points: a probe sends requests at its rate
+                state["note"] = "no load tried meets the objectives"
+                return None
+            return pick(lower, "probe")
+        if hi is None:  # everything passes yet: double, up to the maximum
+            if lo >= maximum:
+                return _repeat_or_stop(lo)
+            return pick(min(maximum, lo * 2), "probe")
+        if not resolved(lo, hi):
+            return pick(midpoint(lo, hi), "bisect")
+        return _repeat_or_stop(lo)
+
+    def _repeat_or_stop(lo: float) -> tuple[Load, int] | None:
+        if sum(1 for p in probes if p.load == lo) < repeats:
+            return pick(lo, "repeat")
+        return None
+
+    ran = _run_points(workload, info, out, engine_dir, timeout, progress, choose)
+    take([r for _, _, r in ran])  # a series the engine ended early: its last point was never given to choose
+    if not state.get("finished"):
+        state["note"] = "the engine stopped the search early (its start failed, or it died: see the last run)"
+    result = _sla_result(info.name, kind, objectives, probes, state, start, resolution, repeats)
+    _write(engine_dir / "sla.json", attrs.asdict(result))
+    return engine_dir, result
+
+
+def _sla_result(adapter: str, kind: str, objectives: list[Objective], probes: list[Probe], state: dict[str, Any],
+                start: float, resolution: float, repeats: int) -> SlaResult:
+    lo, hi = state["lo"], state["hi"]
+    if lo is not None and not all(p.passed for p in probes if p.load == lo):
+        lo = None
+    at = [p for p in probes if p.load == lo]
+    boundary = shape = None
+    if probes:
+        xs, ys = [math.log(p.load) for p in probes], [p.margin for p in probes]
+        fitted = isotonic_decreasing(xs, ys)
+        by_x = sorted(dict(zip(xs, fitted)).items())
+        for (x0, f0), (x1, f1) in zip(by_x, by_x[1:]):
+            if f0 >= 0 > f1:
+                boundary = math.exp(x0 + (x1 - x0) * f0 / (f0 - f1))
+                break
+        if lo is not None and hi is not None:
+            f = dict(by_x)
+            slope = (f[math.log(lo)] - f[math.log(hi)]) / (math.log(hi) - math.log(lo))
+            shape = "cliff" if slope > CLIFF else "smooth"
+    scan = None
+    if hi is not None and lo is not None:
+        step = math.log1p(resolution)
+        scan = (int(hi - start) + 1 if kind == "concurrency" else math.ceil(math.log(hi / start) / step) + 1) \
+            + repeats - 1
+    return SlaResult(adapter=adapter, kind=kind, objectives=[str(o) for o in objectives], capacity=lo, above=hi,
+                     boundary=boundary, shape=shape, passes_at_capacity=f"{sum(p.passed for p in at)}/{len(at)}",
+                     probes=list(probes), scan_probes=scan, note=state.get("note", ""))
+
+
+def prepared(workload: Workload, adapter: str):
+    """(adapter info, the workload as that adapter runs it), checked as `run` checks a serving run: before any
+    engine starts."""
+    from llmadapt.adapter.plugins import check_supported, get_adapter
+    from llmadapt.launch.settings import check_adapter_settings
+
+    info = get_adapter(adapter)
+    check_adapter_settings(workload, [adapter])
+    w = workload.for_adapter(adapter)
+    if w.kind != "serve":
+        raise LlmadaptError(f"load sweeps and SLA searches serve requests: the workload's kind is {w.kind!r}, "
+                            "not 'serve'")
+    check_supported(info, w)
+    engine_launch(w, info)
+    return info, w

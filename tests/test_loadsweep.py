@@ -1,0 +1,344 @@
+"""Serving at several loads against one engine: load sweeps and the SLA search (llmadapt.launch.loadsweep).
+
+The search's logic is checked against simulated engines with known capacity (a smooth latency curve, a cliff, a
+noisy answer, nothing passing), then everything runs for real against the reference server (`hf`) and vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+
+from llmadapt import Workload, adapters
+from llmadapt.cli.serving import attach_settings
+from llmadapt.contract.jsonl import read_jsonl
+from llmadapt.errors import LlmadaptError
+from llmadapt.launch import loadsweep
+from llmadapt.launch.loadsweep import Objective, isotonic_decreasing, parse_loads, sla_search
+from llmadapt.testing import environments_unready
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+# -- input --------------------------------------------------------------------------------------------------------
+def test_objectives_parse_and_bad_ones_are_one_line():
+    o = Objective.parse("ttft_p99_ms<=500")
+    assert (o.metric, o.quantile, o.limit_ms, o.name) == ("ttft", "p99", 500.0, "ttft_p99_ms")
+    assert str(Objective.parse(" tpot_mean_ms <= 12.5 ")) == "tpot_mean_ms<=12.5"
+    for text, message in [("ttft_p99<=5", "write METRIC_QUANTILE_ms<=LIMIT"), ("queue_p99_ms<=5", "unknown metric"),
+                          ("ttft_p95_ms<=5", "unknown quantile"), ("ttft_p99_ms<=0", "positive number"),
+                          ("ttft_p99_ms<=1e999", "positive number")]:
+        with pytest.raises(LlmadaptError, match=message) as caught:
+            Objective.parse(text)
+        assert "\n" not in str(caught.value)
+
+
+def test_loads_parse_and_bad_ones_are_one_line():
+    assert parse_loads("1,2,4", "rate").values == [1.0, 2.0, 4.0]
+    g = parse_loads("geometric:2:1.5:20", "rate")
+    assert (g.values, g.factor, g.maximum) == ([2.0], 1.5, 20.0)
+    for text, kind, message in [("", "rate", "is empty"), ("2,1", "rate", "must increase"), ("1,1", "rate", "must increase"),
+                                ("0,1", "rate", "> 0"), ("a,b", "rate", "comma-separated"),
+                                ("1.5,2", "concurrency", "whole numbers"), ("geometric:1:1", "rate", "FACTOR > 1"),
+                                ("geometric:x", "rate", "write geometric")]:
+        with pytest.raises(LlmadaptError, match=message):
+            parse_loads(text, kind)
+
+
+def test_attach_names_only_adapters_in_the_comparison():
+    assert attach_settings("hf=http://a:1,vllm=http://b:2", ["hf", "vllm"]) == [
+        "hf:serve.url=http://a:1", "vllm:serve.url=http://b:2"]
+    with pytest.raises(LlmadaptError, match="not among the adapters compared"):
+        attach_settings("tgi=http://a:1", ["hf", "vllm"])
+    with pytest.raises(LlmadaptError, match="write ADAPTER=URL"):
+        attach_settings("http://a:1", ["hf"])
+
+
+def test_cli_refuses_bad_input_before_anything_starts(tmp_path):
+    serve = str(EXAMPLES / "serve-tiny.toml")
+    cases = [
+        (["sla", serve, "--adapters", "hf", "--slo", "latency_p99_ms<=5"], "unknown metric"),
+        (["sla", serve, "--adapters", "hf"], "give at least one objective"),
+        (["load-sweep", serve, "--adapters", "hf", "--rates", "4,2"], "must increase"),
+        (["load-sweep", serve, "--adapters", "hf", "--rates", ""], "is empty"),
+        (["load-sweep", serve, "--adapters", "hf"], "give the loads"),
+        (["load-sweep", serve, "--adapters", "hf", "--rates", "1", "--attach", "vllm=http://x:1"], "not among"),
+        (["load-sweep", str(EXAMPLES / "tiny-llama.toml"), "--adapters", "torch", "--rates", "1"], "not 'serve'"),
+        (["sla", serve, "--adapters", "hf", "--slo", "ttft_p99_ms<=5", "--over", "concurrency", "--start", "1.5"],
+         "whole numbers"),
+    ]
+    for argv, message in cases:
+        out = subprocess.run([sys.executable, "-m", "llmadapt.cli", *argv, "--out", str(tmp_path / "runs")],
+                             capture_output=True, text=True)
+        assert out.returncode == 2 and message in out.stderr, (argv, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+
+
+# -- the search, against simulated engines -------------------------------------------------------------------------
+def test_isotonic_fit_pools_violators():
+    assert isotonic_decreasing([1, 2, 3, 4], [0.5, 0.7, -0.1, -0.3]) == pytest.approx([0.6, 0.6, -0.1, -0.3])
+    assert isotonic_decreasing([3, 1, 2], [-1.0, 1.0, 0.0]) == [-1.0, 1.0, 0.0]  # any order of probes
+    assert isotonic_decreasing([1, 1, 2], [0.2, -0.2, 0.4]) == pytest.approx([0.4 / 3] * 3)
+
+
+@attrs.frozen
+class _Simulated:
+    load: float
+    repeat: int
+
+
+def _simulate(monkeypatch, ttft_ms):
+    """Replace the engine: each point's TTFT p99 is ttft_ms(load, repeat)."""
+    def run_points(workload, info, out, engine_dir, timeout, progress, choose):
+        done, ran = [], []
+        while (pick := choose(done)) is not None:
+            done.append(_Simulated(pick[0].value, pick[1]))
+            ran.append((pick[0], pick[1], done[-1]))
+        return ran
+
+    monkeypatch.setattr(loadsweep, "_run_points", run_points)
+    monkeypatch.setattr(loadsweep, "point_figures", lambda r: {
+        "status": "ok", "failed": 0, "valid": True, "ttft_p99_ms": ttft_ms(r.load, r.repeat), "run_dir": ""})
+
+
+class _Info:
+    name = "sim"
+
+
+def _search(tmp_path, kind="rate", **options):
+    options = {"start": 1.0, "maximum": 1024.0, **options}
+    folder, result = sla_search(Workload(kind="serve"), _Info(), [Objective.parse("ttft_p99_ms<=730")], kind, tmp_path,
+                                **options)
+    history = json.loads((folder / "sla.json").read_text())
+    assert len(history["probes"]) == len(result.probes)  # the history holds every probe, in order
+    return result
+
+
+def test_a_smooth_boundary_is_bracketed_within_the_resolution_in_fewer_probes_than_a_scan(monkeypatch, tmp_path):
+    _simulate(monkeypatch, lambda load, repeat: 100 * load)  # capacity 7.3 req/s
+    r = _search(tmp_path)
+    assert r.capacity < 7.3 <= r.above and r.above / r.capacity - 1 <= 0.1
+    assert r.passes_at_capacity == "2/2" and r.shape == "smooth" and r.note == ""
+    assert r.boundary == pytest.approx(7.3, rel=0.1)
+    assert [p.phase for p in r.probes][:4] == ["probe"] * 4 and r.probes[-1].phase == "repeat"
+    assert len(r.probes) < r.scan_probes / 2
+
+
+def test_a_cliff_is_called_one(monkeypatch, tmp_path):
+    _simulate(monkeypatch, lambda load, repeat: 100 if load < 7.3 else 5000)
+    r = _search(tmp_path)
+    assert r.capacity < 7.3 <= r.above and r.shape == "cliff"
+
+
+def test_a_repeat_that_fails_moves_the_answer_down(monkeypatch, tmp_path):
+    first = {}
+
+    def noisy(load, repeat):  # the first answer fails when repeated: it is not the capacity after all
+        if repeat > 0 and "load" not in first:
+            first["load"] = load
+            return 1000
+        return 100 * load
+
+    _simulate(monkeypatch, noisy)
+    r = _search(tmp_path)
+    assert r.capacity < first["load"] <= r.above and r.passes_at_capacity == "2/2"
+    assert all(p.passed for p in r.probes if p.load == r.capacity)
+
+
+def test_concurrency_is_searched_in_whole_numbers_and_the_maximum_ends_an_all_passing_search(monkeypatch, tmp_path):
+    _simulate(monkeypatch, lambda load, repeat: 100 * load)
+    r = _search(tmp_path, kind="concurrency", maximum=64.0)
+    assert (r.capacity, r.above) == (7.0, 8.0) and all(p.load == int(p.load) for p in r.probes)
+    assert r.scan_probes == 8 + 1
+    r = _search(tmp_path, kind="concurrency", maximum=4.0)
+    assert (r.capacity, r.above, r.passes_at_capacity) == (4.0, None, "2/2")
+
+
+def test_nothing_passing_says_so(monkeypatch, tmp_path):
+    _simulate(monkeypatch, lambda load, repeat: 10_000)
+    r = _search(tmp_path, start=4.0)
+    assert r.capacity is None and "no load" in r.note and min(p.load for p in r.probes) >= 0.5
+
+
+# -- for real -------------------------------------------------------------------------------------------------------
+def _ready(adapter: str) -> None:
+    if adapter not in adapters():
+        pytest.skip(f"the {adapter} adapter is not installed")
+    if environments_unready(adapter):
+        pytest.skip(environments_unready(adapter))
+
+
+def _cli(*argv, cwd=None) -> tuple[int, str, str]:
+    out = subprocess.run([sys.executable, "-m", "llmadapt.cli", *argv], capture_output=True, text=True, cwd=cwd,
+                         timeout=1200)
+    return out.returncode, out.stdout, out.stderr
+
+
+SMALL = ["serve.requests=6", "serve.warmup_requests=1", "serve.output_len.mean=8", "serve.input_len.low=8",
+         "serve.input_len.high=24"]
+
+
+def _check_sweep(out: Path, stdout: str, adapter: str, loads: list[float]) -> list[dict]:
+    """The sweep's file and its points: each a run folder of its own that `show` reads, each load with a request
+    stream of its own."""
+    from llmadapt.analysis.report import read_summary
+
+    (sweep,) = json.loads(stdout)
+    assert sweep["adapter"] == adapter and [p["load"] for p in sweep["points"]] == loads
+    on_disk = json.loads((Path(sweep["folder"]) / "load-sweep.json").read_text())
+    assert [p["run_dir"] for p in on_disk["points"]] == [p["run_dir"] for p in sweep["points"]]
+    streams = set()
+    for p in sweep["points"]:
+        summary = read_summary(p["run_dir"])
+        assert summary["status"] == "ok" and summary["serving"]["completed"] == 6
+        launch = json.loads((Path(p["run_dir"]) / "launch.json").read_text())
+        streams.add(launch["workload"]["serve"]["stream"])
+        assert p["ttft_p99_ms"] > 0 and p["send_lag_p99_ms"] is not None
+    assert len(streams) == len(loads) and 0 not in streams
+    return sweep["points"]
+
+
+def _check_search(out: Path, stdout: str, adapter: str) -> dict:
+    (r,) = json.loads(stdout)
+    assert r["adapter"] == adapter and r["kind"] == "concurrency"
+    history = json.loads((Path(r["folder"]) / "sla.json").read_text())
+    assert history["probes"] == r["probes"] and r["probes"][0]["load"] == 1
+    for p in r["probes"]:
+        assert Path(p["figures"]["run_dir"]).is_dir() and p["passed"] == (p["margin"] >= 0)
+    if r["capacity"] is not None:
+        at = [p for p in r["probes"] if p["load"] == r["capacity"]]
+        assert len(at) == 2 and all(p["passed"] for p in at)  # --repeats 2
+    if r["above"] is not None:
+        assert any(not p["passed"] for p in r["probes"] if p["load"] == r["above"])
+        assert r["capacity"] is None or r["above"] - r["capacity"] == 1
+    else:
+        assert r["capacity"] == 8  # passed up to --max
+    return r
+
+
+@pytest.mark.parametrize("adapter, model", [
+    ("hf", ["serve.engine.max_batched_tokens=1024"]),
+    ("vllm", ["model.hidden_size=128", "serve.engine.max_sequences=4", "serve.engine.max_batched_tokens=512"])])
+def test_a_rate_sweep_and_an_sla_search_for_real(adapter, model, tmp_path):
+    """Against each real engine, started once per sweep or search with engine arguments passed through: two rates,
+    then the highest concurrency that keeps TTFT p99 under 2 s (whatever this busy machine gives, the search's
+    answer must be consistent with its own probes)."""
+    _ready(adapter)
+    if adapter == "vllm":
+        from llmadapt_vllm.server import environment_problem
+
+        from llmadapt.launch.environments import python_for
+
+        why, _ = environment_problem(python_for(adapters()["vllm"].environment))
+        if why:
+            pytest.skip(why)
+    out = tmp_path / "runs"
+    sets = [a for s in [*SMALL, *model] for a in ("--set", s)]
+    code, stdout, stderr = _cli("load-sweep", str(EXAMPLES / "serve-tiny.toml"), "--adapters", adapter,
+                                "--rates", "2,6", "--out", str(out), "--json", *sets)
+    assert code in (0, 1), stderr  # 1: a point whose generator fell behind on this busy machine (checked below)
+    points = _check_sweep(out, stdout, adapter, [2.0, 6.0])
+    assert points[1]["request_throughput"] > points[0]["request_throughput"]
+    header = next(r for r in read_jsonl(Path(points[0]["run_dir"]) / "rank-00000.jsonl") if r["type"] == "header")
+    engine = header["workload"]["serve"]["engine"]
+    assert engine["max_batched_tokens"] == (1024 if adapter == "hf" else 512)
+    if adapter == "vllm":  # the flags the engine was started with
+        command = json.loads((Path(json.loads(stdout)[0]["folder"]) / "engine.json").read_text())["command"]
+        assert " --max-num-seqs 4 " in f" {' '.join(command)} " and "--max-num-batched-tokens" in command
+    code, stdout, stderr = _cli("sla", str(EXAMPLES / "serve-tiny.toml"), "--adapters", adapter, "--over",
+                                "concurrency", "--max", "8", "--slo", "ttft_p99_ms<=2000", "--out", str(out),
+                                "--json", *sets)
+    assert code in (0, 1), stderr
+    _check_search(out, stdout, adapter)
+    # every point is a run the store lists
+    code, listing, _ = _cli("runs", "--root", str(out), f"adapter={adapter}", "--json")
+    assert code == 0 and len(json.loads(listing)) >= 3
+
+
+def _wait_healthy(url: str, seconds: float = 300) -> None:
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"{url} did not become healthy in {seconds:g} s")
+
+
+def test_two_running_engines_attached_in_one_comparison(tmp_path):
+    """Two reference servers started outside llmadapt, measured by one `compare` with the same request plan: the
+    hf adapter attached to one, the generic OpenAI-compatible adapter to the other, back to back."""
+    from llmadapt.adapter.context import ServeContext
+    from llmadapt.host import free_port
+    from llmadapt.launch.environments import python_for
+    from llmadapt.launch.prepare import ensure_checkpoint
+    from llmadapt.reference.serve import HFServer
+
+    _ready("hf")
+    w = Workload.from_file(EXAMPLES / "serve-tiny.toml").with_overrides(SMALL)
+    env = adapters()["hf"].environment
+    checkpoint = ensure_checkpoint(w, env)
+    engines = []
+    try:
+        for name in ("one", "two"):
+            (tmp_path / name).mkdir()
+            engine = HFServer(ServeContext(w, "hf", tmp_path / name, python_for(env), checkpoint, free_port()))
+            engine.start()
+            engines.append(engine)
+        urls = [e.ctx.base_url for e in engines]
+        for url in urls:  # running, as an engine one attaches to is
+            _wait_healthy(url)
+        # the hf adapter knows the name the engine answers to (this machine's canonical checkpoint); the generic
+        # adapter is told it (model.path), since transformers serve's /v1/models lists the hub cache instead
+        code, stdout, stderr = _cli("compare", str(EXAMPLES / "serve-tiny.toml"), "--adapters", "hf,openai",
+                                    "--attach", f"hf={urls[0]},openai={urls[1]}", "--out", str(tmp_path / "runs"),
+                                    "--json", "--set", f"openai:model.path={checkpoint}",
+                                    *[a for s in SMALL for a in ("--set", s)])
+        assert code == 0, stderr
+        rows = json.loads(stdout)["rows"]
+        assert [r["status"] for r in rows] == ["ok", "ok"]
+        plans = []
+        for r in rows:
+            launch = json.loads((Path(r["run_dir"]) / "launch.json").read_text())
+            assert launch["launcher"] == "attach"
+            plans.append([(q["index"], q["input_tokens"]) for q in read_jsonl(Path(r["run_dir"]) / "rank-00000.jsonl")
+                          if q["type"] == "request"])
+        assert plans[0] == plans[1] and len(plans[0]) == 7  # the same requests, warm-up included
+        assert {launch["workload"]["serve"]["url"] for launch in [json.loads((Path(r["run_dir"]) / "launch.json")
+                                                                           .read_text()) for r in rows]} == set(urls)
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def test_engine_arguments_are_checked_against_what_the_adapter_declares():
+    from llmadapt.adapter.plugins import check_supported
+    from llmadapt.errors import UnsupportedError, WorkloadError
+
+    w = Workload.from_file(EXAMPLES / "serve-tiny.toml")
+    check_supported(adapters()["hf"], w.with_overrides(["serve.engine.max_batched_tokens=512"]))
+    with pytest.raises(UnsupportedError, match="serve.engine.scheduling='priority': this adapter takes "
+                                               "serve.engine.max_batched_tokens"):
+        check_supported(adapters()["hf"], w.with_overrides(["serve.engine.scheduling=priority"]))
+    with pytest.raises(WorkloadError, match="an attached engine"):
+        w.with_overrides(["serve.url=http://127.0.0.1:1", "serve.engine.max_sequences=4"])
+    with pytest.raises(WorkloadError, match="serve.engine.scheduling"):
+        w.with_overrides(["serve.engine.scheduling=lifo"])
+    assert w.content_hash == w.with_overrides(["serve.engine.scheduling=fcfs"]).content_hash  # defaults: unhashed
+    if "vllm" in adapters():
+        with pytest.raises(UnsupportedError, match="supported: none, fp8, bitsandbytes"):
+            check_supported(adapters()["vllm"], w.with_overrides(["model.hidden_size=128",
+                                                                   "serve.engine.quantization=awq"]))

@@ -1,0 +1,121 @@
+"""Sweeps (llmadapt.analysis.sweep): a grid with stable cell ids and a state per cell, run locally, resumed,
+failed cells retried. The Slurm job array, with a cancelled job resumed, is in tests/test_slurm.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmadapt.analysis import sweep as sweeps
+from llmadapt.errors import LlmadaptError
+from llmadapt.testing import environments_unready
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+GRID = f'''workload = "{EXAMPLES / 'tiny-llama.toml'}"
+adapters = ["torch"]
+set = ["train.steps=2", "train.warmup_steps=0", "telemetry.interval_s=0"]
+retries = 1
+[matrix]
+"optimizations.recompute" = ["none", "full"]
+'''
+
+
+def test_a_sweep_expands_to_cells_with_stable_ids(tmp_path):
+    (tmp_path / "grid.toml").write_text(GRID)
+    one = sweeps.load(tmp_path / "grid.toml", tmp_path / "runs")
+    two = sweeps.load(tmp_path / "grid.toml", tmp_path / "elsewhere")
+    assert [c.id for c in one.cells] == [c.id for c in two.cells] and len(one.cells) == 2
+    assert one.folder.name == two.folder.name
+    described = json.loads((one.folder / "sweep.json").read_text())
+    assert [c["id"] for c in described["cells"]] == [c.id for c in one.cells]
+    (tmp_path / "repeated.toml").write_text(GRID.replace("retries = 1", "retries = 1\nrepeat = 2"))
+    repeated = sweeps.load(tmp_path / "repeated.toml", tmp_path / "runs")
+    assert len(repeated.cells) == 4 and len({c.id for c in repeated.cells}) == 4
+    assert {c.id for c in one.cells} < {c.id for c in repeated.cells}  # the first repeat is the same cell
+
+
+@pytest.mark.parametrize("text, message", [
+    ('adapters = ["torch"]\n', "'workload' must name a workload file"),
+    ('colour = "red"\n' + GRID, "unknown key 'colour'"),
+    (GRID.replace("retries = 1", "retries = -1"), "'retries' must be a whole number >= 0"),
+    ("repeat = 0\n" + GRID, "'repeat' must be a whole number >= 1"),
+    (GRID.replace('"optimizations.recompute"', '"optimizations.colour"'), "unknown field"),
+    (GRID.replace('adapters = ["torch"]', 'adapters = ["nope"]'), "unknown adapter 'nope'"),
+    ("workload = [", "could not be parsed"),
+])
+def test_a_sweep_file_whose_cells_cannot_all_be_built_is_one_line(text, message, tmp_path):
+    (tmp_path / "bad.toml").write_text(text)
+    with pytest.raises(LlmadaptError, match=message) as caught:
+        sweeps.load(tmp_path / "bad.toml", tmp_path / "runs")
+    assert "\n" not in str(caught.value)
+    out = subprocess.run([sys.executable, "-m", "llmadapt.cli", "sweep", "run", str(tmp_path / "bad.toml"),
+                          "--out", str(tmp_path / "cli")], capture_output=True, text=True)
+    assert out.returncode == 2 and message.split("'")[0] in out.stderr and not (tmp_path / "cli").exists()
+
+
+def test_failed_cells_are_retried_then_stay_failed_and_done_cells_are_skipped(tmp_path, monkeypatch):
+    """The run itself replaced: the first cell fails every time, the second fails once, then succeeds."""
+    import importlib
+
+    run_module = importlib.import_module("llmadapt.launch.run")
+
+    (tmp_path / "grid.toml").write_text(GRID)
+    sweep = sweeps.load(tmp_path / "grid.toml", tmp_path / "runs")
+    calls: list[str] = []
+
+    class Summary:
+        def __init__(self, ok):
+            self.failures = [] if ok else [type("F", (), {"message": "injected"})()]
+
+    class Result:
+        def __init__(self, run_dir, ok):
+            self.run_dir, self.ok, self.summary = run_dir, ok, Summary(ok)
+
+    def fake_run(workload, adapter, **options):
+        calls.append(workload.optimizations.recompute)
+        folder = tmp_path / "runs" / f"fake-{len(calls)}"
+        folder.mkdir(parents=True)
+        ok = workload.optimizations.recompute == "full" and calls.count("full") > 1
+        (folder / "launch.json").write_text(json.dumps({"workload_hash": workload.content_hash,
+                                                        "adapter_version": "0", "workload": workload.to_dict()}))
+        return Result(folder, ok)
+
+    monkeypatch.setattr(run_module, "run", fake_run)
+    sweep.run()
+    assert calls == ["none", "none", "full", "full"]  # 1 + retries attempts at most
+    states = {c.planned.variant: st for c, _, st in sweep.status()}
+    assert states["recompute=none"]["status"] == "failed" and len(states["recompute=none"]["attempts"]) == 2
+    assert states["recompute=full"]["status"] == "done" and len(states["recompute=full"]["attempts"]) == 2
+    assert [a["status"] for a in states["recompute=full"]["attempts"]] == ["failed", "ok"]
+    sweep.run()  # the failed cell is not retried again (its retries are spent)
+    assert calls == ["none", "none", "full", "full", "full"]  # the done cell's fake run is not an ok run: rerun
+    assert [s for _, s, _ in sweep.status()][0] == "failed"
+
+
+def test_a_local_sweep_runs_resumes_and_reports(tmp_path):
+    if environments_unready("torch"):
+        pytest.skip(environments_unready("torch"))
+    (tmp_path / "grid.toml").write_text(GRID)
+    cli = [sys.executable, "-m", "llmadapt.cli", "sweep"]
+    out = subprocess.run([*cli, "run", str(tmp_path / "grid.toml"), "--out", str(tmp_path / "runs"), "--json"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    first = json.loads(out.stdout)
+    assert first["counts"]["done"] == 2 and all(c["run_dir"] for c in first["cells"])
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    again = subprocess.run([*cli, "run", str(tmp_path / "grid.toml"), "--out", str(tmp_path / "runs"), "--json"],
+                           capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0 and "done already" in again.stderr
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == runs  # nothing ran again
+    assert json.loads(again.stdout)["cells"] == first["cells"]
+    status = subprocess.run([*cli, "status", str(tmp_path / "grid.toml"), "--out", str(tmp_path / "runs")],
+                            capture_output=True, text=True)
+    assert "2 cells: 0 pending, 0 running, 2 done, 0 failed" in status.stdout
+    # the cells' runs are ordinary runs: the store lists them
+    listing = subprocess.run([sys.executable, "-m", "llmadapt.cli", "runs", "--root", str(tmp_path / "runs"),
+                              "--json"], capture_output=True, text=True)
+    assert len(json.loads(listing.stdout)) == 2
