@@ -119,3 +119,26 @@ def test_a_local_sweep_runs_resumes_and_reports(tmp_path):
     listing = subprocess.run([sys.executable, "-m", "llmadapt.cli", "runs", "--root", str(tmp_path / "runs"),
                               "--json"], capture_output=True, text=True)
     assert len(json.loads(listing.stdout)) == 2
+
+
+def test_each_cell_can_find_its_maximum_batch(tmp_path):
+    """Study B's table from one sweep: after each cell's run, its largest per-rank batch, probed for real in
+    isolated workers (here capped at 4: the tiny model fits every batch up to it)."""
+    if environments_unready("torch"):
+        pytest.skip(environments_unready("torch"))
+    (tmp_path / "grid.toml").write_text(GRID.replace('"optimizations.recompute" = ["none", "full"]',
+                                                     '"optimizations.recompute" = ["none"]')
+                                        + "[maxbatch]\nmax_batch = 4\nmemory_limit = \"6G\"\n")
+    sweep = sweeps.load(tmp_path / "grid.toml", tmp_path / "runs")
+    assert sweep.maxbatch == {"max_batch": 4, "memory_limit_bytes": 6 << 30}
+    sweep.run()
+    (cell, status, state), = sweep.status()
+    found = state["attempts"][-1]["maxbatch"]
+    assert status == "done" and found["max_batch"] == 4 and found["status"] == "ok"
+    assert Path(found["search_dir"]).is_dir()
+    out = subprocess.run([sys.executable, "-m", "llmadapt.cli", "sweep", "status", str(tmp_path / "grid.toml"),
+                          "--out", str(tmp_path / "runs")], capture_output=True, text=True)
+    assert "max batch" in out.stdout.splitlines()[0]
+    (tmp_path / "bad.toml").write_text(GRID + "[maxbatch]\nmemory = 3\n")
+    with pytest.raises(LlmadaptError, match="unknown maxbatch key 'memory'"):
+        sweeps.load(tmp_path / "bad.toml", tmp_path / "runs")

@@ -9,6 +9,9 @@ A sweep file names a workload file, the adapters or cells, settings, a matrix an
     retries = 1                           # further attempts of a cell that failed
     [matrix]
     "optimizations.recompute" = ["none", "full"]
+    [maxbatch]                            # optional: each cell's largest batch that fits (llmadapt maxbatch)
+    memory_limit = "4G"                   # per-worker cap on CPU; on GPUs leave it out (the device's memory)
+    max_batch = 256
 
 It expands (`llmadapt.analysis.cells.plan`, as `compare` does) to cells with stable ids: a hash of the adapter,
 the cell's resolved workload and the repeat's number, the same wherever and whenever the file is read. A sweep's
@@ -62,6 +65,8 @@ class Sweep:
     workload: Workload
     cells: list[SweepCell]
     retries: int
+    maxbatch: dict[str, Any] | None
+    """Per cell, also search the largest per-rank batch that fits (llmadapt.analysis.perf.maxbatch): its options."""
     folder: Path
     """OUT/sweep-NAME-ID: sweep.json and the cells' state."""
     out: Path
@@ -155,10 +160,25 @@ class Sweep:
                                     "failure": "; ".join(f.message for f in result.summary.failures)[:500]}]
             if result.ok:
                 break
+        if attempts[-1]["status"] == "ok" and self.maxbatch is not None:
+            attempts[-1]["maxbatch"] = self._max_batch(cell, log, run_options)
         final = {"status": attempts[-1]["status"].replace("ok", "done"), "attempts": attempts, "earlier": earlier,
                  "machine": this_machine(), "node": node_name()}
         self._write_state(cell, final)
         return final
+
+    def _max_batch(self, cell: SweepCell, log: Callable[[str], None], run_options: dict[str, Any]) -> dict[str, Any]:
+        """The cell's largest per-rank batch that completes, probed in isolated workers (grow, then bisect)."""
+        from llmadapt.analysis.perf.maxbatch import maxbatch
+        from llmadapt.contract.schema import to_json
+
+        options = dict(self.maxbatch or {})
+        log(f"{cell.title}: maximum batch search")
+        found = maxbatch(cell.planned.workload, cell.planned.cell.adapter, out=run_options.get("out", self.out),
+                         timeout=run_options.get("timeout"), launcher=run_options.get("launcher", "auto"),
+                         memory_limit_bytes=options.get("memory_limit_bytes"),
+                         max_batch=options.get("max_batch", 1024), steps=options.get("steps", 2))
+        return {"search_dir": str(found.search_dir), **to_json(found.result)}
 
     def run(self, *, log: Callable[[str], None] = lambda m: None, **run_options: Any) -> None:
         for cell in self.cells:
@@ -234,13 +254,13 @@ def load(path: str | Path, out: str | Path = "runs", overrides: list[str] | None
         raise LlmadaptError(f"sweep file {path}: could not be parsed: {exc}") from None
     if not isinstance(data, dict):
         raise LlmadaptError(f"sweep file {path}: the top level must be a table")
-    known = {"name", "workload", "adapters", "cells", "set", "matrix", "repeat", "retries"}
+    known = {"name", "workload", "adapters", "cells", "set", "matrix", "repeat", "retries", "maxbatch"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise LlmadaptError(f"sweep file {path}: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
     if not isinstance(data.get("workload"), str):
         raise LlmadaptError(f"sweep file {path}: 'workload' must name a workload file")
-    for key, kind in (("adapters", list), ("cells", list), ("set", list), ("matrix", dict)):
+    for key, kind in (("adapters", list), ("cells", list), ("set", list), ("matrix", dict), ("maxbatch", dict)):
         if key in data and not isinstance(data[key], kind):
             raise LlmadaptError(f"sweep file {path}: {key!r} must be a {'list' if kind is list else 'table'}")
     repeat, retries = data.get("repeat", 1), data.get("retries", 0)
@@ -248,6 +268,7 @@ def load(path: str | Path, out: str | Path = "runs", overrides: list[str] | None
         raise LlmadaptError(f"sweep file {path}: 'repeat' must be a whole number >= 1")
     if not isinstance(retries, int) or retries < 0:
         raise LlmadaptError(f"sweep file {path}: 'retries' must be a whole number >= 0")
+    maxbatch = _maxbatch_options(path, data.get("maxbatch"))
     workload_path = (path.parent / data["workload"]).resolve()
     workload = Workload.from_file(workload_path).with_overrides([*data.get("set", []), *(overrides or [])],
                                                                 source="--set")
@@ -263,7 +284,7 @@ def load(path: str | Path, out: str | Path = "runs", overrides: list[str] | None
     name = str(data.get("name") or path.stem)
     sweep_id = hashlib.sha256("".join(c.id for c in cells).encode()).hexdigest()[:8]
     folder = Path(out) / f"sweep-{name}-{sweep_id}"
-    sweep = Sweep(path, name, workload, cells, retries, folder, Path(out))
+    sweep = Sweep(path, name, workload, cells, retries, maxbatch, folder, Path(out))
     folder.mkdir(parents=True, exist_ok=True)
     description = {"name": name, "file": str(path.resolve()), "workload": str(workload_path), "retries": retries,
                    "cells": [{"index": i, "id": c.id, "title": c.title, "adapter": c.planned.cell.adapter,
@@ -274,6 +295,26 @@ def load(path: str | Path, out: str | Path = "runs", overrides: list[str] | None
         tmp.write_text(json.dumps(description, indent=1))
         os.replace(tmp, folder / "sweep.json")
     return sweep
+
+
+def _maxbatch_options(path: Path, given: dict[str, Any] | None) -> dict[str, Any] | None:
+    if given is None:
+        return None
+    from llmadapt.analysis.perf.micro import parse_size
+
+    unknown = sorted(set(given) - {"memory_limit", "max_batch", "steps"})
+    if unknown:
+        raise LlmadaptError(f"sweep file {path}: unknown maxbatch key {unknown[0]!r}; known: max_batch, memory_limit, "
+                            "steps")
+    out: dict[str, Any] = {}
+    if "memory_limit" in given:
+        out["memory_limit_bytes"] = parse_size(str(given["memory_limit"]))
+    for key in ("max_batch", "steps"):
+        if key in given:
+            if not isinstance(given[key], int) or given[key] < 1:
+                raise LlmadaptError(f"sweep file {path}: maxbatch.{key} must be a whole number >= 1")
+            out[key] = given[key]
+    return out
 
 
 def _slurm_task_alive(state: dict[str, Any]) -> bool:

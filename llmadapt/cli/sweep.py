@@ -32,13 +32,16 @@ def cmd_sweep(args) -> int:
     data = {"folder": str(sweep.folder), "cells": [
         {"index": i, "id": c.id, "title": c.title, "status": status,
          "attempts": len(state.get("attempts", [])),
-         "run_dir": (state.get("attempts") or [{}])[-1].get("run_dir")} for i, (c, status, state) in enumerate(rows)]}
+         "run_dir": (state.get("attempts") or [{}])[-1].get("run_dir"),
+         "max_batch": ((state.get("attempts") or [{}])[-1].get("maxbatch") or {}).get("max_batch")}
+        for i, (c, status, state) in enumerate(rows)]}
     from llmadapt.analysis.table import text_table
 
     counts = {s: sum(1 for _, status, _ in rows if status == s) for s in sweeps.STATES}
-    text = "\n".join([*text_table(["#", "cell", "id", "status", "attempts", "run"],
-                                  [[str(d["index"]), d["title"], d["id"], d["status"], str(d["attempts"]),
-                                    d["run_dir"] or "-"] for d in data["cells"]]),
+    head = ["#", "cell", "id", "status", "attempts", *(["max batch"] if sweep.maxbatch is not None else []), "run"]
+    text = "\n".join([*text_table(head, [[str(d["index"]), d["title"], d["id"], d["status"], str(d["attempts"]),
+                                          *([str(d["max_batch"] or "-")] if sweep.maxbatch is not None else []),
+                                          d["run_dir"] or "-"] for d in data["cells"]]),
                       f"{len(rows)} cells: " + ", ".join(f"{n} {s}" for s, n in counts.items()),
                       f"sweep state: {sweep.folder}"])
     emit(args, {**data, "counts": counts}, text)
