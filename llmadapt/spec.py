@@ -366,6 +366,10 @@ class ServeSpec:
     url: str | None = None
     """Attach to a running server at this URL instead of starting one (adapters that can)."""
     engine: EngineSpec = attrs.field(factory=EngineSpec)
+    mode: str = attrs.field(default="online", validator=_choice(("online", "offline")))
+    """'online': requests sent over the engine's API at their arrival times (the load generator); 'offline': the
+    whole request set handed to the engine's offline API at once (vLLM's LLM.generate, transformers' generate),
+    for tokens per second without a server (llmadapt.runtime.offline)."""
     stream: int = attrs.field(default=0, validator=_at_least(0))
     """Which of the workload's request streams (prompts, lengths, arrival times) to send; 0: the usual one. Load
     sweeps give each load point its own, so that no prompt reaches one engine twice (a prefix cache would answer
@@ -603,8 +607,8 @@ class Workload:
 def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
     """A workload's dict less what does not define it: labels, per-adapter settings, sources, the model
     folder's location (its content is the checksum; absent for a preset, so older hashes stay as they were), and
-    the eval section when nothing is evaluated, save.lora, serve.stream and serve.engine at their defaults (so are
-    older hashes)."""
+    the eval section when nothing is evaluated, save.lora, serve.stream, serve.mode and serve.engine at their
+    defaults (so are older hashes)."""
     for key in ("name", "adapters", "sources"):
         data.pop(key)
     if not data["eval"]["examples"]:
@@ -613,6 +617,8 @@ def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
         data["save"].pop("lora")
     if not data["serve"]["stream"]:
         data["serve"].pop("stream")
+    if data["serve"]["mode"] == "online":
+        data["serve"].pop("mode")
     if data["serve"]["engine"] == attrs.asdict(EngineSpec()):
         data["serve"].pop("engine")
     for key in ("name", "path"):
@@ -801,6 +807,8 @@ def _check_jsonl(d: DataSpec, path: str, field_name: str, choices: bool = False)
 
 def _check_serve(w: Workload) -> None:
     s = w.serve
+    if s.mode == "offline" and s.url is not None:
+        raise WorkloadError("serve.mode", s.mode, "offline runs the engine's offline API here: not with serve.url")
     if s.url is not None and s.engine.given():
         name, value = next(iter(s.engine.given().items()))
         raise WorkloadError(f"serve.engine.{name}", value, "an attached engine (serve.url) runs with the arguments "

@@ -342,3 +342,47 @@ def test_engine_arguments_are_checked_against_what_the_adapter_declares():
         with pytest.raises(UnsupportedError, match="supported: none, fp8, bitsandbytes"):
             check_supported(adapters()["vllm"], w.with_overrides(["model.hidden_size=128",
                                                                    "serve.engine.quantization=awq"]))
+
+
+@pytest.mark.parametrize("adapter, model", [("hf", []), ("vllm", ["model.hidden_size=128"])])
+def test_offline_throughput_beside_the_online_numbers(adapter, model, tmp_path):
+    """serve.mode = 'offline': the same request plan handed at once to the engine's offline API (transformers'
+    generate, vLLM's LLM.generate), in one comparison with the online run: throughput only, every requested
+    token generated."""
+    _ready(adapter)
+    if adapter == "vllm":
+        from llmadapt_vllm.server import environment_problem
+
+        from llmadapt.launch.environments import python_for
+
+        why, _ = environment_problem(python_for(adapters()["vllm"].environment))
+        if why:
+            pytest.skip(why)
+    sets = [a for s in [*SMALL, *model] for a in ("--set", s)]
+    cells = ["--cell", adapter, "--cell", f"{adapter}:serve.mode=offline"] if adapter == "hf" else \
+        ["--cell", f"{adapter}:serve.mode=offline"]
+    code, stdout, stderr = _cli("compare", str(EXAMPLES / "serve-tiny.toml"), *cells, "--out", str(tmp_path),
+                                "--json", *sets)
+    assert code == 0, stderr
+    rows = json.loads(stdout)["rows"]
+    offline = rows[-1]
+    assert offline["status"] == "ok" and offline["metrics"]["output_throughput"] > 0
+    assert offline["metrics"]["ttft_p50_ms"] is None  # an offline API shows no first token
+    records = [r for r in read_jsonl(Path(offline["run_dir"]) / "rank-00000.jsonl") if r["type"] == "request"]
+    assert len(records) == 6 and all(r["output_tokens"] == r["requested_output_tokens"] for r in records)
+    header = next(r for r in read_jsonl(Path(offline["run_dir"]) / "rank-00000.jsonl") if r["type"] == "header")
+    assert header["launcher"] == "offline" and header["workload"]["serve"]["mode"] == "offline"
+    if adapter == "hf":
+        assert rows[0]["metrics"]["ttft_p50_ms"] > 0  # the online row beside it
+
+
+def test_offline_is_refused_where_there_is_no_offline_api(tmp_path):
+    from llmadapt.adapter.plugins import check_supported
+    from llmadapt.errors import UnsupportedError, WorkloadError
+
+    w = Workload.from_file(EXAMPLES / "serve-tiny.toml").with_overrides(["serve.mode=offline"])
+    if "openai" in adapters():
+        with pytest.raises(UnsupportedError, match="no offline API"):
+            check_supported(adapters()["openai"], w)
+    with pytest.raises(WorkloadError, match="not with serve.url"):
+        w.with_overrides(["serve.url=http://127.0.0.1:1"])

@@ -10,7 +10,8 @@ import attrs
 
 from llmadapt.spec import Workload
 
-ROLES = ("train", "finetune", "serve")
+ROLES = ("train", "finetune", "serve", "offline")
+"""offline: the engine's offline API for serve workloads with serve.mode = 'offline' (llmadapt.runtime.offline)."""
 
 
 @attrs.frozen

@@ -95,6 +95,9 @@ def check_supported(info: AdapterInfo, workload) -> None:
         raise UnsupportedError(
             f"adapter {info.name!r} does not support kind={workload.kind!r}; roles: {', '.join(info.roles)}"
         )
+    if workload.kind == "serve" and workload.serve.mode == "offline" and "offline" not in info.roles:
+        raise UnsupportedError(f"adapter {info.name!r} cannot run serve.mode='offline': it has no offline API "
+                               f"(roles: {', '.join(info.roles)})")
     # Training declarations say nothing about serving engines: serve workloads meet only the adapter's own rules.
     problems = info.supports.engine_problems(workload) if workload.kind == "serve" else \
         info.supports.problems(workload)

@@ -225,17 +225,19 @@ def serving_stats(records: list[dict[str, Any]], workload: Workload):
     else:
         duration = 0.0
     ms = 1e-6
-    ttft = [(r["first_token_ns"] - r["sent_ns"]) * ms for r in ok]
-    e2el = [(r["end_ns"] - r["sent_ns"]) * ms for r in ok]
+    offline = workload.serve.mode == "offline"  # one call for all: no request's own times, throughput only
+    timed = [] if offline else ok
+    ttft = [(r["first_token_ns"] - r["sent_ns"]) * ms for r in timed]
+    e2el = [(r["end_ns"] - r["sent_ns"]) * ms for r in timed]
     tpot = [((r["end_ns"] - r["first_token_ns"]) * ms) / (r["output_tokens"] - 1)
-            for r in ok if r["output_tokens"] and r["output_tokens"] > 1]
-    itl = [(b - a) * ms for r in ok for a, b in zip(r["chunk_ns"], r["chunk_ns"][1:])]
+            for r in timed if r["output_tokens"] and r["output_tokens"] > 1]
+    itl = [(b - a) * ms for r in timed for a, b in zip(r["chunk_ns"], r["chunk_ns"][1:])]
     lags = [(r["sent_ns"] - r["scheduled_ns"]) * ms for r in sent]
     out_tokens = sum(r["output_tokens"] or 0 for r in ok)
     in_tokens = sum(r["input_tokens"] for r in ok)
     slo = workload.serve.slo
     goodput = None
-    if any(v is not None for v in (slo.ttft_ms, slo.tpot_ms, slo.e2el_ms)) and duration:
+    if any(v is not None for v in (slo.ttft_ms, slo.tpot_ms, slo.e2el_ms)) and duration and not offline:
         def meets(r) -> bool:
             t = (r["first_token_ns"] - r["sent_ns"]) * ms
             e = (r["end_ns"] - r["sent_ns"]) * ms
@@ -265,6 +267,9 @@ def serving_stats(records: list[dict[str, Any]], workload: Workload):
     if problems:
         cpu = f" (client CPU {cpu_per_request:.2f} ms per request)" if cpu_per_request is not None else ""
         valid, why = False, "invalid: " + "; ".join(problems) + cpu
+    elif offline:
+        valid, why = True, ("offline: the whole request set handed to the engine's offline API at once; throughput "
+                            "only (no request's first token or end is seen)")
     elif workload.serve.arrival.process == "closed":
         valid, why = True, "closed loop: requests are sent as slots free up (no schedule to fall behind)"
     else:

@@ -66,6 +66,8 @@ def new_point(workload: Workload, info, out, run_id: str | None, progress) -> Lo
 
 
 def run_serving(workload: Workload, info, out, run_id, timeout, progress) -> RunResult:
+    if workload.serve.mode == "offline":
+        return run_offline(workload, info, out, run_id, timeout, progress)
     point = new_point(workload, info, out, run_id, progress)
     try:
         return serve_points(workload, info, point.run_dir, timeout, progress,
@@ -74,6 +76,46 @@ def run_serving(workload: Workload, info, out, run_id, timeout, progress) -> Run
         if not RunDir(point.run_dir).summary_file.is_file():
             summarise(point.run_dir, [Failure(cause="interrupted", message=f"{interrupt_text(exc)} in the orchestrator")])
         raise
+
+
+def run_offline(workload: Workload, info, out, run_id, timeout, progress) -> RunResult:
+    """serve.mode = 'offline': the adapter's offline engine over the whole request plan, in its environment
+    (llmadapt.runtime.offline), as one process; its records summarised like any serving run's."""
+    import subprocess
+
+    from llmadapt.launch.environments import process_env
+    from llmadapt.launch.prepare import ensure_checkpoint
+
+    point = new_point(workload, info, out, run_id, progress)
+    launch = RunDir(point.run_dir).read_launch()
+    failures: list[Failure] = []
+    try:
+        checkpoint = ensure_checkpoint(workload, info.environment)
+    except LlmadaptError as exc:
+        return RunResult(run_dir=point.run_dir, summary=summarise(point.run_dir, [Failure(cause="error",
+                                                                                           message=str(exc))]))
+    RunDir(point.run_dir).write_launch({**launch, "launcher": "offline", "adapter_version": info.version,
+                                        "checkpoint": str(checkpoint), "offline_class": info.roles["offline"],
+                                        "checkpoint_hash": _recorded_hash(checkpoint)})
+    with open(RunDir(point.run_dir).engine_log, "wb") as log:
+        proc = subprocess.Popen([launch["python"], "-m", "llmadapt.runtime.offline", str(point.run_dir)],
+                                stdout=log, stderr=subprocess.STDOUT, env=process_env(info.environment))
+        try:
+            code = proc.wait(timeout=timeout)
+            if code:
+                failures.append(Failure(cause="crash" if code < 0 else "error", exit_code=code,
+                                        message=f"the offline engine exited with {code}; see "
+                                                f"{RunDir(point.run_dir).engine_log}"))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            failures.append(Failure(cause="timeout", message=f"the offline run exceeded its timeout of {timeout:g} s"))
+        except KeyboardInterrupt as exc:
+            proc.terminate()
+            proc.wait()
+            summarise(point.run_dir, [Failure(cause="interrupted", message=f"{interrupt_text(exc)} in the orchestrator")])
+            raise
+    return RunResult(run_dir=point.run_dir, summary=summarise(point.run_dir, failures))
 
 
 # -- orchestration ------------------------------------------------------------------------------

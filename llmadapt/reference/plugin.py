@@ -34,7 +34,7 @@ def llmadapt_register_adapters(register):
         name="hf",
         version=VERSION,
         framework="transformers-serve",
-        roles={"serve": "llmadapt.reference.serve:HFServer"},
+        roles={"serve": "llmadapt.reference.serve:HFServer", "offline": "llmadapt.reference.offline:HFOffline"},
         environment=REFERENCE_ENVIRONMENT,
         supports=Supports(engine=("max_batched_tokens",)),  # --cb-max-batch-tokens
         description="transformers' own OpenAI-compatible server (continuous batching) on the canonical checkpoint, "

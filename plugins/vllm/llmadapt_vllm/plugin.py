@@ -81,7 +81,7 @@ def llmadapt_register_adapters(register):
         name="vllm",
         version=__version__,
         framework="vllm",
-        roles={"serve": "llmadapt_vllm.server:VLLMServer"},
+        roles={"serve": "llmadapt_vllm.server:VLLMServer", "offline": "llmadapt_vllm.offline:VLLMOffline"},
         environment=ENVIRONMENT,
         supports=Supports(precisions=DTYPES, engine=tuple(ENGINE_FLAGS), engine_quantization=QUANTIZATIONS),
         check=check,
