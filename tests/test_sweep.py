@@ -142,3 +142,28 @@ def test_each_cell_can_find_its_maximum_batch(tmp_path):
     (tmp_path / "bad.toml").write_text(GRID + "[maxbatch]\nmemory = 3\n")
     with pytest.raises(LlmadaptError, match="unknown maxbatch key 'memory'"):
         sweeps.load(tmp_path / "bad.toml", tmp_path / "runs")
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".yaml", ".json"])
+def test_compare_saves_its_grid_as_a_sweep_file(suffix, tmp_path):
+    """compare --save-sweep: the same cells, with the same workloads, as the comparison would run; not run."""
+    from llmadapt.analysis.cells import as_cells, plan
+    from llmadapt.analysis.compare import parse_matrix
+    from llmadapt.spec import Workload
+
+    matrix = ["optimizations.zero_stage,optimizations.offload=0,none;2,optimizer", "optimizations.recompute=none,full"]
+    target = tmp_path / f"saved{suffix}"
+    out = subprocess.run([sys.executable, "-m", "llmadapt.cli", "compare", str(EXAMPLES / "deepspeed-techniques.toml"),
+                          "--adapters", "deepspeed", "--cell", "torch:parallelism.dp=2", "--set", "train.steps=3",
+                          *[a for m in matrix for a in ("--matrix", m)], "--save-sweep", str(target), "--out",
+                          str(tmp_path / "runs")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert not (tmp_path / "runs").exists()  # nothing ran
+    sweep = sweeps.load(target, tmp_path / "runs", create=False)
+    w = Workload.from_file(EXAMPLES / "deepspeed-techniques.toml").with_overrides(["train.steps=3"])
+    expected = plan(w, as_cells(["deepspeed"], ["torch:parallelism.dp=2"]), parse_matrix(matrix))
+    assert [c.planned.workload.content_hash for c in sweep.cells] == [p.workload.content_hash for p in expected
+                                                                       if not p.unsupported]
+    again = subprocess.run([sys.executable, "-m", "llmadapt.cli", "compare", str(EXAMPLES / "tiny-llama.toml"),
+                            "--adapters", "torch", "--save-sweep", str(target)], capture_output=True, text=True)
+    assert again.returncode == 2 and "exists" in again.stderr

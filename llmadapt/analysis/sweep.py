@@ -231,8 +231,38 @@ def _alive(state: dict[str, Any]) -> bool:
         return False
 
 
-def load(path: str | Path, out: str | Path = "runs", overrides: list[str] | None = None) -> Sweep:
-    """A sweep file, expanded and checked (every cell resolved before anything runs); one line when it cannot be."""
+def write(path: str | Path, data: dict[str, Any]) -> Path:
+    """A sweep file from its keys (workload, adapters, cells, set, matrix, repeat, retries): TOML, YAML or JSON by
+    the file's suffix. What `compare --save-sweep` writes."""
+    path = Path(path)
+    data = {k: v for k, v in data.items() if v not in (None, [], {})}
+    if path.suffix == ".json":
+        text = json.dumps(data, indent=1) + "\n"
+    elif path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        text = yaml.safe_dump(data, sort_keys=False)
+    elif path.suffix == ".toml":
+        def value(v: Any) -> str:  # TOML's strings, numbers, booleans and arrays read as JSON writes them
+            if v is None:
+                raise LlmadaptError(f"{path}: a null value cannot be written to TOML: use .yaml or .json")
+            return json.dumps([list(x) if isinstance(x, tuple) else x for x in v] if isinstance(v, list) else v)
+
+        lines = [f"{k} = {value(v)}" for k, v in data.items() if k != "matrix"]
+        if "matrix" in data:
+            lines += ["", "[matrix]", *(f"{json.dumps(k)} = {value(v)}" for k, v in data["matrix"].items())]
+        text = "# written by llmadapt compare --save-sweep; run with: llmadapt sweep run " + path.name + "\n" \
+            + "\n".join(lines) + "\n"
+    else:
+        raise LlmadaptError(f"sweep file {path}: use .toml, .yaml or .json")
+    path.write_text(text)
+    return path
+
+
+def load(path: str | Path, out: str | Path = "runs", overrides: list[str] | None = None, *,
+         create: bool = True) -> Sweep:
+    """A sweep file, expanded and checked (every cell resolved before anything runs); one line when it cannot be.
+    ``create``: also make its state folder under OUT (sweep.json), as running it does."""
     path = Path(path)
     if not path.is_file():
         raise LlmadaptError(f"sweep file {path}: no such file")
@@ -285,6 +315,8 @@ def load(path: str | Path, out: str | Path = "runs", overrides: list[str] | None
     sweep_id = hashlib.sha256("".join(c.id for c in cells).encode()).hexdigest()[:8]
     folder = Path(out) / f"sweep-{name}-{sweep_id}"
     sweep = Sweep(path, name, workload, cells, retries, maxbatch, folder, Path(out))
+    if not create:
+        return sweep
     folder.mkdir(parents=True, exist_ok=True)
     description = {"name": name, "file": str(path.resolve()), "workload": str(workload_path), "retries": retries,
                    "cells": [{"index": i, "id": c.id, "title": c.title, "adapter": c.planned.cell.adapter,

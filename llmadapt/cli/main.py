@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare stored runs in --out instead of running: key=value terms, e.g. "
                         "'adapter=torch since=2026-12-01' ('' for all)")
     p.add_argument("--report", metavar="FILE", help="also write the comparison's HTML report (llmadapt report)")
+    p.add_argument("--save-sweep", metavar="FILE",
+                   help="write this comparison as a sweep file (.toml, .yaml, .json) instead of running it "
+                        "(llmadapt sweep run FILE: resumable, Slurm job arrays)")
 
     p.add_argument("--attach", metavar="ADAPTER=URL,...",
                    help="serving: measure engines already running, e.g. hf=http://127.0.0.1:8000,vllm=http://b:8000 "

@@ -66,6 +66,8 @@ def cmd_compare(args) -> int:
         names = _adapter_names(args)
         named = names + [c.partition(":")[0] for c in args.cell or []]
         workload = workload_of(args).with_overrides(attach_settings(args.attach, named), source="--set")
+        if args.save_sweep:
+            return _save_sweep(args, names)
         with cells_progress(args) as on_cell:
             comparison = compare(workload, names, cells=args.cell,
                                  matrix=parse_matrix(args.matrix or []), refuse_unsupported=args.refuse_unsupported,
@@ -85,6 +87,36 @@ def cmd_compare(args) -> int:
             text += f"\nreport: {data['report']}"
     emit(args, data, text)
     return 0 if all(r.status in ("ok", "unsupported") for r in comparison.rows) else 1
+
+
+def _save_sweep(args, names: list[str]) -> int:
+    """compare --save-sweep FILE: this comparison as a sweep file (checked by expanding it), not run."""
+    import os
+    from pathlib import Path
+
+    from llmadapt.analysis import sweep as sweeps
+    from llmadapt.analysis.compare import parse_matrix
+
+    if args.attach or args.reuse or args.report or args.breakdown:
+        raise LlmadaptError("--save-sweep writes the comparison's cells only: not with --attach, --reuse, --report "
+                            "or --breakdown")
+    target = Path(args.save_sweep)
+    if target.exists():
+        raise LlmadaptError(f"--save-sweep {target}: exists; name a new file")
+    workload = os.path.relpath(Path(args.workload).resolve(), target.resolve().parent)
+    data = {"workload": workload, "adapters": names, "cells": args.cell or [], "set": args.set or [],
+            "repeat": args.repeat if args.repeat != 1 else None,
+            "matrix": {k: [list(v) if isinstance(v, tuple) else v for v in values]
+                       for k, values in parse_matrix(args.matrix or []).items()}}
+    sweeps.write(target, data)
+    try:
+        sweep = sweeps.load(target, args.out, create=False)
+    except LlmadaptError:
+        target.unlink()
+        raise
+    emit(args, {"sweep": str(target), "cells": len(sweep.cells)},
+         f"wrote {target}: {len(sweep.cells)} cells; run it with: llmadapt sweep run {target}")
+    return 0
 
 
 def cmd_parity(args) -> int:
