@@ -239,8 +239,8 @@ def latency_cdfs(runs: list[ReportRun]):
 def latency_vs_load(runs: list[ReportRun]):
     """Serving runs of one engine at several loads: TTFT and TPOT percentiles against achieved request rate."""
     groups: dict[str, list[ReportRun]] = {}
-    for r in runs:
-        if r.serving and r.summary.get("serving"):
+    for r in runs:  # offline runs have throughput, no latencies
+        if r.serving and r.summary.get("serving") and r.summary["serving"].get("ttft_ms"):
             groups.setdefault(r.summary["adapter"], []).append(r)
     groups = {k: v for k, v in groups.items() if len({x.summary["serving"]["request_throughput"] for x in v}) >= 2}
     if not groups:

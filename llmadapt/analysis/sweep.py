@@ -77,11 +77,9 @@ class Sweep:
 
     def state(self, cell: SweepCell) -> dict[str, Any]:
         path = self.state_file(cell)
-        if not path.is_file():
-            return {"status": "pending", "attempts": []}
         try:
             return json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, json.JSONDecodeError):  # none yet (or unreadable): nothing is known of it
             return {"status": "pending", "attempts": []}
 
     def _write_state(self, cell: SweepCell, state: dict[str, Any]) -> None:

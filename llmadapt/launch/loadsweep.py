@@ -11,6 +11,10 @@ highest passing and lowest failing load down to a resolution, then repeats at th
 moves the bracket down). Beside the bracket it fits the objectives' margin against load with isotonic
 (non-increasing) regression, which gives a boundary estimate robust to one noisy probe and says whether the
 boundary is smooth or a cliff. Every probe is in the search's history (sla.json), in order.
+
+It is over 400 lines because both ways of choosing load points (a sweep, the search) share one way of running them
+against one engine and of judging them (objectives, margins, the isotonic fit): one file to read for serving at
+several loads.
 """
 
 from __future__ import annotations
