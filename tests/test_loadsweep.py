@@ -314,8 +314,9 @@ def test_two_running_engines_attached_in_one_comparison(tmp_path):
         for r in rows:
             launch = json.loads((Path(r["run_dir"]) / "launch.json").read_text())
             assert launch["launcher"] == "attach"
-            plans.append([(q["index"], q["input_tokens"]) for q in read_jsonl(Path(r["run_dir"]) / "rank-00000.jsonl")
-                          if q["type"] == "request"])
+            plans.append(sorted((q["index"], q["input_tokens"]) for q in read_jsonl(Path(r["run_dir"]) /
+                                                                                "rank-00000.jsonl")
+                                if q["type"] == "request"))  # written as they end: in each engine's own order
         assert plans[0] == plans[1] and len(plans[0]) == 7  # the same requests, warm-up included
         assert {launch["workload"]["serve"]["url"] for launch in [json.loads((Path(r["run_dir"]) / "launch.json")
                                                                            .read_text()) for r in rows]} == set(urls)
