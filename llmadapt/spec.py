@@ -439,27 +439,9 @@ class Workload:
         if not path.is_file():
             raise WorkloadError("file", str(path), "no such workload file")
         try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise WorkloadError("file", str(path), f"is not UTF-8 text (byte {exc.start})") from None
-        except OSError as exc:
-            raise WorkloadError("file", str(path), f"cannot be read: {exc.strerror or exc}") from None
-        suffix = path.suffix.lower()
-        try:
-            if suffix == ".toml":
-                import tomllib
-
-                data = tomllib.loads(text)
-            elif suffix in (".yaml", ".yml"):
-                data = load_yaml(text) or {}
-            elif suffix == ".json":
-                data = json.loads(text)
-            else:
-                raise WorkloadError("file", str(path), "use a .toml, .yaml, .yml or .json file")
-        except WorkloadError:
-            raise
-        except Exception as exc:  # parse errors of three libraries: one clear line
-            raise WorkloadError("file", str(path), f"could not be parsed: {exc}") from None
+            data = read_document(path)
+        except ValueError as exc:
+            raise WorkloadError("file", str(path), str(exc)) from None
         if not isinstance(data, dict):
             raise WorkloadError("file", str(path), "the top level must be a table/mapping")
         if not data:  # running the defaults is never what an empty file meant
@@ -668,6 +650,30 @@ def _field_at(data: dict[str, Any], path: str, value: Any, scope: str | None = N
 def _hash(data: dict[str, Any]) -> str:
     text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def read_document(path: Path) -> Any:
+    """A TOML, YAML (empty: {}) or JSON file's content, by its suffix; ValueError with the reason, in one line, when
+    it cannot be read or parsed (workload files, sweep files)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"is not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"cannot be read: {exc.strerror or exc}") from None
+    suffix = path.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml", ".json"):
+        raise ValueError("use a .toml, .yaml, .yml or .json file")
+    try:
+        if suffix == ".toml":
+            import tomllib
+
+            return tomllib.loads(text)
+        if suffix == ".json":
+            return json.loads(text)
+        return load_yaml(text) or {}
+    except Exception as exc:  # parse errors of three libraries: one clear line
+        raise ValueError(f"could not be parsed: {exc}") from None
 
 
 def _check_workload(w: Workload) -> None:

@@ -42,7 +42,7 @@ import attrs
 from llmadapt.analysis.cells import PlannedCell, as_cells, plan
 from llmadapt.errors import LlmadaptError
 from llmadapt.host import node_name, utc_now
-from llmadapt.spec import Workload, load_yaml
+from llmadapt.spec import Workload, read_document
 
 STATES = ("pending", "running", "done", "failed")
 
@@ -130,8 +130,9 @@ class Sweep:
         """Run one cell unless it is done: up to 1 + retries attempts, each recorded as it starts and ends."""
         from llmadapt.launch.run import run
 
-        if self.finished(cell):
-            log(f"{cell.title}: done already ({self.finished(cell)})")
+        done = self.finished(cell)
+        if done:
+            log(f"{cell.title}: done already ({done})")
             return self.state(cell)
         state = self.state(cell)
         attempts = [a for a in state.get("attempts", []) if a.get("status") in ("ok", "failed")]
@@ -182,12 +183,13 @@ class Sweep:
         for cell in self.cells:
             self.run_cell(cell, log=log, **run_options)
 
-    def array_script(self, python: str, slurm_options: list[str]) -> str:
-        """The Slurm job array: task I runs cell I with this machine's llmadapt (the folders must be shared)."""
+    def array_script(self, python: str, slurm_options: list[str], indices: list[int]) -> str:
+        """The Slurm job array of the cells at ``indices``: task I runs cell I with this machine's llmadapt (the
+        folders must be shared)."""
         cli = [python, "-m", "llmadapt.cli", "sweep", "run", str(self.file.resolve()), "--out", str(self.out.resolve()),
                "--index", "$SLURM_ARRAY_TASK_ID"]
         lines = ["#!/bin/bash", f"# llmadapt sweep {self.name}: one cell per array task. Resubmit with: sbatch <this>",
-                 f"#SBATCH --job-name=llmadapt-sweep-{self.name}", f"#SBATCH --array=0-{len(self.cells) - 1}",
+                 f"#SBATCH --job-name=llmadapt-sweep-{self.name}", f"#SBATCH --array={','.join(map(str, indices))}",
                  "#SBATCH --ntasks=1", f"#SBATCH --output={self.folder.resolve()}/slurm-%A_%a.out",
                  *(f"#SBATCH {o}" for o in slurm_options), f"cd {shlex.quote(str(Path.cwd()))}",
                  " ".join(shlex.quote(c) if not c.startswith("$") else c for c in cli)]
@@ -265,21 +267,9 @@ def load(path: str | Path, out: str | Path = "runs", overrides: list[str] | None
     if not path.is_file():
         raise LlmadaptError(f"sweep file {path}: no such file")
     try:
-        text = path.read_text(encoding="utf-8")
-        if path.suffix == ".toml":
-            import tomllib
-
-            data = tomllib.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            data = load_yaml(text)
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise LlmadaptError(f"sweep file {path}: use .toml, .yaml or .json")
-    except LlmadaptError:
-        raise
-    except Exception as exc:
-        raise LlmadaptError(f"sweep file {path}: could not be parsed: {exc}") from None
+        data = read_document(path)
+    except ValueError as exc:
+        raise LlmadaptError(f"sweep file {path}: {exc}") from None
     if not isinstance(data, dict):
         raise LlmadaptError(f"sweep file {path}: the top level must be a table")
     known = {"name", "workload", "adapters", "cells", "set", "matrix", "repeat", "retries", "maxbatch"}
@@ -350,11 +340,17 @@ def _maxbatch_options(path: Path, given: dict[str, Any] | None) -> dict[str, Any
 def _slurm_task_alive(state: dict[str, Any]) -> bool:
     """A cell run by a Slurm array task on another node: running while its job is in the queue."""
     import shutil
-    import subprocess
 
     job = state.get("slurm_job")
     if not job or shutil.which("squeue") is None:
         return True  # nothing to ask: trust the file
+    return _queued(job)
+
+
+def _queued(job: str) -> bool:
+    """The job (or array task, JOB_TASK) is still in Slurm's queue."""
+    import subprocess
+
     q = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True)
     return q.returncode == 0 and bool(q.stdout.strip())
 
@@ -367,32 +363,24 @@ def run_on_slurm(sweep: Sweep, slurm_options: list[str], *, log: Callable[[str],
                  poll_s: float = 1.0) -> str:
     """Submit the sweep's cells that are not done as one job array and wait for it; returns the job id. The cells'
     files say how each ended (a task that died leaves its cell running: pending or failed once seen gone)."""
-    import subprocess
-
-    from llmadapt.launch.slurm import require_slurm
+    from llmadapt.launch.slurm import cancel, require_slurm, submit
 
     require_slurm()
     todo = [i for i, (cell, status, _) in enumerate(sweep.status(slurm_machine())) if status != "done"]
     if not todo:
         log("every cell is done")
         return ""
-    script = sweep.array_script(sys.executable, slurm_options).replace(
-        f"#SBATCH --array=0-{len(sweep.cells) - 1}", f"#SBATCH --array={','.join(map(str, todo))}")
     path = sweep.folder / "sweep.sbatch"
-    path.write_text(script)
-    proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
-    if proc.returncode:
-        raise LlmadaptError(f"sbatch failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
-    job = proc.stdout.strip().split(";")[0]
+    path.write_text(sweep.array_script(sys.executable, slurm_options, todo))
+    job = submit(path, dict(os.environ))
     log(f"submitted job array {job}: {len(todo)} cell(s); its script is {path}")
     (sweep.folder / "slurm-job").write_text(job)
     started = time.monotonic()
     while True:
-        q = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i %T"], capture_output=True, text=True)
-        if not q.stdout.strip():
+        if not _queued(job):
             break
         if timeout is not None and time.monotonic() - started > timeout:
-            subprocess.run(["scancel", job], capture_output=True)
+            cancel(job)
             log(f"job {job} cancelled after {timeout:g} s")
             break
         time.sleep(poll_s)

@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--out", default="runs", help="folder for run directories (default: ./runs)")
         p.add_argument("--timeout", type=float, default=None, help="seconds before a run is stopped")
 
+    def attach_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--attach", metavar="ADAPTER=URL,...",
+                       help="serving: measure engines already running, e.g. hf=http://127.0.0.1:8000,vllm=http://b:8000 "
+                            "(each adapter's serve.url, instead of starting them; the same request plan for each, "
+                            "run back to back)")
+
     def cells_args(p: argparse.ArgumentParser, adapters_help: str) -> None:
         p.add_argument("--adapters", help=adapters_help)
         p.add_argument("--cell", action="append", metavar="ADAPTER[:PATH=VALUE,...]",
@@ -97,15 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write this comparison as a sweep file (.toml, .yaml, .json) instead of running it "
                         "(llmadapt sweep run FILE: resumable, Slurm job arrays)")
 
-    p.add_argument("--attach", metavar="ADAPTER=URL,...",
-                   help="serving: measure engines already running, e.g. hf=http://127.0.0.1:8000,vllm=http://b:8000 "
-                        "(each adapter's serve.url; the same request plan for each, run back to back)")
+    attach_arg(p)
 
     def serving_args(p: argparse.ArgumentParser) -> None:
         workload_args(p)
         p.add_argument("--adapters", required=True, help="comma-separated serving adapters, e.g. hf,vllm")
-        p.add_argument("--attach", metavar="ADAPTER=URL,...",
-                       help="engines already running, e.g. vllm=http://127.0.0.1:8000 (instead of starting them)")
+        attach_arg(p)
 
     p = command("load-sweep", cmd_load_sweep, "serve at several loads against each engine (started once): a "
                 "latency-against-load table; each point is a run of its own")

@@ -60,15 +60,14 @@ def cmd_load_sweep(args) -> int:
         print(f"{info.name}: load sweep ({loads.kind})", file=sys.stderr, flush=True)
         folder, points = load_sweep(workload, info, loads, args.out, repeat=args.repeat, timeout=args.timeout,
                                     progress=_progress)
-        data.append({"adapter": info.name, "folder": str(folder),
-                     "points": [{"load": p.load.value, "repeat": p.repeat, **p.figures} for p in points]})
+        data.append({"adapter": info.name, "folder": str(folder), "points": [p.to_dict() for p in points]})
         for p in points:
             f = p.figures
             rows.append([info.name, str(p.load) + (f" #{p.repeat + 1}" if args.repeat > 1 else ""),
-                         *(format_value(f.get(k), fmt) for k, fmt in _SWEEP_COLUMNS),
+                         *(format_value(f.get(k), fmt) for k, _, fmt in _SWEEP_COLUMNS),
                          "ok" if f.get("status") == "ok" and f.get("valid") else "FAILED" if f.get("status") != "ok"
                          else "client behind"])
-    head = ["engine", "load", *(title for title, _ in _SWEEP_TITLES), "status"]
+    head = ["engine", "load", *(title for _, title, _ in _SWEEP_COLUMNS), "status"]
     text = "\n".join(text_table(head, rows))
     text += ("\nlatencies in ms; TPOT is vLLM's (AIPerf calls it ITL); ITL here is the gap between chunks; send lag: "
              "how late the load generator sent, p99")
@@ -76,11 +75,11 @@ def cmd_load_sweep(args) -> int:
     return 0 if all(r[-1] == "ok" for r in rows) else 1
 
 
-_SWEEP_COLUMNS = [("request_throughput", ".2f"), ("output_throughput", ",.1f"), ("ttft_p50_ms", ".1f"),
-                  ("ttft_p99_ms", ".1f"), ("tpot_p50_ms", ".1f"), ("tpot_p99_ms", ".1f"), ("itl_p99_ms", ".1f"),
-                  ("e2el_p99_ms", ".1f"), ("goodput", ".2f"), ("send_lag_p99_ms", ".2f")]
-_SWEEP_TITLES = [("req/s", ""), ("out tok/s", ""), ("TTFT p50", ""), ("TTFT p99", ""), ("TPOT p50", ""),
-                 ("TPOT p99", ""), ("ITL p99", ""), ("E2EL p99", ""), ("goodput", ""), ("send lag", "")]
+_SWEEP_COLUMNS = [("request_throughput", "req/s", ".2f"), ("output_throughput", "out tok/s", ",.1f"),
+                  ("ttft_p50_ms", "TTFT p50", ".1f"), ("ttft_p99_ms", "TTFT p99", ".1f"),
+                  ("tpot_p50_ms", "TPOT p50", ".1f"), ("tpot_p99_ms", "TPOT p99", ".1f"),
+                  ("itl_p99_ms", "ITL p99", ".1f"), ("e2el_p99_ms", "E2EL p99", ".1f"), ("goodput", "goodput", ".2f"),
+                  ("send_lag_p99_ms", "send lag", ".2f")]
 
 
 def cmd_sla(args) -> int:

@@ -225,6 +225,9 @@ class SweepPoint:
     repeat: int
     figures: dict[str, Any]
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"load": self.load.value, "kind": self.load.kind, "repeat": self.repeat, **self.figures}
+
 
 def load_sweep(workload: Workload, info, loads: Loads, out: Path, *, repeat: int = 1, timeout: float | None = None,
                progress=None) -> tuple[Path, list[SweepPoint]]:
@@ -257,7 +260,7 @@ def load_sweep(workload: Workload, info, loads: Loads, out: Path, *, repeat: int
     ran = _run_points(workload, info, out, engine_dir, timeout, progress, choose)
     points = [SweepPoint(load, rep, point_figures(r)) for load, rep, r in ran]
     _write(engine_dir / "load-sweep.json", {"adapter": info.name, "kind": loads.kind,
-                                            "points": [_point_json(p) for p in points]})
+                                            "points": [p.to_dict() for p in points]})
     return engine_dir, points
 
 
@@ -270,10 +273,6 @@ def _saturated(points: list[SweepPoint], kind: str) -> bool:
         return achieved < 0.9 * last.load.value
     earlier = [p for p in points if p.load.value < last.load.value and p.figures.get("request_throughput")]
     return bool(earlier) and achieved < 1.05 * max(p.figures["request_throughput"] for p in earlier)
-
-
-def _point_json(p: SweepPoint) -> dict[str, Any]:
-    return {"load": p.load.value, "kind": p.load.kind, "repeat": p.repeat, **p.figures}
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
@@ -436,15 +435,11 @@ def _sla_result(adapter: str, kind: str, objectives: list[Objective], probes: li
 def prepared(workload: Workload, adapter: str):
     """(adapter info, the workload as that adapter runs it), checked as `run` checks a serving run: before any
     engine starts."""
-    from llmadapt.adapter.plugins import check_supported, get_adapter
-    from llmadapt.launch.settings import check_adapter_settings
+    from llmadapt.launch.settings import resolve
 
-    info = get_adapter(adapter)
-    check_adapter_settings(workload, [adapter])
-    w = workload.for_adapter(adapter)
+    info, w = resolve(workload, adapter)
     if w.kind != "serve":
         raise LlmadaptError(f"load sweeps and SLA searches serve requests: the workload's kind is {w.kind!r}, "
                             "not 'serve'")
-    check_supported(info, w)
     engine_launch(w, info)
     return info, w

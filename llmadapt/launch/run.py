@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from llmadapt.adapter.plugins import check_supported, get_adapter
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
@@ -28,7 +27,7 @@ from llmadapt.launch.environments import python_for
 from llmadapt.launch.multinode import gather, run_node_agent, run_node_zero, warn_loopback
 from llmadapt.launch.prepare import check_save_folder, ensure_checkpoint
 from llmadapt.launch.serve import run_serving
-from llmadapt.launch.settings import LAUNCHERS, NodeSettings, check_adapter_settings, check_run_options, make_run_id
+from llmadapt.launch.settings import LAUNCHERS, NodeSettings, check_run_options, make_run_id, resolve
 from llmadapt.launch.sinks import RecordSinks
 from llmadapt.launch.slurm import SlurmSettings, require_slurm, run_slurm_job, slurm_job
 from llmadapt.launch.summary import RunResult, summarise
@@ -84,10 +83,7 @@ def run(
 def _run(workload: Workload, adapter: str, launcher: str, out: str | Path, run_id: str | None, timeout: float | None,
          fault: dict[str, Any] | None, memory_limit_bytes: int | None, progress: Callable[[dict[str, Any]], None],
          nodes: NodeSettings | None, slurm: SlurmSettings | None) -> RunResult:
-    info = get_adapter(adapter)
-    check_adapter_settings(workload, [adapter])
-    workload = workload.for_adapter(adapter)
-    check_supported(info, workload)
+    info, workload = resolve(workload, adapter)
     check_save_folder(workload)
     if launcher not in LAUNCHERS and launcher not in info.launchers:
         known = ", ".join([*LAUNCHERS, *info.launchers])

@@ -125,3 +125,15 @@ def warn(message: str, progress) -> None:
         import warnings
 
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def resolve(workload: Workload, adapter: str):
+    """(the adapter's AdapterInfo, the workload as that adapter runs it: its own settings applied), checked as a
+    run is before anything starts: an unknown adapter, settings for adapters not run, what it cannot do."""
+    from llmadapt.adapter.plugins import check_supported, get_adapter
+
+    info = get_adapter(adapter)
+    check_adapter_settings(workload, [adapter])
+    workload = workload.for_adapter(adapter)
+    check_supported(info, workload)
+    return info, workload

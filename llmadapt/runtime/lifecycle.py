@@ -81,6 +81,16 @@ def failure_cause(exc: BaseException, describe) -> tuple[str, int, str]:
     return ("oom" if is_oom(exc) else "error"), 1, describe(exc)
 
 
+def short_trace(exc: BaseException) -> str:
+    """'Type: message (at file.py:line)': an error in one line, where it was raised."""
+    import traceback
+    from pathlib import Path
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
 def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, MemoryError):
         return True

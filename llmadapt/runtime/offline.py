@@ -23,6 +23,7 @@ from llmadapt.contract.jsonl import JsonlWriter
 from llmadapt.contract.records import End, Failure, Header, Request
 from llmadapt.contract.rundir import RunDir
 from llmadapt.host import utc_now
+from llmadapt.runtime import lifecycle
 from llmadapt.runtime.requests import plan_requests
 from llmadapt.spec import Workload
 
@@ -61,12 +62,10 @@ def run_offline(run_dir: Path) -> int:
             writer.write(End(rank=0, time=utc_now()))
             return 0
         except BaseException as exc:  # noqa: BLE001 - every way out leaves a failure record
-            frames = traceback.extract_tb(exc.__traceback__)
-            where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-            writer.write(Failure(cause="error", message=f"{type(exc).__name__}: {exc}{where}"[:2000], rank=0,
-                                 exit_code=1, time=utc_now()))
+            cause, code, message = lifecycle.failure_cause(exc, lifecycle.short_trace)
+            writer.write(Failure(cause=cause, message=message[:2000], rank=0, exit_code=code, time=utc_now()))
             traceback.print_exc()
-            return 1
+            return code
 
 
 def main() -> None:

@@ -292,7 +292,7 @@ def _barrier() -> None:
 
 def _write_failure(writer, exc: BaseException, place: Place, trainer, step_index) -> int:
     """The failure record for EXC; returns the exit code it stands for."""
-    cause, code, message = lifecycle.failure_cause(exc, _short_trace)
+    cause, code, message = lifecycle.failure_cause(exc, lifecycle.short_trace)
     role = _safe_rank_role(trainer)
     if role:
         message = f"[{role}] {message}"
@@ -332,12 +332,6 @@ def _safe_rank_role(trainer: Trainer | None) -> str:
         return trainer.rank_role() if trainer is not None else ""
     except Exception:  # the layout may not exist yet (failure during setup)
         return ""
-
-
-def _short_trace(exc: BaseException) -> str:
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def _maybe_fault(fault: dict[str, Any] | None, rank: int, step: int | str) -> None:
