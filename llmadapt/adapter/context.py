@@ -145,6 +145,9 @@ class ServeContext:
     checkpoint: Path | None
     """The canonical checkpoint to serve; None when attaching to a server of another model."""
     port: int
+    env: dict[str, str] | None = None
+    """Environment variables for a process started with ``python`` whose code imports llmadapt or the adapter's
+    own package (PYTHONPATH names their sources); None: this process's environment."""
 
     @property
     def base_url(self) -> str:

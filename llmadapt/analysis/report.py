@@ -89,7 +89,10 @@ def render_summary(s: dict[str, Any]) -> str:
             if st:
                 lines.append(f"{metric.upper():<10} p50 {st['p50']:.1f} ms  p90 {st['p90']:.1f}  p99 {st['p99']:.1f}  "
                              f"mean {st['mean']:.1f} (n={st['count']})")
-        lines.append(f"output     {'forced (ignore_eos)' if v['output_length_forced'] else 'not forced: lengths as the engine chose'}")
+        per_chunk = v.get("tokens_per_chunk")
+        lines.append(f"output     {'forced (ignore_eos)' if v['output_length_forced'] else 'not forced: lengths as the engine chose'}"
+                     + (f"; {per_chunk:.2f} tokens per chunk: ITL is per chunk, not per token"
+                        if per_chunk and per_chunk > 1.01 else ""))
         lines.append(f"validity   {v['validity']}")
         if v.get("loop_lag_ms"):
             lag = v["loop_lag_ms"]

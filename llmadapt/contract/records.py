@@ -21,9 +21,9 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.4"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.5"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
-# 1.4: evaluation records and the summary's evaluations
+# 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk
 
 
 @attrs.frozen
@@ -504,6 +504,9 @@ class ServingStats:
     bunched_share: float | None = None
     """Share of inter-chunk gaps below a tenth of the engine's inter-token latency: chunks that reached the
     client together although the engine made them apart (None without the engine's figure)."""
+    tokens_per_chunk: float | None = None
+    """Output tokens over streamed chunks, for responses whose token count is known: above 1, the engine sent
+    several tokens in a chunk, so ITL there is per chunk, not per token (None: no such response)."""
 
 
 @attrs.frozen

@@ -232,6 +232,9 @@ def serving_stats(records: list[dict[str, Any]], workload: Workload):
     tpot = [((r["end_ns"] - r["first_token_ns"]) * ms) / (r["output_tokens"] - 1)
             for r in timed if r["output_tokens"] and r["output_tokens"] > 1]
     itl = [(b - a) * ms for r in timed for a, b in zip(r["chunk_ns"], r["chunk_ns"][1:])]
+    counted = [r for r in timed if r["output_tokens"] and r["chunk_ns"]]
+    tokens_per_chunk = (sum(r["output_tokens"] for r in counted) / sum(len(r["chunk_ns"]) for r in counted)
+                        if counted else None)
     lags = [(r["sent_ns"] - r["scheduled_ns"]) * ms for r in sent]
     out_tokens = sum(r["output_tokens"] or 0 for r in ok)
     in_tokens = sum(r["input_tokens"] for r in ok)
@@ -286,6 +289,7 @@ def serving_stats(records: list[dict[str, Any]], workload: Workload):
         output_length_forced=all(r["output_forced"] for r in reqs) if reqs else False,
         total_input_tokens=in_tokens, total_output_tokens=out_tokens, loop_lag_ms=loop, client_cpu_s=cpu_s,
         client_cpu_ms_per_request=cpu_per_request, engine_itl_ms=engine_itl, bunched_share=bunched,
+        tokens_per_chunk=tokens_per_chunk,
     )
 
 

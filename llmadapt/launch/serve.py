@@ -19,7 +19,7 @@ from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, Terminated
 from llmadapt.host import software_versions
-from llmadapt.launch.environments import python_for
+from llmadapt.launch.environments import process_env, python_for
 from llmadapt.launch.settings import make_run_id
 from llmadapt.launch.summary import RunResult, summarise
 from llmadapt.launch.supervise import interrupt_text
@@ -83,7 +83,6 @@ def run_offline(workload: Workload, info, out, run_id, timeout, progress) -> Run
     (llmadapt.runtime.offline), as one process; its records summarised like any serving run's."""
     import subprocess
 
-    from llmadapt.launch.environments import process_env
     from llmadapt.launch.prepare import ensure_checkpoint
 
     point = new_point(workload, info, out, run_id, progress)
@@ -219,7 +218,8 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
     tokenizer = _load_tokenizer(workload, checkpoint)
     module_name, _, class_name = info.roles["serve"].partition(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    server = cls(ServeContext(workload, info.name, engine_dir, python, checkpoint, free_port()))
+    env = None if attach else process_env(info.environment)
+    server = cls(ServeContext(workload, info.name, engine_dir, python, checkpoint, free_port(), env))
     secrets = sent_secrets(server)
     current: list[LoadPoint] = [point]  # the point being run, for the interrupt's summary
 

@@ -1,0 +1,103 @@
+"""Registers the ``llamacpp`` adapter. Runs in the orchestrator, so it stays light: no llama_cpp, no numpy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from llmadapt import AdapterInfo, EnvironmentSpec, Supports, hookimpl
+
+from . import __version__
+
+LLAMA_CPP_PYTHON = "0.3.36"
+"""llama-cpp-python's release. PyPI has only its source release for Linux: pip compiles the llama.cpp it vendors
+(cmake and a C++ compiler, about 10 minutes on 2 cores), for this machine's CPU (GGML_NATIVE)."""
+
+# Exact pins: llama-cpp-python with its server's dependencies, and the gguf writer (numpy, no torch).
+REQUIREMENTS = (
+    f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+    "gguf==0.19.0",
+    "numpy==2.4.6",
+    "fastapi==0.165.0",
+    "uvicorn==0.55.0",
+    "sse-starlette==3.7.1",
+    "starlette-context==0.3.6",
+    "pydantic-settings==2.16.3",
+    "PyYAML==6.0.4",
+)
+
+ENVIRONMENT = EnvironmentSpec(
+    name="llamacpp",
+    requirements=REQUIREMENTS,
+    local_packages=(str(Path(__file__).resolve().parents[1]),),
+    # No llava/mtmd library: text models only. GGML_NATIVE: kernels for the CPU that builds (and runs) them.
+    install_env=(("CMAKE_ARGS", "-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON"),),
+    builds_checkpoint=False,  # no torch or transformers here: the reference environment builds the checkpoint
+)
+
+PRECISIONS = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
+"""The workload's precision -> the GGUF type of the weights."""
+QUANTIZATIONS = ("q8_0", "q4_0")
+"""serve.engine.quantization: llama.cpp's block quantizations the converter writes (gguf's numpy quantizers)."""
+
+
+def tokenizer_problem(folder: Path) -> str | None:
+    """Why the folder's tokenizer cannot be written as llama.cpp's GPT-2 BPE, or None. Light: JSON only."""
+    try:
+        tok = json.loads((folder / "tokenizer.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"its tokenizer.json cannot be read ({exc})"
+    model, pre = tok.get("model") or {}, tok.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE":
+        return f"its tokenizer is {model.get('type')!r}, not a BPE (llama.cpp's adapter writes byte-level BPE only)"
+    if pre.get("type") != "ByteLevel" or not pre.get("use_regex", True) or pre.get("add_prefix_space"):
+        return ("its pre-tokenizer is not GPT-2's byte-level split (ByteLevel, regex on, no prefix space), the only "
+                "one this converter names for llama.cpp: another would tokenize prompts differently there")
+    return None
+
+
+def gguf_type(workload) -> str:
+    """The GGUF type the workload's weights are written in."""
+    q = workload.serve.engine.quantization
+    return q if q and q != "none" else PRECISIONS[workload.precision]
+
+
+def check(workload) -> list[tuple[str, Any, str]]:
+    """llama.cpp rules that `Supports` cannot express. Must not import llama_cpp or numpy."""
+    out: list[tuple[str, Any, str]] = []
+    if workload.serve.url:
+        return out  # attached to someone else's llama.cpp server: its model and settings
+    m, p = workload.model, workload.parallelism
+    if workload.serve.api != "completions":
+        out.append(("serve.api", workload.serve.api, "supported: completions (for chat, llama-cpp-python wraps the "
+                    "prompt in a chat format of its own, so the engines would not see the same tokens)"))
+    if workload.precision not in PRECISIONS:
+        out.append(("precision", workload.precision, f"supported: {', '.join(PRECISIONS)}"))
+    for name in ("dp", "tp", "pp", "ep"):
+        if getattr(p, name) != 1:
+            out.append((f"parallelism.{name}", getattr(p, name), "supported: 1 (one llama.cpp process)"))
+    if m.is_moe:
+        out.append(("model.num_experts", m.num_experts, "supported: 0 (the GGUF converter writes dense Llama models)"))
+    if m.path:
+        problem = tokenizer_problem(Path(m.path))
+        if problem:
+            out.append(("model.path", m.path, f"cannot be written as GGUF: {problem}"))
+    return out
+
+
+@hookimpl
+def llmadapt_register_adapters(register):
+    register(AdapterInfo(
+        name="llamacpp",
+        version=__version__,
+        framework="llama.cpp",
+        roles={"serve": "llmadapt_llamacpp.server:LlamaCppServer"},
+        environment=ENVIRONMENT,
+        supports=Supports(precisions=tuple(PRECISIONS), engine=("quantization", "max_batched_tokens"),
+                          engine_quantization=QUANTIZATIONS),
+        check=check,
+        description=f"llama.cpp through llama-cpp-python {LLAMA_CPP_PYTHON}'s OpenAI-compatible server, on the "
+                    "canonical checkpoint written as GGUF here (f32/f16/bf16, or q8_0/q4_0); one request at a time "
+                    "(no batching across requests); output lengths forced with min_tokens.",
+    ))
