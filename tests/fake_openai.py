@@ -10,7 +10,9 @@ event), keepalive (ok with ':' comment lines between chunks). Misbehaviours, eac
 proxy or network can show: malformed (a non-JSON data line), hang (headers, then silence), stall (no
 headers at all, silence), cut (two chunks, then the connection is closed mid-stream), badusage
 (usage.completion_tokens as text, "8"), badfinish (finish_reason as a number), badtext (a choice's text,
-or a chat delta's content, as a number), list / null / number (an event that is a JSON list, null or a
+or a chat delta's content, as a number), notext (every chunk's text empty, the usage counting the tokens: what
+an engine that streams text sends for tokens that make no whole UTF-8 character), empty (no chunk, usage 0),
+list / null / number (an event that is a JSON list, null or a
 number, where the protocol has an object).
 
 --echo-auth: error bodies (HTTP errors, in-band errors, malformed data) and /metrics quote the
@@ -106,13 +108,15 @@ def main() -> None:
             if mode == "cut" and i == 2:
                 request.transport.close()  # the connection drops mid-stream: no more chunks, no [DONE]
                 return resp
-            text = i if mode == "badtext" else f" t{i}"
+            if mode == "empty":
+                break
+            text = i if mode == "badtext" else "" if mode == "notext" else f" t{i}"
             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
             if i == n - 1:
                 choice["finish_reason"] = 7 if mode == "badfinish" else "length"
             await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         usage = {"prompt_tokens": len(str(body.get("prompt", "")).split()),
-                 "completion_tokens": str(n) if mode == "badusage" else n}
+                 "completion_tokens": str(n) if mode == "badusage" else 0 if mode == "empty" else n}
         await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp

@@ -258,6 +258,24 @@ def test_failures_are_counted_by_cause_never_crash(tmp_path, fake_server, mark):
     assert marked(run_mark) == []
 
 
+def test_tokens_without_text_are_a_response_and_nothing_is_a_failure(tmp_path, fake_server):
+    """A tiny random model's tokens may make no whole UTF-8 character: an engine that streams text sends none, and
+    its usage counts them. That is a response whose tokens all reached the client with its last event; a stream
+    with no content and no tokens is a failed request."""
+    url, _ = fake_server("--cycle", "notext,empty,ok")
+    w = serve_workload(url, requests=5, warmup_requests=1, arrival={"process": "closed", "concurrency": 1})
+    records = sorted(requests_of(run(w, "openai", out=tmp_path)), key=lambda r: r["index"])
+    for r, mode in zip(records, ["notext", "empty", "ok"] * 2):
+        if mode == "empty":
+            assert r["status"] == "error" and r["error"] == "the stream ended without any content"
+            continue
+        assert r["status"] == "ok" and r["output_tokens"] == 8
+        if mode == "notext":
+            assert r["chunk_tokens"] == [8] and r["first_token_ns"] == r["chunk_ns"][0] <= r["end_ns"]
+        else:
+            assert len(r["chunk_ns"]) == 8
+
+
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_values_of_the_wrong_type_fail_the_request_never_the_summary(tmp_path, fake_server, mark, api):
     """A string for a token count, a number for a finish reason or a text, an event that is a list, null or a

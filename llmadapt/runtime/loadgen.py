@@ -149,7 +149,7 @@ class LoadGenerator:
     async def _one(self, session, req: PlannedRequest, scheduled_ns: int, sem) -> None:
         chunk_ns: list[int] = []
         chunk_tokens: list[int | None] = []
-        first = finish = usage_out = usage_in = None
+        first = finish = usage_out = usage_in = last = None
         status, error, cause = "ok", None, None
         sent = None
         await spin_until(scheduled_ns)
@@ -162,7 +162,7 @@ class LoadGenerator:
             self.sent += 1
             async with asyncio.timeout(self.w.serve.request_timeout_s):
                 async for chunk in self.server.stream(session, req):
-                    now = time.monotonic_ns()
+                    now = last = time.monotonic_ns()
                     check_chunk(chunk)
                     if chunk.text or chunk.tokens:
                         first = first or now
@@ -171,6 +171,12 @@ class LoadGenerator:
                     finish = chunk.finish_reason or finish
                     usage_out = chunk.usage_output_tokens if chunk.usage_output_tokens is not None else usage_out
                     usage_in = chunk.usage_input_tokens if chunk.usage_input_tokens is not None else usage_in
+            if first is None and usage_out:
+                # tokens that make no whole UTF-8 character (a tiny random model's byte soup): an engine that
+                # streams text sends none, and its usage counts them; they reached the client with its last event
+                first = last
+                chunk_ns.append(last)
+                chunk_tokens.append(usage_out)
             if first is None:
                 raise RequestFailed("malformed", "the stream ended without any content")
         except TimeoutError:

@@ -3,10 +3,10 @@ state folder's GGUF cache, under a file lock), then llama-cpp-python's server in
 
 One shim, recorded in every trace (the adapter's patch ``stream-usage``): llama-cpp-python's stream carries no
 usage, and its token count is not max_tokens for every response that ends for length: its generation loop skips
-the length check while the last token may begin an unfinished UTF-8 character, so a response can run up to three
-tokens over. ``count_stream_tokens`` wraps ``Llama.generate`` to count what each completion generated and puts
-OpenAI's ``usage`` object on the stream's last chunk, as ``stream_options.include_usage`` asks; nothing else of
-the engine changes.
+the length check while the last token may begin an unfinished UTF-8 character, so a response can run over (seen:
+37 tokens for 16 asked). ``count_stream_tokens`` wraps ``Llama.generate`` to count what each completion
+generated and puts OpenAI's ``usage`` object on the stream's last chunk, as ``stream_options.include_usage``
+asks; nothing else of the engine changes.
 
 ``ENV/bin/python -m llmadapt_llamacpp.engine SETTINGS_JSON``: the orchestrator's LlamaCppServer writes the
 settings (checkpoint, type, cache folder, the server's configuration file) and starts this as the engine. The

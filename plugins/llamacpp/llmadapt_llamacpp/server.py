@@ -23,8 +23,9 @@ How it differs from the other engines, and what the adapter does about it:
 - Its stream carries no token counts: no token ids, and a chunk holds several tokens while their bytes are not
   yet whole UTF-8 (so ITL here is per chunk, and a response's first chunk can come after its first token). The
   engine process adds OpenAI's usage to the last chunk (the ``stream-usage`` shim, llmadapt_llamacpp.engine),
-  which gives each response's exact token count: not always max_tokens, since llama-cpp-python can run up to
-  three tokens over it while a UTF-8 character is unfinished.
+  which gives each response's exact token count: not always max_tokens, since llama-cpp-python skips its length
+  check while the last token may begin an unfinished UTF-8 character (seen: 37 tokens for 16 asked, on the tiny
+  model's byte soup).
 - Completions only: for chat, llama-cpp-python would wrap the prompt in a chat format of its own.
 - No /health and no metrics endpoint: ready is a model list from GET /v1/models.
 """
