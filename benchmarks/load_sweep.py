@@ -7,9 +7,10 @@ sweep, on a real engine.
    --resolution, --repeats at the answer) against a plain scan at the same resolution from the same start up to
    the first failing load (plus the same repeats): what vLLM's evenly spaced `bench sweep` scan and any
    exhaustive table pay for the same answer.
-2. A rate sweep against the engine (default the reference server, `hf`; `--engine vllm`), started once: per point
+2. A rate sweep against the engine (default the reference server, `hf`; `--engine vllm`, `--engine llamacpp`), started once: per point
    the offered and achieved rate, TTFT and TPOT p99, and the p99 send lag (how late the generator sent,
-   against its schedule), then a real SLA search over concurrency with its probes and the scan it saved.
+   against its schedule), then a real SLA search over concurrency (--slo, default TTFT p99 <= 100 ms, up to --max
+   64) with its probes and the scan it saved.
 
     python benchmarks/load_sweep.py                      # about 3 minutes on 2 cores with hf
     python benchmarks/load_sweep.py --engine vllm --json
@@ -62,21 +63,21 @@ def simulated(resolution: float, repeats: int) -> list[dict]:
     return out
 
 
-def real(engine: str, rates: str, requests: int) -> dict:
+def real(engine: str, rates: str, requests: int, slo: str, maximum: int) -> dict:
     from llmadapt.launch.loadsweep import Objective, load_sweep, parse_loads, prepared, sla_search
     from llmadapt.spec import Workload
 
     w = Workload.from_file(ROOT / "examples" / "serve-tiny.toml").with_overrides(
         [f"serve.requests={requests}", "serve.warmup_requests=2"]
-        + (["model.hidden_size=128"] if engine == "vllm" else []))
+        + (["model.hidden_size=128"] if engine in ("vllm", "llamacpp") else []))
     info, w = prepared(w, engine)
     out = Path(tempfile.mkdtemp(prefix="llmadapt-load-sweep-"))
     _, points = load_sweep(w, info, parse_loads(rates, "rate"), out)
     sweep = [{"offered": p.load.value, "achieved": p.figures.get("request_throughput"),
               "ttft_p99_ms": p.figures.get("ttft_p99_ms"), "tpot_p99_ms": p.figures.get("tpot_p99_ms"),
               "send_lag_p99_ms": p.figures.get("send_lag_p99_ms"), "valid": p.figures.get("valid")} for p in points]
-    _, r = sla_search(w, info, [Objective.parse("ttft_p99_ms<=1000")], "concurrency", out, start=1, maximum=32)
-    return {"engine": engine, "sweep": sweep, "sla": {
+    _, r = sla_search(w, info, [Objective.parse(slo)], "concurrency", out, start=1, maximum=maximum)
+    return {"engine": engine, "sweep": sweep, "sla": {"slo": slo, "maximum": maximum,
         "capacity": r.capacity, "fails_at": r.above, "boundary": r.boundary, "shape": r.shape,
         "probes": [(p.phase, p.load, round(p.margin, 3)) for p in r.probes], "scan": r.scan_probes}, "out": str(out)}
 
@@ -88,12 +89,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--resolution", type=float, default=0.1)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--slo", default="ttft_p99_ms<=100", help="the real SLA search's objective")
+    ap.add_argument("--max", type=int, default=64, help="the real SLA search's highest concurrency")
     ap.add_argument("--no-engine", action="store_true", help="only the simulated probe counts")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     result = {"simulated": simulated(args.resolution, args.repeats)}
     if not args.no_engine:
-        result["real"] = real(args.engine, args.rates, args.requests)
+        result["real"] = real(args.engine, args.rates, args.requests, args.slo, args.max)
     if args.json:
         print(json.dumps(result, indent=1))
         return
@@ -114,7 +117,7 @@ def main() -> None:
             print(f"{p['offered']:>8g} {p['achieved']:>8.2f} {p['ttft_p99_ms']:>9.1f} {p['tpot_p99_ms']:>9.1f} "
                   f"{p['send_lag_p99_ms']:>10.2f} ms  {p['valid']}")
         s = r["sla"]
-        print(f"\nSLA search over concurrency (TTFT p99 <= 1000 ms): capacity {s['capacity']}, fails at "
+        print(f"\nSLA search over concurrency ({s['slo']}, up to {s['maximum']}): capacity {s['capacity']}, fails at "
               f"{s['fails_at']}, boundary {s['boundary'] and round(s['boundary'], 2)} ({s['shape']}); "
               f"{len(s['probes'])} probes, a scan would take {s['scan']}")
         print("probes: " + ", ".join(f"{ph} {load:g} ({m:+.2f})" for ph, load, m in s["probes"]))

@@ -159,17 +159,18 @@ def test_the_gguf_file_computes_what_the_checkpoint_computes(env, checkpoint, tm
 # -- serving, for real -----------------------------------------------------------------------------------------
 def test_a_serving_run_records_every_token_and_reuses_its_gguf_file(env, checkpoint, tmp_path):
     """Two concurrent streams (llama.cpp serves one at a time, the other waits in the server) all end with their
-    tokens: none cut short, none fewer than asked (min_tokens), each counted by the stream-usage shim. The second
+    tokens: none cut short, none fewer than asked (min_tokens), none more (the max-tokens fix), each counted by the
+    stream-usage shim. The second
     run reuses the first one's GGUF file."""
     first = run(workload(), "llamacpp", out=tmp_path, timeout=600)
     assert first.ok, first.summary
     d = Path(first.run_dir)
     header = next(r for r in read_jsonl(d / "rank-00000.jsonl") if r["type"] == "header")
-    assert [p["name"] for p in header["patches"]] == ["stream-usage"]
+    assert [p["name"] for p in header["patches"]] == ["max-tokens", "stream-usage"]
     assert header["framework_version"] == "llama-cpp-python 0.3.36"
     reqs = [r for r in read_jsonl(d / "rank-00000.jsonl") if r["type"] == "request"]
     assert len(reqs) == 9 and all(r["status"] == "ok" and r["finish_reason"] == "length" for r in reqs)
-    assert all(r["output_forced"] and r["output_tokens"] >= r["requested_output_tokens"] for r in reqs)
+    assert all(r["output_forced"] and r["output_tokens"] == r["requested_output_tokens"] for r in reqs)
     measured = [r for r in reqs if not r["warmup"]]
     per_chunk = sum(r["output_tokens"] for r in measured) / sum(len(r["chunk_ns"]) for r in measured)
     assert first.summary.serving.tokens_per_chunk == pytest.approx(per_chunk)  # ITL is per chunk: the summary says
@@ -282,4 +283,5 @@ def test_greedy_outputs_agree_with_the_reference_server(env, checkpoint, tmp_pat
                          or j == len(generated))
             assert margins[first] < NEAR_TIE, (name, i, first, margins[first], text, expected)
     assert exact["llamacpp"] >= len(plan) - 2 and exact["hf"] >= len(plan) - 2, exact
-    assert all(count <= n for _, count in answers["hf"])  # llama.cpp's may be more: see the adapter's README
+    # at most max_tokens: llama-cpp-python alone runs past it on unfinished UTF-8 (9 of 64 here), the max-tokens fix
+    assert all(count <= n for name in answers for _, count in answers[name])

@@ -1,12 +1,18 @@
 """The llama.cpp engine process: the checkpoint's GGUF file (written once per content hash and type, into the
 state folder's GGUF cache, under a file lock), then llama-cpp-python's server in this same process.
 
-One shim, recorded in every trace (the adapter's patch ``stream-usage``): llama-cpp-python's stream carries no
-usage, and its token count is not max_tokens for every response that ends for length: its generation loop skips
-the length check while the last token may begin an unfinished UTF-8 character, so a response can run over (seen:
-37 tokens for 16 asked). ``count_stream_tokens`` wraps ``Llama.generate`` to count what each completion
-generated and puts OpenAI's ``usage`` object on the stream's last chunk, as ``stream_options.include_usage``
-asks; nothing else of the engine changes.
+Two patches, recorded in every trace, both in ``bounded_and_counted``, which wraps ``Llama.generate`` and
+``Llama._create_completion`` and changes nothing else:
+
+- ``max-tokens`` (a fix): llama-cpp-python's generation loop skips its length check while the last token may begin
+  an unfinished UTF-8 character. On a tiny random model's byte soup that ran responses past max_tokens (37 tokens
+  for 16 asked), some until the context was full and llama_decode failed ("failed to find a memory slot"), which
+  ended the response with an error and reset the next request's connection. When the loop asks for a token past
+  max_tokens, the wrapped generate gives it an end-of-generation token, which ends the loop the way that writes
+  the response's text (stopping the generator instead would leave a plain response's text empty), and the
+  finish reason is set back to "length".
+- ``stream-usage`` (a shim): its stream carries no usage. The tokens each completion generated are counted and
+  OpenAI's ``usage`` object is put on the stream's last chunk, as ``stream_options.include_usage`` asks.
 
 ``ENV/bin/python -m llmadapt_llamacpp.engine SETTINGS_JSON``: the orchestrator's LlamaCppServer writes the
 settings (checkpoint, type, cache folder, the server's configuration file) and starts this as the engine. The
@@ -49,9 +55,10 @@ def gguf_for(checkpoint: Path, kind: str, cache: Path) -> tuple[Path, dict]:
         return target, {**summary, "converted_now": True}
 
 
-def count_stream_tokens() -> None:
-    """Streams end with usage: the tokens each completion generated (its end-of-generation token not counted,
-    as llama-cpp-python's own non-streamed usage does not count it) and its prompt's."""
+def bounded_and_counted() -> None:
+    """Completions stop at max_tokens, and streams end with usage: the tokens each completion generated (its
+    end-of-generation token not counted, as llama-cpp-python's own non-streamed usage does not count it) and its
+    prompt's."""
     import llama_cpp
     from llama_cpp import Llama
 
@@ -63,10 +70,20 @@ def count_stream_tokens() -> None:
             if not llama_cpp.llama_vocab_is_eog(self._model.vocab, token):
                 self.llmadapt_generated += 1
             yield token
+            if self.llmadapt_max and self.llmadapt_generated >= self.llmadapt_max:
+                # asked for more than max_tokens: the caller skipped its length check. An end-of-generation
+                # token ends its loop the way that writes the response's text; the finish is set back to length.
+                self.llmadapt_cut = True
+                yield self.token_eos()
+                return
 
     def create_with_usage(self, *args, **kwargs):
+        self.llmadapt_max = kwargs.get("max_tokens") if (kwargs.get("max_tokens") or 0) > 0 else None
+        self.llmadapt_cut = False
         for chunk in create(self, *args, **kwargs):
             choices = chunk.get("choices") or []
+            if self.llmadapt_cut and choices and choices[0].get("finish_reason") == "stop":
+                choices[0]["finish_reason"] = "length"
             if kwargs.get("stream") and choices and choices[0].get("finish_reason") and "usage" not in chunk:
                 chunk["usage"] = {"prompt_tokens": self.llmadapt_prompt,
                                   "completion_tokens": self.llmadapt_generated,
@@ -87,7 +104,7 @@ def main(settings_path: str) -> None:
     config["models"] = [{**m, "model": str(path)} for m in config["models"]]
     config_path = Path(s["run_dir"], "llamacpp-server.json")
     config_path.write_text(json.dumps(config, indent=2))
-    count_stream_tokens()
+    bounded_and_counted()
     sys.argv = ["llama_cpp.server", "--config_file", str(config_path)]
     runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
 

@@ -22,10 +22,10 @@ How it differs from the other engines, and what the adapter does about it:
   many tokens exist), set to the request's ``max_tokens``; it has no ``ignore_eos``.
 - Its stream carries no token counts: no token ids, and a chunk holds several tokens while their bytes are not
   yet whole UTF-8 (so ITL here is per chunk, and a response's first chunk can come after its first token). The
-  engine process adds OpenAI's usage to the last chunk (the ``stream-usage`` shim, llmadapt_llamacpp.engine),
-  which gives each response's exact token count: not always max_tokens, since llama-cpp-python skips its length
-  check while the last token may begin an unfinished UTF-8 character (seen: 37 tokens for 16 asked, on the tiny
-  model's byte soup).
+  engine process adds OpenAI's usage to the last chunk (the ``stream-usage`` shim, llmadapt_llamacpp.engine).
+- llama-cpp-python skips its max_tokens check while the last token may begin an unfinished UTF-8 character (on
+  the tiny model's byte soup: 37 tokens for 16 asked, and runs to the end of the context that failed the
+  request): the engine process stops generation at max_tokens (the ``max-tokens`` fix).
 - Completions only: for chat, llama-cpp-python would wrap the prompt in a chat format of its own.
 - No /health and no metrics endpoint: ready is a model list from GET /v1/models.
 """
@@ -130,6 +130,13 @@ class LlamaCppServer(OpenAICompatibleServer):
         if ctx.workload.serve.url:
             self.proc = None
             return
+        self.patches.append(Patch(
+            framework="llama.cpp", name="max-tokens", kind="fix",
+            description="llama-cpp-python skips its max_tokens check while the last token may begin an unfinished "
+                        "UTF-8 character (responses ran to 37 tokens of 16, some until the context was full and "
+                        "decoding failed): the engine process stops generation at max_tokens (wrapping "
+                        "Llama.generate)",
+        ))
         self.patches.append(Patch(
             framework="llama.cpp", name="stream-usage", kind="shim",
             description="llama-cpp-python's stream has no usage: the engine process counts the tokens each completion "
