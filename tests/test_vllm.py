@@ -84,9 +84,8 @@ def test_hf_and_vllm_on_the_same_workload(vllm_env, tmp_path):
         assert r.metrics["ttft_p50_ms"] is not None
     assert rows["vllm"].metrics["failed"] == 0
     hf, vl = (requests_of(Path(rows[name].run_dir)) for name in ("hf", "vllm"))
-    # transformers serve's continuous batching now and then ends a stream with usage but no text (seen: 1 of
-    # 7 requests in one run, 0 of 20 in a probe): a failed request with that cause, never a success.
-    assert all(r["status"] == "ok" or r["error"] == "the stream ended without any content" for r in hf)
+    # a response of tokens that make no whole UTF-8 character has no text, only usage: a response all the same
+    assert all(r["status"] == "ok" for r in hf)
     assert [r["input_tokens"] for r in hf] == [r["input_tokens"] for r in vl]  # one request plan
     assert [r["server_input_tokens"] for r in hf] == [r["server_input_tokens"] for r in vl] \
         == [r["input_tokens"] for r in vl]  # both engines tokenize our prompts to exactly our counts
