@@ -7,7 +7,7 @@ classes an adapter names in ``AdapterInfo.roles``, inside its own environment.
 - interfaces: ``Trainer``, ``FineTuner``, ``Server``, ``StepResult``
 - context: ``WorkerContext``, ``StepBatch`` (``MicroBatch``, ``Sample``), ``ServeContext``, ``PlannedRequest``,
   ``Chunk``, ``RequestFailed``, ``WrongServer``; for engines an adapter starts, ``engine_popen_options``,
-  ``stop_engine`` and ``group_members``
+  ``stop_engine``, ``group_members`` and ``installed_versions``
 - hookspecs: ``hookimpl`` and the one hook, ``llmadapt_register_adapters``
 - plugins: how adapters are found (``adapters()``, ``get_adapter``, ``check_supported``)
 - helpers: ``sse`` (an OpenAI-compatible streaming server client), ``moe`` (expert-load counting)
@@ -28,6 +28,7 @@ from llmadapt.adapter.context import (
     WrongServer,
     engine_popen_options,
     group_members,
+    installed_versions,
     stop_engine,
 )
 from llmadapt.adapter.declaration import ROLES, AdapterInfo, EnvironmentSpec, Supports
@@ -39,5 +40,5 @@ __all__ = [
     "IGNORE", "ROLES", "AdapterInfo", "Chunk", "EnvironmentSpec", "FineTuner", "MicroBatch", "PlannedRequest",
     "RequestFailed", "Sample", "ServeContext", "Server", "StepBatch", "StepResult", "Supports", "Trainer",
     "WorkerContext", "WrongServer", "adapters", "check_supported", "engine_popen_options", "get_adapter",
-    "group_members", "hookimpl", "stop_engine",
+    "group_members", "hookimpl", "installed_versions", "stop_engine",
 ]

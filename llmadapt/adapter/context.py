@@ -154,6 +154,32 @@ class ServeContext:
         return (self.workload.serve.url or f"http://127.0.0.1:{self.port}").rstrip("/")
 
 
+_VERSIONS = """
+import json, sys
+from importlib import metadata
+out = {}
+for name in json.loads(sys.argv[1]):
+    try:
+        out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        out[name] = None
+print(json.dumps(out))
+"""
+
+
+def installed_versions(python: Path | str, names: list[str]) -> dict[str, str | None]:
+    """The installed version of each distribution in the environment of ``python`` (None: absent), without
+    importing any of them there (fast). Raises RuntimeError, with what the interpreter said, if it cannot run."""
+    import json
+    import subprocess
+
+    out = subprocess.run([str(python), "-c", _VERSIONS, json.dumps(names)], capture_output=True, text=True,
+                         check=False)
+    if out.returncode:
+        raise RuntimeError(out.stderr.strip()[-300:] or f"{python} exited with {out.returncode}")
+    return json.loads(out.stdout)
+
+
 def engine_popen_options() -> dict[str, Any]:
     """``subprocess.Popen`` options for an engine an adapter starts: its own process group (``stop`` signals the
     group), in this process's session, with no terminal input.

@@ -38,10 +38,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from llmadapt.adapter import PlannedRequest, engine_popen_options, stop_engine
+from llmadapt.adapter import PlannedRequest, engine_popen_options, installed_versions, stop_engine
 from llmadapt.adapter.sse import OpenAICompatibleServer
 from llmadapt.contract import Patch
 from llmadapt.contract.rundir import RunDir
+from llmadapt.errors import LlmadaptError
 from llmadapt.host import state_dir
 
 from .plugin import LLAMA_CPP_PYTHON, gguf_type
@@ -54,19 +55,6 @@ KV_CACHE_TYPES = {"fp32": 0, "fp16": 1, "bf16": 30}
 """The workload's precision -> the KV cache's GGML type (F32, F16, BF16). llama.cpp's default is F16 whatever the
 weights: with F32 weights it put logits 3e-4 away from transformers' fp32 forward on the test model, and 5e-7 with
 an F32 cache."""
-
-_PROBE = """
-import json, sys
-from importlib import metadata
-out = {}
-for n in json.loads(sys.argv[1]):
-    try:
-        out[n] = metadata.version(n)
-    except metadata.PackageNotFoundError:
-        out[n] = None
-print(json.dumps(out))
-"""
-
 
 def gguf_cache() -> Path:
     """Where GGUF files of checkpoints are kept, one per content hash, type and converter version."""
@@ -160,10 +148,10 @@ class LlamaCppServer(OpenAICompatibleServer):
         RunDir(ctx.run_dir).engine_pid.write_text(str(self.proc.pid))
 
     def installed(self) -> dict[str, str | None]:
-        names = ["llama_cpp_python", "gguf", "numpy", "fastapi", "uvicorn"]
-        out = subprocess.run([str(self.ctx.python), "-c", _PROBE, json.dumps(names)], capture_output=True,
-                             text=True, check=False)
-        return json.loads(out.stdout) if out.returncode == 0 else {}
+        try:
+            return installed_versions(self.ctx.python, ["llama_cpp_python", "gguf", "numpy", "fastapi", "uvicorn"])
+        except RuntimeError as exc:
+            raise LlmadaptError(f"cannot inspect the llamacpp environment ({self.ctx.python}): {exc}") from None
 
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None

