@@ -74,8 +74,13 @@ def run_serving(workload: Workload, info, out, run_id, timeout, progress) -> Run
                             lambda done: None if done else point)[0]
     except KeyboardInterrupt as exc:  # stopped before the engine's loop could summarise the run
         if not RunDir(point.run_dir).summary_file.is_file():
-            summarise(point.run_dir, [Failure(cause="interrupted", message=f"{interrupt_text(exc)} in the orchestrator")])
+            summarise_interrupted(point.run_dir, exc)
         raise
+
+
+def summarise_interrupted(run_dir: Path, exc: KeyboardInterrupt) -> None:
+    """The partial summary of a serving run stopped by a signal in the orchestrator."""
+    summarise(run_dir, [Failure(cause="interrupted", message=f"{interrupt_text(exc)} in the orchestrator")])
 
 
 def run_offline(workload: Workload, info, out, run_id, timeout, progress) -> RunResult:
@@ -112,7 +117,7 @@ def run_offline(workload: Workload, info, out, run_id, timeout, progress) -> Run
         except KeyboardInterrupt as exc:
             proc.terminate()
             proc.wait()
-            summarise(point.run_dir, [Failure(cause="interrupted", message=f"{interrupt_text(exc)} in the orchestrator")])
+            summarise_interrupted(point.run_dir, exc)
             raise
     return RunResult(run_dir=point.run_dir, summary=summarise(point.run_dir, failures))
 
