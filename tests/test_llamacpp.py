@@ -178,6 +178,8 @@ def test_a_serving_run_records_every_token_and_reuses_its_gguf_file(env, checkpo
     model = engine["settings"]["server"]["models"][0]
     assert engine["settings"]["server"]["interrupt_requests"] is False
     assert (model["type_k"], model["type_v"], model["logits_all"]) == (0, 0, False)  # F32 cache for fp32
+    backend = json.loads((d / "llamacpp-backend.json").read_text())  # what the build runs on, for the reader
+    assert isinstance(backend["gpu_offload"], bool) and backend["system_info"].startswith("CPU")
     gguf = json.loads((d / "gguf.json").read_text())
     assert gguf["type"] == "f32" and gguf["tensor_types"] == {"F32": 21}
     again = run(workload(serve={"requests": 2}), "llamacpp", out=tmp_path, timeout=600)

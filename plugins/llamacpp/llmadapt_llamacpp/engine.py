@@ -100,6 +100,13 @@ def main(settings_path: str) -> None:
     except ConversionError as exc:
         sys.exit(f"cannot write {s['checkpoint']} as GGUF: {exc}")
     Path(s["run_dir"], "gguf.json").write_text(json.dumps(summary, indent=2))
+    import llama_cpp
+
+    # what this build of llama.cpp runs on: its CPU features, and whether it has a GPU backend to offload to
+    Path(s["run_dir"], "llamacpp-backend.json").write_text(json.dumps({
+        "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
+        "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+    }, indent=2))
     config = dict(s["server"])
     config["models"] = [{**m, "model": str(path)} for m in config["models"]]
     config_path = Path(s["run_dir"], "llamacpp-server.json")

@@ -104,6 +104,8 @@ class LlamaCppServer(OpenAICompatibleServer):
                 "host": "127.0.0.1", "port": ctx.port, "interrupt_requests": False,
                 "models": [{
                     "model_alias": self.served_model_name, "n_ctx": w.model.max_position_embeddings,
+                    # every layer on the GPU where this llama.cpp build has a GPU backend; ignored by a CPU build
+                    "n_gpu_layers": -1,
                     "n_batch": w.serve.engine.max_batched_tokens or DEFAULT_BATCH,
                     "n_threads": n, "n_threads_batch": n, "seed": w.seed,
                     "type_k": KV_CACHE_TYPES[w.precision], "type_v": KV_CACHE_TYPES[w.precision],
