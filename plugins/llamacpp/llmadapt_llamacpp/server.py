@@ -56,6 +56,7 @@ KV_CACHE_TYPES = {"fp32": 0, "fp16": 1, "bf16": 30}
 weights: with F32 weights it put logits 3e-4 away from transformers' fp32 forward on the test model, and 5e-7 with
 an F32 cache."""
 
+
 def gguf_cache() -> Path:
     """Where GGUF files of checkpoints are kept, one per content hash, type and converter version."""
     return state_dir() / "gguf"
