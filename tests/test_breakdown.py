@@ -147,10 +147,10 @@ def test_the_timeline_reads_nccl_kernels_on_a_gpu_trace():
     record_param_comms by PyTorch) the message; an all-gather of 1 Mi bf16 elements per rank on 4 ranks."""
     trace = {"traceEvents": [
         _x("ProfilerStep#5", 0, 1000, cat="user_annotation"),
-        _x("ampere_sgemm_128x64_nn", 100, 400, tid=7, cat="kernel"),
+        _x("ampere_sgemm_128x64_nn", 100, 400, tid=7, cat="kernel", stream=7, correlation=1),
         _x("ncclDevKernel_AllGather_RING_LL(ncclDevComm*, unsigned long, ncclWork*)", 300, 400, tid=13,
            cat="kernel", **{"In msg nelems": 2**20, "Out msg nelems": 2**22, "dtype": "BFloat16",
-                            "Group size": 4, "Collective name": "_allgather_base"}),
+                            "Group size": 4, "Collective name": "_allgather_base", "stream": 13, "correlation": 2}),
     ]}
     t = analyse(trace, world=8)
     (gather,) = t["collectives"]
@@ -158,6 +158,12 @@ def test_the_timeline_reads_nccl_kernels_on_a_gpu_trace():
     assert gather.busbw_gbytes_per_s == pytest.approx(2**23 / 400e-6 / 1e9 * 3 / 4)  # (n-1)/n with the group's n
     assert t["overlapped_comm_seconds"] == pytest.approx(200e-6)
     assert t["idle_seconds"] == pytest.approx(1000e-6 - 600e-6)
+    # the operator classes are the kernels' own, on the step's window
+    assert [(o.name, o.seconds, o.count) for o in t["operators"]] == [
+        ("gemm", pytest.approx(400e-6), 1), ("all_gather", pytest.approx(400e-6), 1)]
+    assert [(k.name, k.seconds) for k in t["kernel_types"]] == [
+        ("computation", pytest.approx(200e-6)), ("computation+communication", pytest.approx(200e-6)),
+        ("communication", pytest.approx(200e-6))]
 
 
 def test_expert_imbalance_statistics():

@@ -30,9 +30,14 @@ DATA_PARALLEL_WRAPPERS = ("DistributedDataParallel", "DeepSpeedEngine", "FullySh
 """Module types that wrap a model for data parallelism (or precision) on the stacks llmadapt runs."""
 
 OPERATOR_CLASSES = (
-    "gemm", "attention", "softmax", "elementwise", "normalization", "memory", "optimizer", "all_reduce",
-    "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv", "other_collective", "other",
+    "gemm", "attention", "softmax", "convolution", "elementwise", "reduction", "normalization", "memory",
+    "dequantization", "optimizer", "memcpy_htod", "memcpy_dtoh", "memcpy_dtod", "memcpy_other", "memset",
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv", "other_collective",
+    "other",
 )
+"""Operator classes. On the CPU basis from the operator's name (``operator_class``); on the GPU's kernel basis
+from the kernel's name (``kernel_class``): then the memcpy classes (by direction) and memset are the device's
+copy and set activities, and 'memory' is copy and layout kernels."""
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")
 
@@ -134,3 +139,68 @@ def operator_class(op_name: str) -> str:
     if base in _MEMORY or base.rstrip("_") in _MEMORY:
         return "memory"
     return "elementwise"
+
+
+# Kernel names, in order: the first pattern that matches gives the class. Libraries name their kernels in their
+# own ways: cuBLAS (ampere_/sm90_xmma_gemm, nvjet), CUTLASS, rocBLAS/Tensile (Cijk_), cuDNN, MIOpen, ATen
+# (at::native::*), cub, Triton from TorchInductor (triton_poi/red/per/tem), FlashAttention, bitsandbytes.
+_KERNEL_CLASSES = tuple((cls, re.compile(pattern, re.IGNORECASE)) for cls, pattern in (
+    ("dequantization", r"dequant|kQuantize|gemv_4bit|unpack_?int|int4_to|int8_to"),
+    ("attention", r"flash|fmha|attention|attn|sdpa|mha_(fwd|bwd)"),
+    ("softmax", r"softmax"),
+    ("optimizer", r"multi_tensor_apply|fused_?adam|\badam|\blamb\b|lamb_|fused_sgd|sgd_kernel|_foreach_"),
+    ("normalization", r"(layer|rms|batch|group|instance)_?norm|bn_(fw|bw)|welford|RowwiseMoments|GammaBeta|"
+                      r"cuComputeGradInput|cuApplyLayerNorm|cuApplyRMSNorm"),
+    ("memory", r"nchwToNhwc|nhwcToNchw|CatArray|direct_copy|copy_kernel|transpose|FillFunctor|fill_kernel"),
+    ("convolution", r"conv|winograd|implicit_?gemm|fprop|dgrad|wgrad|scudnn|cudnn|cask_|computeOffsets|"
+                    r"computeBOffsets|miopen|im2col|col2im"),
+    ("gemm", r"gemm|gemv|cutlass|xmma|cublas|nvjet|sm\d\d_|ampere_|volta_|turing_|hopper_|maxwell_|Cijk_|"
+             r"splitKreduce|matmul|triton_tem|dot_kernel|wmma"),
+    ("reduction", r"reduce|cub::|DeviceScan|DeviceRadix|DeviceSelect|DeviceSegmented|triton_red|triton_per|"
+                  r"argmax|argmin|topk|sort|cumsum|histogram|max_pool|avg_pool|adaptive_\w*pool"),
+    ("memory", r"index|gather|scatter|embedding|permute|fbgemm_gpu::|bounds_check|indices|masked_|roll|flip|"
+               r"repeat|to_dense|copy"),
+    ("elementwise", r"elementwise|vectorized|unrolled|pointwise|triton_poi|Functor|_kernel_cuda|dropout|"
+                    r"activation|gelu|silu|relu|sigmoid|tanh|distribution|philox|curand|clamp"),
+))
+_MEMCPY = re.compile(r"^Memcpy\s+(HtoD|DtoH|DtoD)", re.IGNORECASE)
+_MEMORY_FUNCTOR = re.compile(r"direct_copy|FillFunctor|copy_kernel", re.IGNORECASE)
+
+
+def _match_kernel(text: str) -> str | None:
+    return next((cls for cls, pattern in _KERNEL_CLASSES if pattern.search(text)), None)
+
+
+def kernel_class(name: str, category: str = "kernel") -> str:
+    """The operator class of one GPU activity by its name and its Kineto category ('kernel', 'gpu_memcpy',
+    'gpu_memset'): NCCL's kernels by collective kind, copies by direction, other kernels by their library's
+    name. A kernel's own name (before its template and call arguments) decides first; the arguments only where
+    it says nothing, or to find the copy or fill inside an ATen elementwise kernel."""
+    if category == "gpu_memset" or name.startswith("Memset"):
+        return "memset"
+    if category == "gpu_memcpy" or name.startswith("Memcpy"):
+        m = _MEMCPY.match(name)
+        return f"memcpy_{m.group(1).lower()}" if m else "memcpy_other"
+    if "nccl" in name.lower() or "rccl" in name.lower():
+        return nccl_kernel_kind(name)
+    head = re.split(r"[<(]", name.replace("(anonymous namespace)", ""), maxsplit=1)[0]
+    cls = _match_kernel(head)
+    if cls == "elementwise" and _MEMORY_FUNCTOR.search(name):
+        return "memory"
+    return cls or _match_kernel(name) or "other"
+
+
+_NCCL_KINDS = (("allreduce", "all_reduce"), ("allgather", "all_gather"), ("reducescatter", "reduce_scatter"),
+               ("alltoall", "all_to_all"), ("broadcast", "broadcast"), ("sendrecv", "send_recv"),
+               ("send", "send_recv"), ("recv", "send_recv"), ("reduce", "all_reduce"))
+
+
+def nccl_kernel_kind(name: str, collective_name: str = "") -> str:
+    """A collective kind from an NCCL kernel's name (ncclDevKernel_AllReduce_Sum_f32_RING_LL) or, for the generic
+    kernel (ncclDevKernel_Generic), the 'Collective name' argument that PyTorch copies onto it."""
+    for text in (collective_name, name):
+        low = text.lower().replace("_", "")
+        for key, kind in _NCCL_KINDS:
+            if key in low:
+                return kind
+    return "other_collective"

@@ -5,7 +5,8 @@ A run profiled at level full keeps each profiled step's Kineto trace per rank, o
 from its ``ProfilerStep#N`` range. ``hta_analysis`` runs HTA 0.5.0 in an environment of its own (``llmadapt env
 create hta``: pandas and plotly stay out of the core and of the adapters' environments) and returns what it
 finds: the ranks and iterations it loaded and, where the traces hold GPU kernels, its temporal breakdown (idle,
-compute, non-compute time), its communication-computation overlap and its kernel-type breakdown. HTA reads GPU
+compute, non-compute time), its communication-computation overlap and its kernel-type breakdown (memory kernels
+included). ``hta_of_traces`` does the same for trace files of any job. HTA reads GPU
 kernels only: on a CPU run it loads the traces and says there is nothing for its analyses (llmadapt's own
 breakdown applies the same definitions to CPU spans: docs/breakdown.md).
 """
@@ -33,8 +34,6 @@ def profiled_steps(run_dir: str | Path) -> list[int]:
 
 def hta_analysis(run_dir: str | Path, step: int | None = None, *, timeout: float = 600) -> dict[str, Any]:
     """HTA's reading of one profiled step's traces (default: the first the run kept)."""
-    from llmadapt.launch.environments import HTA_ENVIRONMENT, process_env, python_for
-
     from llmadapt.contract.rundir import RunDir
 
     if not RunDir(run_dir).launch_file.is_file():
@@ -46,13 +45,35 @@ def hta_analysis(run_dir: str | Path, step: int | None = None, *, timeout: float
         step = steps[0]
     elif step not in steps:
         raise LlmadaptError(f"{run_dir}: no traces of step {step}; traced steps: {', '.join(map(str, steps))}")
-    folder = Path(run_dir) / "profile" / f"step-{step}"
-    done = subprocess.run([str(python_for(HTA_ENVIRONMENT)), "-m", "llmadapt.analysis.hta", str(folder)],
+    (result,) = _run_hta([Path(run_dir) / "profile" / f"step-{step}"], timeout)
+    return {"step": step, **result}
+
+
+def hta_of_traces(files: list[str | Path], *, timeout: float = 600) -> list[dict[str, Any]]:
+    """HTA's reading of each trace file on its own (a folder of one: HTA takes a folder and one file per rank,
+    and traces of different jobs may name the same rank), in one HTA process."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="llmadapt-hta-") as scratch:
+        folders = []
+        for i, f in enumerate(map(Path, files)):
+            folder = Path(scratch) / str(i)
+            folder.mkdir()
+            (folder / f.name).symlink_to(f.resolve())
+            folders.append(folder)
+        return _run_hta(folders, timeout)
+
+
+def _run_hta(folders: list[Path], timeout: float) -> list[dict[str, Any]]:
+    from llmadapt.launch.environments import HTA_ENVIRONMENT, process_env, python_for
+
+    done = subprocess.run([str(python_for(HTA_ENVIRONMENT)), "-m", "llmadapt.analysis.hta", *map(str, folders)],
                           capture_output=True, text=True, timeout=timeout, env=process_env(HTA_ENVIRONMENT))
     lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        raise LlmadaptError(f"HTA failed on {folder}: {(done.stderr.strip().splitlines() or ['no output'])[-1][:300]}")
-    return {"step": step, **json.loads(lines[-1])}
+    if done.returncode != 0 or len(lines) < len(folders):
+        where = folders[0] if len(folders) == 1 else f"{len(folders)} folders"
+        raise LlmadaptError(f"HTA failed on {where}: {(done.stderr.strip().splitlines() or ['no output'])[-1][:300]}")
+    return [json.loads(line) for line in lines[-len(folders):]]
 
 
 def render(result: dict[str, Any]) -> str:
@@ -97,10 +118,11 @@ def _analyse(folder: str) -> dict[str, Any]:
     with contextlib.redirect_stdout(io.StringIO()):
         out["temporal_breakdown"] = records(analysis.get_temporal_breakdown(visualize=False))
         out["comm_comp_overlap"] = records(analysis.get_comm_comp_overlap(visualize=False))
-        kernel_types = analysis.get_gpu_kernel_breakdown(visualize=False)[0]
+        kernel_types = analysis.get_gpu_kernel_breakdown(visualize=False, include_memory_kernels=True)[0]
         out["kernel_type_breakdown"] = records(kernel_types)
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps(_analyse(sys.argv[1])))
+    for arg in sys.argv[1:]:
+        print(json.dumps(_analyse(arg)), flush=True)

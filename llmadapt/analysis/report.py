@@ -194,8 +194,10 @@ def render_breakdown(b: dict[str, Any]) -> list[str]:
     if not b["profiled_steps"]:
         return lines
     exposed = b["comm_seconds"] - b["overlapped_comm_seconds"]
+    copies = next((c["seconds"] for c in b.get("kernel_types") or [] if c["name"] == "memory"), 0.0)
     lines.append(f"timeline   step {ms(b['step_seconds'])} ms = compute {ms(b['compute_seconds'])} + exposed "
-                 f"communication {ms(exposed)} + idle {ms(b['idle_seconds'])}; communication {ms(b['comm_seconds'])} "
+                 f"communication {ms(exposed)} + " + (f"copies alone {ms(copies)} + " if copies else "")
+                 + f"idle {ms(b['idle_seconds'])}; communication {ms(b['comm_seconds'])} "
                  f"ms, " + (f"{b['overlapped_comm_seconds'] / b['comm_seconds']:.0%} of it overlapped with compute"
                             if b["comm_seconds"] else "none"))
     total = sum(c["seconds"] for c in b["modules"]) or 1.0

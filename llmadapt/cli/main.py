@@ -16,6 +16,7 @@ from llmadapt.cli.runs import (
     cmd_compare,
     cmd_export,
     cmd_hta,
+    cmd_trace,
     cmd_parity,
     cmd_regress,
     cmd_report,
@@ -194,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default="runs", help="the folder of runs for --runs (default: ./runs)")
     p.add_argument("--figures", metavar="DIR", help="also write each figure as PNG and SVG into DIR")
     p.add_argument("--title", default="llmadapt report")
+
+    p = command("trace", cmd_trace, "the kernel-basis breakdown of torch.profiler (Kineto) traces of any GPU job: "
+                "per rank operator classes, collectives, overlap, idle, annotations; stragglers across ranks")
+    p.add_argument("paths", nargs="+", metavar="TRACE", help="trace files (.json, .json.gz), or folders of them")
+    p.add_argument("--include-last-step", action="store_true",
+                   help="also what was launched in the trace's last ProfilerStep (left out by default, as HTA does: "
+                        "the profiler may stop inside it)")
 
     p = command("hta", cmd_hta, "Holistic Trace Analysis on a run's profiler traces (profile.level = full; "
                 "its own environment: llmadapt env create hta)")

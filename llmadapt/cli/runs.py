@@ -1,4 +1,4 @@
-"""Commands that make or read runs: run, compare, parity, show, export, hta."""
+"""Commands that make or read runs: run, compare, parity, show, export, hta, trace."""
 
 from __future__ import annotations
 
@@ -177,6 +177,16 @@ def cmd_hta(args) -> int:
 
     result = hta_analysis(args.run, args.step)
     emit(args, result, render(result))
+    return 0
+
+
+def cmd_trace(args) -> int:
+    import attrs
+
+    from llmadapt.analysis.traces import analyse_traces, render
+
+    result = analyse_traces(args.paths, include_last_step=args.include_last_step)
+    emit(args, attrs.asdict(result), render(result))
     return 0
 
 

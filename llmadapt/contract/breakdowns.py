@@ -33,7 +33,7 @@ def breakdown_summary(records: list[dict[str, Any]], world: int) -> BreakdownSum
     def classes(key: str) -> list[ClassTime]:
         sums: dict[str, list[float]] = {}
         for r in good:
-            for c in r[key]:
+            for c in r.get(key, []):
                 s = sums.setdefault(c["name"], [0.0, 0.0, 0.0, 0, 0.0])
                 s[0] += c["seconds"]
                 s[1] += c["forward_seconds"]
@@ -76,7 +76,7 @@ def breakdown_summary(records: list[dict[str, Any]], world: int) -> BreakdownSum
         comm_seconds=mean("comm_seconds"), overlapped_comm_seconds=mean("overlapped_comm_seconds"),
         compute_seconds=mean("compute_seconds"), idle_seconds=mean("idle_seconds"),
         gemm_flops_per_s=gemm.flops / gemm.seconds if gemm and gemm.flops and gemm.seconds else None,
-        errors=errors,
+        errors=errors, memory_seconds=mean("memory_seconds"), kernel_types=classes("kernel_types"),
     )
 
 

@@ -21,9 +21,10 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.5"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.6"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
-# 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk
+# 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
+# 1.6: the breakdown's memory_seconds and kernel_types (GPU kernel basis)
 
 
 @attrs.frozen
@@ -225,7 +226,12 @@ class Breakdown:
     compute_seconds: float = 0.0
     """Wall time during which computation ran (the union of compute operators' spans, or kernels' on GPU)."""
     idle_seconds: float = 0.0
-    """The step's time with neither computation nor communication: Python, waits, launch gaps."""
+    """The step's time with no activity: Python, waits, launch gaps (on GPU: no kernel, copy or set running)."""
+    memory_seconds: float = 0.0
+    """On GPU: wall time during which a copy or a set ran (memcpy, memset); 0 on CPU, where copies are operators."""
+    kernel_types: list[ClassTime] = attrs.Factory(list)
+    """On GPU: the step's busy time split as Holistic Trace Analysis's kernel-type breakdown splits it, by which
+    of computation, communication and memory ran ('computation+communication': both, no copy)."""
     descheduled_seconds: float | None = None
     """Of the step, the time its thread waited for a core (Linux's run delay, /proc/thread-self/schedstat): on a
     busy machine the profiler counts it in whatever the thread was in, mostly 'other'. None where not known."""
@@ -529,6 +535,8 @@ class BreakdownSummary:
     """GEMM FLOPs (from the profiler's shapes) over GEMM time, per rank: set it against `llmadapt micro peak`."""
     errors: list[str] = attrs.Factory(list)
     """Profiling failures (rank, step: what), each leaving its step and the run intact."""
+    memory_seconds: float = 0.0
+    kernel_types: list[ClassTime] = attrs.Factory(list)
 
 
 @attrs.frozen

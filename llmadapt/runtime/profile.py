@@ -5,7 +5,9 @@ Attribution: every profiled event's self time goes to the innermost module range
 operator runs outside any forward range: it goes, through the autograd node's sequence number, to the range
 of the forward operator that made the node. Collectives go to 'communication', the optimizer's step and
 zero_grad (torch.optim's own ranges) to 'optimizer', the rest to 'other'. On CUDA the basis is the kernel
-time of what each operator launched; on CPU, self CPU time. Hooks exist only during profiled steps.
+time of what each operator launched, and the operator classes are the kernels' own (runtime.timeline's
+device_breakdown, the code that reads traces llmadapt did not record); on CPU, self CPU time. Hooks exist only
+during profiled steps.
 """
 
 from __future__ import annotations
@@ -125,6 +127,10 @@ class StepProfiler:
         breakdown = fold(prof.events(), rank=self.rank, step=self.step, level=self.level,
                          basis="device" if self.cuda else "cpu")
         trace = str(path.relative_to(self.run_dir)) if self.level == "full" else None
+        if "operators" in timeline:  # GPU: operator classes from the kernels, with the GEMM FLOPs of the operators
+            flops = {o.name: o.flops for o in breakdown.operators if o.flops}
+            timeline["operators"] = [] if self.level == "module" else [
+                attrs.evolve(o, flops=flops.get(o.name)) for o in timeline["operators"]]
         return attrs.evolve(breakdown, trace=trace, descheduled_seconds=self._waited, **timeline)
 
 

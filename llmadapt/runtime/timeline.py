@@ -12,12 +12,13 @@ the message size) and every other kernel.
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections import defaultdict
 from typing import Any, Iterable
 
-from llmadapt.adapter.breakdown import collective_kind
-from llmadapt.contract.records import Collective, bandwidths
+from llmadapt.adapter.breakdown import collective_kind, kernel_class, nccl_kernel_kind
+from llmadapt.contract.records import ClassTime, Collective, bandwidths
 
 STEP_MARK = "ProfilerStep#"
 """torch.profiler's own name for a step's range (HTA finds iterations by it)."""
@@ -117,13 +118,15 @@ def _algorithm(name: str, backend: str, kind: str) -> str | None:
 
 def analyse(trace: dict[str, Any], world: int) -> dict[str, Any]:
     """Collectives and the temporal breakdown of the one step in TRACE (see the module docstring): the fields of
-    ``Breakdown`` from ``collectives`` to ``idle_seconds``, in seconds."""
+    ``Breakdown`` from ``collectives`` to ``idle_seconds``, in seconds. A trace with GPU activity is read on the
+    kernel basis (``device_breakdown``, the step's range as its window), with its kernel classes as operators."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     steps = [e for e in events if str(e.get("name", "")).startswith(STEP_MARK)]
     if not steps:
         return {}
     step = _span(steps[0])
-    on_gpu = any(e.get("cat") == "kernel" for e in events)
+    if any(e.get("cat") in _DEVICE_CATEGORIES for e in events):
+        return device_breakdown(trace, world, window=step)
     group = (trace.get("distributedInfo") or {}).get("world_size") or world
 
     comm_events: list[tuple[str, str, dict[str, Any]]] = []  # (kind, backend, event)
@@ -132,15 +135,6 @@ def analyse(trace: dict[str, Any], world: int) -> dict[str, Any]:
     step_threads = {steps[0].get("tid")} | {e.get("tid") for e in events if str(e.get("name", "")).startswith(_BACKWARD)}
     for e in events:
         name, cat = str(e.get("name", "")), e.get("cat")
-        if on_gpu:
-            if cat != "kernel":
-                continue
-            if "nccl" in name.lower():
-                kind = _nccl_kind(name, e.get("args", {}))
-                comm_events.append((kind, "nccl", e))
-            else:
-                compute.append(_span(e))
-            continue
         if name.startswith("gloo:"):
             comm_events.append((collective_kind(name) or "other_collective", "gloo", e))
         elif cat == "cpu_op" and e.get("tid") in step_threads:
@@ -154,8 +148,18 @@ def analyse(trace: dict[str, Any], world: int) -> dict[str, Any]:
     comm_events = [(k, b, e) for k, b, e in comm_events if step[0] <= float(e["ts"]) <= step[1]]
     compute_u = intersect(subtract(union(compute), union(waiting)), clip)
     comm_u = intersect(union(_span(e) for _, _, e in comm_events), clip)
-    overlapped = length(intersect(comm_u, compute_u))
-    # (kind, backend, group size) -> [count, seconds, bytes, every call sized, algorithm]
+    busy = length(union([*compute_u, *comm_u]))
+    return {
+        "collectives": _collectives(comm_events, group),
+        "comm_seconds": length(comm_u) / 1e6,
+        "overlapped_comm_seconds": length(intersect(comm_u, compute_u)) / 1e6,
+        "compute_seconds": length(compute_u) / 1e6,
+        "idle_seconds": max(step[1] - step[0] - busy, 0.0) / 1e6,
+    }
+
+
+def _collectives(comm_events: list[tuple[str, str, dict[str, Any]]], group: int) -> list[Collective]:
+    """Each (kind, backend, group size): count, time, bytes, bandwidths, algorithm."""
     per_kind: dict[tuple[str, str, int], list[Any]] = defaultdict(lambda: [0, 0.0, 0, True, None])
     for kind, backend, e in comm_events:
         size_of_group = int((e.get("args") or {}).get("Group size") or group)  # NCCL's say; gloo's: the world
@@ -174,28 +178,107 @@ def analyse(trace: dict[str, Any], world: int) -> dict[str, Any]:
         collectives.append(Collective(kind=kind, count=count, seconds=seconds, bytes=total_bytes,
                                       algbw_gbytes_per_s=algbw, busbw_gbytes_per_s=busbw, backend=backend,
                                       algorithm=algorithm, group_size=n))
-    step_us = step[1] - step[0]
-    busy = length(union([*compute_u, *comm_u]))
+    return collectives
+
+
+# -- the GPU's kernel basis ---------------------------------------------------------------------------------
+_DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+"""Kineto's categories of work a GPU does: what Holistic Trace Analysis counts as GPU kernels (stream >= 0)."""
+_LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+_HTA_COMM = re.compile(r"^nccl.*Kernel")
+_HTA_MEMORY = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
+_HTA_NOT_COMPUTE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
+KERNEL_TYPES = ("computation", "communication", "memory", "other")
+
+
+def kernel_type(name: str) -> str:
+    """Holistic Trace Analysis's kernel type (hta.utils.utils.get_kernel_type, 0.5.0), its regular expressions
+    as they are: communication (an NCCL kernel), memory (a copy or set), computation (every other kernel whose
+    name has no 'Memcpy' or 'Sync' in it), other. The temporal breakdown and the overlap are built on it."""
+    if _HTA_COMM.match(name):
+        return "communication"
+    if _HTA_MEMORY.match(name):
+        return "memory"
+    return "other" if _HTA_NOT_COMPUTE.match(name) else "computation"
+
+
+def device_activities(trace: dict[str, Any], *, include_last_step: bool = False) -> list[dict[str, Any]]:
+    """The GPU activities of a trace (kernels, copies, sets with a stream and a correlation id), selected as HTA
+    selects them: where the trace holds two or more ``ProfilerStep`` ranges, only what was launched before the
+    last one started (the profiler may stop inside the last step), unless ``include_last_step``."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    activities = [e for e in events if e.get("cat") in _DEVICE_CATEGORIES
+                  and int((e.get("args") or {}).get("stream", -1)) >= 0
+                  and int((e.get("args") or {}).get("correlation", -1)) >= 0]
+    starts = [float(e["ts"]) for e in events if str(e.get("name", "")).startswith(STEP_MARK)]
+    if include_last_step or len(starts) < 2:
+        return activities
+    last = max(starts)
+    launched = {int(e["args"]["correlation"]): float(e["ts"]) for e in events
+                if e.get("cat") not in _DEVICE_CATEGORIES and "correlation" in (e.get("args") or {})}
+    return [e for e in activities if launched.get(int(e["args"]["correlation"]), last) < last]
+
+
+def device_breakdown(trace: dict[str, Any], world: int, *, window: Interval | None = None,
+                     include_last_step: bool = False) -> dict[str, Any]:
+    """The kernel basis of one rank's trace: every GPU activity's time by operator class (``kernel_class``), the
+    collectives from NCCL's kernels, and the temporal breakdown with HTA's definitions (``kernel_type``):
+    computation is the union of computation kernels, communication of NCCL kernels, memory of copies and sets;
+    overlap is computation during communication; idle is the window with no activity at all. The window is the
+    given one (a profiled step's range) or, as HTA's, from the first activity's start to the last one's end.
+    Returns the fields of ``Breakdown`` from ``step_seconds`` on (no modules: those come from the profiler's
+    events, or from annotations for a trace llmadapt did not record)."""
+    activities = device_activities(trace, include_last_step=include_last_step)
+    if not activities:
+        return {}
+    spans = [_span(e) for e in activities]
+    if window is None:
+        window = (min(a for a, _ in spans), max(b for _, b in spans))
+    clip = [window]
+    group = (trace.get("distributedInfo") or {}).get("world_size") or world
+    by_type: dict[str, list[Interval]] = defaultdict(list)
+    classes: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    comm_events = []
+    for e, span in zip(activities, spans):
+        name = str(e.get("name", ""))
+        by_type[kernel_type(name)].append(span)
+        cls = kernel_class(name, e.get("cat", "kernel"))
+        classes[cls][0] += max(min(span[1], window[1]) - max(span[0], window[0]), 0.0) / 1e6
+        classes[cls][1] += 1
+        if _HTA_COMM.match(name) or "nccl" in name.lower():
+            comm_events.append((nccl_kernel_kind(name, str((e.get("args") or {}).get("Collective name", ""))),
+                                "nccl", e))
+    unions = {t: intersect(union(by_type[t]), clip) for t in KERNEL_TYPES}
+    compute_u, comm_u = unions["computation"], unions["communication"]
+    busy = union([i for t in KERNEL_TYPES for i in unions[t]])
     return {
-        "collectives": collectives,
+        "step_seconds": (window[1] - window[0]) / 1e6,
+        "operators": [ClassTime(name, seconds, count=count)
+                      for name, (seconds, count) in sorted(classes.items(), key=lambda kv: -kv[1][0])],
+        "collectives": _collectives(comm_events, group),
         "comm_seconds": length(comm_u) / 1e6,
-        "overlapped_comm_seconds": overlapped / 1e6,
+        "overlapped_comm_seconds": length(intersect(comm_u, compute_u)) / 1e6,
         "compute_seconds": length(compute_u) / 1e6,
-        "idle_seconds": max(step_us - busy, 0.0) / 1e6,
+        "memory_seconds": length(unions["memory"]) / 1e6,
+        "idle_seconds": max(window[1] - window[0] - length(busy), 0.0) / 1e6,
+        "kernel_types": _partition(unions, ("computation", "communication", "memory")),
     }
 
 
-_NCCL_KINDS = (("allreduce", "all_reduce"), ("allgather", "all_gather"), ("reducescatter", "reduce_scatter"),
-               ("alltoall", "all_to_all"), ("broadcast", "broadcast"), ("sendrecv", "send_recv"),
-               ("send", "send_recv"), ("recv", "send_recv"))
+def _partition(unions: dict[str, list[Interval]], types: tuple[str, ...]) -> list[ClassTime]:
+    """The time during which exactly each combination of TYPES ran ('computation+communication': both and no
+    memory activity), as HTA's kernel-type breakdown splits it; combinations that never ran are left out."""
+    edges = sorted({t for name in types for span in unions[name] for t in span})
+    out: dict[str, float] = defaultdict(float)
+    for a, b in zip(edges, edges[1:]):
+        mid = (a + b) / 2
+        running = [name for name in types if any(s <= mid < e for s, e in _around(unions[name], mid))]
+        if running:
+            out["+".join(running)] += (b - a) / 1e6
+    return [ClassTime(name, seconds) for name, seconds in sorted(out.items(), key=lambda kv: -kv[1])]
 
 
-def _nccl_kind(name: str, args: dict[str, Any]) -> str:
-    """A collective kind from an NCCL kernel's name (ncclDevKernel_AllReduce_Sum_f32_RING_LL) or, for the generic
-    kernel, the 'Collective name' argument that PyTorch copies onto it."""
-    for text in (str(args.get("Collective name", "")), name):
-        low = text.lower().replace("_", "")
-        for key, kind in _NCCL_KINDS:
-            if key in low:
-                return kind
-    return "other_collective"
+def _around(intervals: list[Interval], t: float) -> list[Interval]:
+    """The interval of a sorted union that could hold t (at most one)."""
+    i = bisect.bisect_right(intervals, (t, float("inf"))) - 1
+    return [intervals[i]] if i >= 0 else []
