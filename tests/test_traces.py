@@ -21,14 +21,25 @@ import pytest
 from llmadapt.adapter.breakdown import OPERATOR_CLASSES, kernel_class
 from llmadapt.analysis.traces import analyse_traces, read_trace, render, trace_breakdown
 from llmadapt.errors import LlmadaptError
-from llmadapt.testing import environments_unready
+from llmadapt.launch.environments import HTA_ENVIRONMENT, EnvironmentNotReadyError, python_for
+from llmadapt.runtime.timeline import device_activities
 
 HERE = Path(__file__).parent
 DATA = HERE.parent.parent / "shared" / "data" / "kineto-gpu"  # ../shared/data/kineto-gpu from the repository root
 TRACES = sorted(DATA.glob("*.json.gz")) if DATA.is_dir() else []
 needs_data = pytest.mark.skipif(not TRACES, reason=f"the real GPU traces are absent ({DATA}: ../shared/data/"
                                                    "kineto-gpu relative to the repository root)")
-needs_hta = pytest.mark.skipif(bool(environments_unready("hta")), reason=environments_unready("hta") or "")
+
+
+def _hta_unready() -> str | None:
+    try:
+        python_for(HTA_ENVIRONMENT)
+    except EnvironmentNotReadyError as exc:
+        return str(exc)
+    return None
+
+
+needs_hta = pytest.mark.skipif(bool(_hta_unready()), reason=_hta_unready() or "")
 
 HTA_TYPES = {"COMPUTATION": "computation", "COMMUNICATION": "communication", "MEMORY": "memory"}
 
@@ -148,7 +159,7 @@ def test_nccl_collectives_bytes_and_bus_bandwidth_from_a_real_trace():
     n=2: busbw equals algbw)."""
     trace = read_trace(DATA / "a100-2rank-nccl.json.gz")
     b = trace_breakdown(trace)
-    kernels = [e for e in trace["traceEvents"] if e.get("cat") == "kernel" and "AllReduce" in e["name"]]
+    kernels = [e for e in device_activities(trace) if "AllReduce" in e["name"]]  # before the last step
     reduce = next(c for c in b.collectives if c.kind == "all_reduce")
     assert (reduce.backend, reduce.group_size, reduce.algorithm) == ("nccl", 2, "RING_LL")
     assert reduce.count == len(kernels)
