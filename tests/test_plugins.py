@@ -141,3 +141,31 @@ def test_a_plugin_whose_registration_raises_is_one_line_naming_it(pm):
         collect_adapters(pm)
     message = str(exc.value)
     assert message.startswith("plugin 'broken-plugin' failed to register its adapters: ") and "\n" not in message
+
+
+def test_a_source_checkout_that_is_not_installed_finds_its_own_adapters(tmp_path):
+    """A copy of the checkout on PYTHONPATH, run by an interpreter where llmadapt is not installed (the reference
+    adapter's environment, as on a machine with no network): its adapters come from its pyproject files."""
+    import shutil
+
+    from llmadapt.launch.environments import REFERENCE_ENVIRONMENT, EnvironmentNotReadyError, python_for
+
+    try:
+        python = python_for(REFERENCE_ENVIRONMENT)
+    except EnvironmentNotReadyError as exc:
+        pytest.skip(str(exc))
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    checkout = tmp_path / "checkout"
+    ignore = shutil.ignore_patterns("*.egg-info", "__pycache__")
+    for part in ("llmadapt", "plugins", "examples"):
+        shutil.copytree(root / part, checkout / part, ignore=ignore)
+    shutil.copy(root / "pyproject.toml", checkout)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(checkout), "LLMADAPT_HOME": str(tmp_path / "home")}
+    probe = subprocess.run([str(python), "-c", "import importlib.metadata as m; m.distribution('llmadapt')"],
+                           env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert "PackageNotFoundError" in probe.stderr  # not installed there: the case under test
+    done = subprocess.run([str(python), "-m", "llmadapt.cli", "adapters", "--json"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    names = {a["name"] for a in json.loads(done.stdout)}
+    assert {"torch", "hf", "deepspeed", "megatron", "colossalai", "vllm", "llamacpp", "plain"} <= names

@@ -2,13 +2,19 @@
 
 ``LLMADAPT_LOAD_PLUGINS`` limits which entry points load: a comma-separated list of names,
 or empty for none (so a broken adapter package cannot lock anyone out of the CLI).
+
+A source checkout used without installing it (on PYTHONPATH, as on a machine with no network) has no package
+metadata: its own adapters are then read from the entry points its pyproject files declare.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import tomllib
 from functools import lru_cache
 from importlib import metadata
+from pathlib import Path
 
 import pluggy
 
@@ -27,7 +33,7 @@ def plugin_manager(load_entrypoints: bool = True) -> pluggy.PluginManager:
         allowed = os.environ.get("LLMADAPT_LOAD_PLUGINS")
         names = None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
         loaded: dict[str, str] = {}
-        for ep in metadata.entry_points(group=GROUP):
+        for ep in [*metadata.entry_points(group=GROUP), *checkout_entry_points()]:
             if names is not None and ep.name not in names:
                 continue
             if ep.name in loaded:
@@ -44,6 +50,33 @@ def plugin_manager(load_entrypoints: bool = True) -> pluggy.PluginManager:
             pm.register(plugin, name=ep.name)
     pm.check_pending()
     return pm
+
+
+def checkout_entry_points() -> list[metadata.EntryPoint]:
+    """Where llmadapt is imported from a source checkout that is not installed: the ``llmadapt`` entry points of
+    the checkout's pyproject files (the core's, plugins/*, examples/*), each package's folder put on sys.path so
+    that its entry point imports. Nothing where llmadapt is installed: its metadata says it all. (An entry point
+    found both ways is loaded once: the same name and value.)"""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "pyproject.toml").is_file():
+        return []
+    try:  # installed, unless the metadata found is a build's leftover inside the checkout (llmadapt.egg-info)
+        if Path(str(metadata.distribution("llmadapt").locate_file(""))).resolve() != root:
+            return []
+    except metadata.PackageNotFoundError:
+        pass
+    found = []
+    for pyproject in [root / "pyproject.toml", *sorted(root.glob("plugins/*/pyproject.toml")),
+                      *sorted(root.glob("examples/*/pyproject.toml"))]:
+        try:
+            project = tomllib.loads(pyproject.read_text()).get("project", {})
+        except (OSError, tomllib.TOMLDecodeError):
+            continue
+        group = project.get("entry-points", {}).get(GROUP, {})
+        if group and pyproject.parent != root and str(pyproject.parent) not in sys.path:
+            sys.path.append(str(pyproject.parent))
+        found += [metadata.EntryPoint(name=name, value=value, group=GROUP) for name, value in group.items()]
+    return found
 
 
 def collect_adapters(pm: pluggy.PluginManager) -> dict[str, AdapterInfo]:
