@@ -54,13 +54,36 @@ def test_mfu_needs_a_known_peak():
     ("NVIDIA A40", "bf16", 149.7e12),                 # not among the four the old table knew
     ("NVIDIA GeForce RTX 4090", "fp16", None),
     ("NVIDIA A100-SXM4-40GB", "fp32", 19.5e12),
+    # every name torch reports for the H100/H200/A100 variants, each with its own datasheet's dense peak
+    ("NVIDIA H200", "bf16", 989.4e12),
+    ("NVIDIA H200 NVL", "bf16", 835.5e12),
+    ("NVIDIA H100 PCIe", "bf16", 756e12),
+    ("NVIDIA H100 NVL", "fp8", 1670.5e12),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
+    ("NVIDIA A100 80GB PCIe", "tf32", 156e12),
+    ("NVIDIA A100-PCIE-40GB", "bf16", 312e12),
+    ("nvidia  a100_sxm4-80gb", "bf16", 312e12),        # normalised: case, '-', '_' and spaces
     ("NVIDIA RTX A4000", "bf16", None),               # "A40" followed by digits is another device
     ("AMD EPYC 7B13", "fp32", None),                  # CPUs: measured, never a datasheet MFU
 ])
 def test_mfu_peaks_come_from_the_device_catalog(reported, precision, peak):
+    """The device a run reports is found by the catalog's names and aliases, normalised; never by a guess."""
     from llmadapt.contract.catalog import load_catalog
 
     if reported.endswith("4090"):
         peak = load_catalog()["RTX4090"].peak(precision)
         assert peak
     assert peak_flops(reported, precision) == peak
+
+
+def test_each_gpu_variant_is_its_own_entry():
+    """PCIe, SXM and NVL parts differ in memory and bandwidth: each reported name finds its own entry."""
+    from llmadapt.contract.catalog import device_for_reported, find_device
+
+    names = {r: device_for_reported(r).name for r in (
+        "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL",
+        "NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB", "NVIDIA A100 80GB PCIe", "NVIDIA A100-PCIE-40GB")}
+    assert len(set(names.values())) == len(names), names
+    assert device_for_reported("NVIDIA H100 PCIe").memory_bandwidth == 2.0e12
+    assert device_for_reported("NVIDIA A100 80GB PCIe").memory_bandwidth == 1.935e12
+    assert find_device("h100-nvl").memory_bytes == 94e9 and find_device("A100 PCIe 40GB").name == "A100-PCIe-40GB"

@@ -50,6 +50,22 @@ def test_grows_then_bisects(tmp_path):
     assert read_maxbatch(r.search_dir).result == r.result
 
 
+def test_a_profiled_workload_is_probed_unprofiled_and_says_so(tmp_path):
+    """profile.steps names a step the probes' two steps do not have: the probes run with profiling off (a cost of
+    its own), and the search says so."""
+    profiled = TINY.with_overrides(["profile.steps=[5]", "profile.level=operator"])
+    seen: list[Workload] = []
+    said: list[str] = []
+
+    def probe(w, b, where):
+        seen.append(w)
+        return stub(4)(w, b, where)
+
+    r = maxbatch(profiled, memory_limit_bytes=1 << 30, out=tmp_path, probe=probe, log=said.append)
+    assert r.result.max_batch == 4 and all(w.profile.steps == () for w in seen)
+    assert any("probes run unprofiled (profile.steps [5] left out)" in line for line in said)
+
+
 def test_limit_reached_and_start(tmp_path):
     calls: list[int] = []
     r = maxbatch(TINY, memory_limit_bytes=1 << 30, start=3, max_batch=20, out=tmp_path, probe=stub(None or 10**6,

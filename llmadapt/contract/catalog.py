@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import re
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -182,14 +183,31 @@ def load_catalog(extra: list[str | Path] | tuple = ()) -> dict[str, DeviceSpec]:
     return {name: _build(name, entry, " + ".join(origins[name])) for name, entry in raw.items()}
 
 
+def normalised(name: str) -> str:
+    """A device name as compared: lower case, the vendor's words dropped, '-', '_' and runs of spaces as one space
+    ('NVIDIA A100-SXM4-80GB' -> 'a100 sxm4 80gb', 'Tesla V100-SXM2-32GB' -> 'v100 sxm2 32gb')."""
+    words = re.sub(r"[-_\s]+", " ", name.strip().lower()).split()
+    return " ".join(w for w in words if w not in ("nvidia", "tesla", "geforce", "amd", "instinct"))
+
+
+def _by_name(name: str, catalog: dict[str, DeviceSpec]) -> DeviceSpec | None:
+    """The entry whose name or an alias is NAME, compared normalised."""
+    key = normalised(name)
+    for spec in catalog.values():
+        if key == normalised(spec.name) or key in (normalised(a) for a in spec.aliases):
+            return spec
+    return None
+
+
 def find_device(name: str, catalog: dict[str, DeviceSpec] | None = None, *,
                 extra: list[str | Path] | tuple = ()) -> DeviceSpec:
-    """A device by name or alias (case-insensitive), or one clear error listing what is known."""
+    """A device by name or alias (normalised: case, the vendor's name, '-' or ' '), or one clear error listing
+    what is known."""
     catalog = load_catalog(extra) if catalog is None else catalog
     key = name.strip().lower()
-    for spec in catalog.values():
-        if key == spec.name.lower() or key in (a.lower() for a in spec.aliases):
-            return spec
+    found = _by_name(name, catalog)
+    if found is not None:
+        return found
     known = ", ".join(sorted(catalog))
     hint = "; CPUs are described by measurement: `llmadapt micro peak --save NAME`" if "cpu" in key else ""
     raise LlmadaptError(f"unknown device {name!r}; known: {known}{hint}")
@@ -199,9 +217,9 @@ def device_for_reported(reported_name: str, catalog: dict[str, DeviceSpec] | Non
     """The catalog entry for a name a run reported (e.g. 'NVIDIA H100 80GB HBM3', 'AMD EPYC'), if any."""
     catalog = load_catalog() if catalog is None else catalog
     text = reported_name.lower()
-    for spec in catalog.values():
-        if text == spec.name.lower() or text in (a.lower() for a in spec.aliases):
-            return spec
+    found = _by_name(reported_name, catalog)
+    if found is not None:
+        return found
     for spec in catalog.values():
         if any(m.lower() in text for m in spec.match if m):
             return spec

@@ -129,6 +129,8 @@ def maxbatch(workload: Workload | str | Path, adapter: str = "torch", *, memory_
     if memory_limit_bytes is not None and memory_limit_bytes <= 0:
         raise LlmadaptError("--memory-limit must be positive")
     info = get_adapter(adapter)
+    if w.profile.steps and log:
+        log(f"maxbatch: the probes run unprofiled (profile.steps {list(w.profile.steps)} left out)")
     probe_of = lambda b: _probe_workload(w, b, steps, warmup_steps)  # noqa: E731
     check_supported(info, probe_of(start))
     if probe is None and memory_limit_bytes is not None and gpu_visible():
@@ -227,7 +229,10 @@ def maxbatch(workload: Workload | str | Path, adapter: str = "torch", *, memory_
 
 
 def _probe_workload(w: Workload, b: int, steps: int, warmup: int) -> Workload:
+    """The probe of batch b: a short run of the workload, unprofiled (profiling is a cost of its own, and the
+    probes' few steps may not hold the profiled ones)."""
     dp = w.parallelism.dp
+    w = attrs.evolve(w, profile=attrs.evolve(w.profile, steps=()))
     probe = w.with_overrides([f"train.global_batch={b * dp}", f"train.micro_batch={b}", f"train.steps={steps}",
                               f"train.warmup_steps={warmup}"])
     return attrs.evolve(probe, name=f"{w.label}-maxbatch-b{b}")
