@@ -17,3 +17,32 @@ def test_a_table_keeps_labels_as_written_and_right_aligns_numbers():
 
 def test_a_column_of_text_stays_left_aligned():
     assert text_table(["name", "n"], [["a", "1"], ["bbb", "x"]]) == ["name   n", "-" * 8, "a      1", "bbb    x"]
+
+
+def test_compare_prints_strong_and_weak_scaling_where_the_rows_allow():
+    """A dp 1/2 grid of one problem is strong scaling (speedup of the step, efficiency over the device ratio); a
+    problem whose global batch grew with the devices is weak scaling (tokens/s per device); a superlinear figure
+    is marked as the artefact it is; rows of one device count say nothing about scaling."""
+    from pathlib import Path
+
+    from llmadapt import Workload
+    from llmadapt.analysis.compare import Comparison, Row
+
+    w = Workload.from_file(Path(__file__).resolve().parents[1] / "examples" / "tiny-llama.toml")
+    big = w.with_overrides(["train.global_batch=16"])
+
+    def row(label, workload, devices, step, tokens):
+        return Row(label=label, adapter="torch", variant="", run_dir=None, status="ok", problem_hash=workload.problem_hash,
+                   metrics={"devices": devices, "step_p50_s": step, "tokens_per_s": tokens})
+
+    rows = [row("dp1", w, 1, 1.0, 100.0), row("dp2", w, 2, 0.625, 160.0), row("dp4", w, 4, 0.2, 500.0),
+            row("dp2 gb16", big, 2, 1.25, 150.0)]
+    text = Comparison(rows, workloads={w.problem_hash: w, big.problem_hash: big}).table()
+    lines = [line.split() for line in text.splitlines()]
+    assert ["P1", "dp2", "2", "strong", "1.60x", "80%", "dp1"] in lines  # 1.0 / 0.625 = 1.6 on 2 devices
+    assert ["P1", "dp4", "4", "strong", "5.00x", "125%!", "dp1"] in lines  # more than linear: marked
+    assert ["P2", "dp2", "gb16", "2", "weak", "1.50x", "75%", "dp1"] in lines  # 150/2 per device against 100
+    assert any(line.startswith("!: above 110%") for line in text.splitlines())
+    one = Comparison([row("dp1", w, 1, 1.0, 100.0), row("dp1 again", w, 1, 1.1, 90.0)],
+                     workloads={w.problem_hash: w}).table()
+    assert "scaling" not in one

@@ -31,13 +31,18 @@ DATA_PARALLEL_WRAPPERS = ("DistributedDataParallel", "DeepSpeedEngine", "FullySh
 
 OPERATOR_CLASSES = (
     "gemm", "attention", "softmax", "convolution", "elementwise", "reduction", "normalization", "memory",
-    "dequantization", "optimizer", "memcpy_htod", "memcpy_dtoh", "memcpy_dtod", "memcpy_other", "memset",
+    "dequantization", "optimizer", "gradient_accumulation", "parameter_hooks", "autograd", "framework_function",
+    "memcpy_htod", "memcpy_dtoh", "memcpy_dtod", "memcpy_other", "memset",
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv", "other_collective",
     "other",
 )
 """Operator classes. On the CPU basis from the operator's name (``operator_class``); on the GPU's kernel basis
 from the kernel's name (``kernel_class``): then the memcpy classes (by direction) and memset are the device's
-copy and set activities, and 'memory' is copy and layout kernels."""
+copy and set activities, and 'memory' is copy and layout kernels. The frameworks' own machinery has classes
+named for what it does: 'gradient_accumulation' (AccumulateGrad and what a stack hooks there: DDP's bucketing,
+ZeRO's partitioning), 'parameter_hooks' (ZeRO-3's gather and release around each module), 'autograd' (a
+backward node's own time), 'framework_function' (the Python of a framework's autograd Function: Megatron-core's
+tensor-parallel layers, ZeRO-3's linear)."""
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")
 
@@ -116,13 +121,26 @@ def collective_kind(op_name: str) -> str | None:
     return "other_collective" if "c10d::" in low else None
 
 
+_PARAMETER_HOOKS = ("PreBackwardFunction", "PostBackwardFunction", "PreForwardFunction", "PostForwardFunction")
+
+
 def operator_class(op_name: str) -> str:
-    """The operator class of one profiled operator by its name ('aten::mm' -> 'gemm')."""
+    """The operator class of one profiled operator by its name ('aten::mm' -> 'gemm'). Not ATen: the autograd
+    engine's gradient accumulation (where DDP buckets and ZeRO partitions), ZeRO-3's parameter hooks (gather
+    before a module, release after), a backward node's own time, a framework's autograd Function's own code."""
     coll = collective_kind(op_name)
     if coll:
         return coll
     if not op_name.startswith("aten::"):
-        return "other"
+        if "AccumulateGrad" in op_name:
+            return "gradient_accumulation"
+        if op_name.startswith(_PARAMETER_HOOKS):
+            return "parameter_hooks"
+        if re.search(r"Backward\d*$", op_name) or op_name.startswith("torch::autograd::"):
+            return "autograd"  # a backward node's own time (CopySlices, AsStrided: view bookkeeping)
+        if op_name.startswith(("llmadapt::", "ProfilerStep", "autograd::engine")) or "::" in op_name:
+            return "other"
+        return "framework_function"
     base = op_name[6:]
     if base.endswith("_backward"):
         base = base[:-9]

@@ -7,6 +7,8 @@ intervals) whether its runs were made now or read from the store, and the tables
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any, Callable
 
@@ -82,6 +84,7 @@ def row_metrics(summary, baseline_losses: list[float | None] | None) -> dict[str
         return out
     delta = loss_parity(baseline_losses, s.losses).max_abs_delta if s.losses and baseline_losses else None
     return {
+        "devices": s.world_size,
         "step_p50_s": s.step_time_s.p50 if s.step_time_s else None,
         "step_p90_s": s.step_time_s.p90 if s.step_time_s else None,
         "tokens_per_s": s.tokens_per_s.mean if s.tokens_per_s else None,
@@ -179,7 +182,67 @@ class Comparison:
             lines.append(_uncertainty_note(self.rows, HEADLINE["serve" if serve else "train"]))
         lines += [f"{problems[h]}: problem {h[:12]}{self.difference(h)}" for h in problems]
         lines += [f"{r.label}: {r.note}" for r in self.rows if r.note]
+        if not serve:
+            lines += self.scaling_lines(problems)
         return "\n".join(lines)
+
+    def scaling_lines(self, problems: dict[str, str]) -> list[str]:
+        """How the step scales with devices, where the table has the rows to say it: strong scaling within a
+        problem (the same global batch on more devices: speedup of the step time against the problem's row with
+        the fewest devices, efficiency = speedup over the device ratio); weak scaling across problems that differ
+        in global batch alone, grown with the devices (tokens/s per device against the fewest devices')."""
+        from llmadapt.analysis.table import text_table
+
+        ok = [r for r in self.rows if r.status == "ok" and r.metrics.get("devices")
+              and self._median(r, "step_p50_s") and self._median(r, "tokens_per_s")]
+        body = []
+        for h in problems:
+            group = [r for r in ok if r.problem_hash == h]
+            if len({r.metrics["devices"] for r in group}) < 2:
+                continue
+            base = min(group, key=lambda r: (r.metrics["devices"], group.index(r)))
+            for r in group:
+                speedup = self._median(base, "step_p50_s") / self._median(r, "step_p50_s")
+                ratio = r.metrics["devices"] / base.metrics["devices"]
+                body.append([problems[h], r.label, str(r.metrics["devices"]), "strong", f"{speedup:.2f}x",
+                             _efficiency(speedup / ratio), base.label])
+        for group in self._weak_groups(ok):
+            base = min(group, key=lambda r: r.metrics["devices"])
+            per_device = self._median(base, "tokens_per_s") / base.metrics["devices"]
+            for r in group:
+                mine = self._median(r, "tokens_per_s") / r.metrics["devices"]
+                body.append([problems[r.problem_hash], r.label, str(r.metrics["devices"]), "weak",
+                             f"{self._median(r, 'tokens_per_s') / self._median(base, 'tokens_per_s'):.2f}x",
+                             _efficiency(mine / per_device), base.label])
+        if not body:
+            return []
+        lines = ["", *text_table(["problem", "run", "devices", "scaling", "speedup", "efficiency", "against"], body),
+                 "strong: one problem on more devices, step time against its row with the fewest; weak: the global "
+                 "batch grown with the devices, tokens/s per device against the fewest devices' (medians)"]
+        if any(row[5].endswith("!") for row in body):
+            lines.append("!: above 110%, more than linear, which the same work on more devices cannot be: the rows ran "
+                         "under unlike conditions (threads per rank, the machine's load), not a real speedup")
+        return lines
+
+    def _median(self, row: Row, key: str) -> float | None:
+        estimate = row.estimates.get(key)
+        value = estimate.median if estimate else row.metrics.get(key)
+        return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+    def _weak_groups(self, rows: list[Row]) -> list[list[Row]]:
+        """Rows of problems that differ in global batch alone, with the same batch per device, on two or more
+        device counts."""
+        groups: dict[str, list[Row]] = {}
+        for r in rows:
+            w = self.workloads.get(r.problem_hash)
+            if w is None or w.kind == "serve":
+                continue
+            problem = w.problem_dict()
+            problem["train"] = {k: v for k, v in problem["train"].items() if k != "global_batch"}
+            key = json.dumps([problem, w.train.global_batch / r.metrics["devices"]], sort_keys=True, default=str)
+            groups.setdefault(key, []).append(r)
+        return [g for g in groups.values() if len({r.problem_hash for r in g}) > 1
+                and len({r.metrics["devices"] for r in g}) > 1]
 
     def breakdown_table(self) -> str:
         """The profiled rows side by side per module class (then operator class and collective): where each stack's
@@ -210,6 +273,10 @@ class Comparison:
 # The figure a row is set against its problem's first row by, per kind.
 HEADLINE = {"train": "step_p50_s", "serve": "ttft_p50_ms"}
 ESTIMATED = {"train": ("step_p50_s", "tokens_per_s"), "serve": ("ttft_p50_ms", "tpot_p50_ms", "output_throughput")}
+
+
+def _efficiency(value: float) -> str:
+    return f"{value:.0%}" + ("!" if value > 1.1 else "")
 
 
 def _versus(row: Row, first: Row | None, key: str) -> str:

@@ -24,7 +24,7 @@ from llmadapt.host import node_name, utc_now
 SCHEMA_VERSION = "1.6"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
-# 1.6: the breakdown's memory_seconds and kernel_types (GPU kernel basis)
+# 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators
 
 
 @attrs.frozen
@@ -218,6 +218,8 @@ class Breakdown:
     other: list[ClassTime] = attrs.Factory(list)
     """What 'other' holds: the profiled events with most time no class claims (at most 8; 'ProfilerStep#N' is
     the adapter's own code and the gaps between operators)."""
+    other_operators: list[ClassTime] = attrs.Factory(list)
+    """What the operator class 'other' holds: the events with most time no operator class claims (at most 8)."""
     collectives: list[Collective] = attrs.Factory(list)
     comm_seconds: float = 0.0
     """Wall time during which at least one collective ran (the union of their spans)."""

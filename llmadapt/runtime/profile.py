@@ -24,7 +24,7 @@ import attrs
 from llmadapt.adapter.breakdown import MODULE_CLASSES, collective_kind, layer_index, operator_class
 from llmadapt.contract.records import Breakdown, ClassTime, LayerTime
 from llmadapt.contract.rundir import RunDir
-from llmadapt.runtime.timeline import STEP_MARK, analyse, intersect, length, union
+from llmadapt.runtime.timeline import STEP_MARK, analyse, intersect, length, subtract, union
 
 _MODULE, _CALL, _LAYER = "llmadapt::module::", "llmadapt::call::", "llmadapt::layer::"
 _BACKWARD = "autograd::engine::evaluate_function"
@@ -197,6 +197,14 @@ def _range_hooks(module, labels: list[str], record_function) -> list[Any]:
     return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
 
 
+def _framework_function(name: str) -> bool:
+    """A framework's own autograd Function or hook node (Megatron-core's tensor-parallel regions and linear
+    layers, DeepSpeed ZeRO-3's parameter hooks): not an ATen operator, not a range of llmadapt's, not the
+    autograd engine's. Where one waits for a collective, the wait is communication."""
+    return not name.startswith(("aten::", "llmadapt::", _BACKWARD, _STEP_EVENT, "Optimizer.", "c10d::", "gloo:",
+                                "nccl:", "record_param_comms", "cuda"))
+
+
 _LOSS_OPS = ("cross_entropy", "nll_loss")  # a loss the adapter computes outside the model's modules
 _ACCUMULATE = "AccumulateGrad"  # the autograd node that accumulates a parameter's gradient (and runs its hooks)
 
@@ -211,11 +219,12 @@ def _backward_node(e) -> str:
     return ""
 
 
-def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float]] | None = None):
-    """Each profiled event with where its own time goes: (event, class or None, layer or None, phase, seconds);
-    phase is 'forward', 'backward' or 'step' (outside both: the optimizer, the adapter's own code). The step's
-    own time while a collective ran (``comm_spans``, the backend threads' spans) is the step waiting for it:
-    yielded once more for the step's event, as 'communication'."""
+def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float, str]] | None = None):
+    """Each profiled event with where its own time goes: (event, class or None, layer or None, phase, seconds,
+    operator class or None); phase is 'forward', 'backward' or 'step' (outside both: the optimizer, the adapter's
+    own code). Own time while a collective ran (``comm_spans``: the backend threads' spans and their kinds) in
+    the step, a framework call or a framework's autograd Function is waiting for it: yielded once more for that
+    event, as 'communication', with the collective's kind as its operator class."""
     def own_time(e) -> float:
         if basis == "device":
             return (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / 1e6
@@ -253,11 +262,14 @@ def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float]] 
     # waits for its last bucket after backward, DeepSpeed's backward for its gradient all-reduce. (Gaps inside
     # the model's modules are left to them: there, Python runs beside a collective the framework prefetches.)
     lead_in: dict[int, float] = defaultdict(float)
-    waited: dict[int, float] = defaultdict(float)
-    comm_union = union(comm_spans or [])
+    waited: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    by_kind: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for start, end, kind in comm_spans or []:
+        by_kind[kind].append((start, end))
+    comm_unions = {kind: union(spans) for kind, spans in by_kind.items()}
     if basis == "cpu":
         for parent in events:
-            waits = parent.name.startswith((_STEP_EVENT, _CALL))
+            waits = parent.name.startswith((_STEP_EVENT, _CALL)) or _framework_function(parent.name)
             if not waits and not any(c.name.startswith(_BACKWARD) for c in parent.cpu_children):
                 continue
             end = parent.time_range.start
@@ -268,9 +280,13 @@ def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float]] 
                         lead_in[id(child)] += (gap_end - end) / 1e6
                         lead_in[id(parent)] -= (gap_end - end) / 1e6
                     elif waits:
-                        wait = length(intersect([(end, gap_end)], comm_union)) / 1e6
-                        waited[id(parent)] += wait
-                        lead_in[id(parent)] -= wait
+                        gap = [(end, gap_end)]
+                        for kind, spans in comm_unions.items():  # a gap beside two kinds: each its share, once
+                            gap_wait = length(intersect(gap, spans))
+                            if gap_wait:
+                                gap = subtract(gap, spans)
+                                waited[id(parent)][kind] += gap_wait / 1e6
+                                lead_in[id(parent)] -= gap_wait / 1e6
                 if child is not None:
                     end = max(end, child.time_range.end)
     made: dict[tuple[int, int], tuple[str | None, int | None]] = {}  # autograd node -> where its op ran
@@ -304,9 +320,9 @@ def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float]] 
             phase = "backward"
         else:
             phase = "forward" if forward else "step"
-        yield e, cls, layer, phase, own_time(e) + lead_in.get(id(e), 0.0)
-        if waited.get(id(e)):
-            yield e, "communication", None, "step", waited[id(e)]
+        yield e, cls, layer, phase, own_time(e) + lead_in.get(id(e), 0.0), None
+        for kind, seconds in (waited.get(id(e)) or {}).items():
+            yield e, "communication", None, "step", seconds, kind
 
 
 def fold(events, *, rank: int, step: int, level: str, basis: str) -> Breakdown:
@@ -326,7 +342,7 @@ def fold(events, *, rank: int, step: int, level: str, basis: str) -> Breakdown:
     comm_spans = None
     if basis == "cpu":
         threads = {e.thread for e in events if e.name.startswith((_STEP_EVENT, _BACKWARD))}
-        comm_spans = [(e.time_range.start, e.time_range.end) for e in events
+        comm_spans = [(e.time_range.start, e.time_range.end, collective_kind(e.name)) for e in events
                       if e.thread not in threads and collective_kind(e.name)]
         events = [e for e in events if e.thread in threads]
     modules: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # forward, backward, step
@@ -334,7 +350,8 @@ def fold(events, *, rank: int, step: int, level: str, basis: str) -> Breakdown:
     ops: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
     slot = {"forward": 0, "backward": 1, "step": 2}
     other: dict[str, float] = defaultdict(float)
-    for e, cls, layer, phase, seconds in attribute(events, basis, comm_spans):
+    other_ops: dict[str, float] = defaultdict(float)
+    for e, cls, layer, phase, seconds, waited_kind in attribute(events, basis, comm_spans):
         modules[cls or "other"][slot[phase]] += seconds
         if cls is None:
             node = _backward_node(e)
@@ -342,8 +359,11 @@ def fold(events, *, rank: int, step: int, level: str, basis: str) -> Breakdown:
         if layer is not None and cls not in ("communication", "optimizer") and phase != "step":
             layers[layer][slot[phase]] += seconds
         if level != "module" and not e.name.startswith(("llmadapt::", _BACKWARD, _STEP_EVENT)):
-            kind = "optimizer" if cls == "optimizer" and not collective_kind(e.name) else operator_class(e.name)
+            kind = waited_kind or ("optimizer" if cls == "optimizer" and not collective_kind(e.name)
+                                   else operator_class(e.name))
             op = ops[kind]
+            if kind == "other":
+                other_ops[e.name] += seconds
             op[0] += seconds
             op[1] += 1
             op[2] += float(getattr(e, "flops", 0) or 0)
@@ -355,4 +375,5 @@ def fold(events, *, rank: int, step: int, level: str, basis: str) -> Breakdown:
         operators=[ClassTime(name, v[0], count=int(v[1]), flops=v[2] or None)
                    for name, v in sorted(ops.items(), key=lambda kv: -kv[1][0])],
         other=[ClassTime(name[:120], t) for name, t in sorted(other.items(), key=lambda kv: -kv[1])[:8]],
+        other_operators=[ClassTime(name[:120], t) for name, t in sorted(other_ops.items(), key=lambda kv: -kv[1])[:8]],
     )
