@@ -87,3 +87,27 @@ def test_each_gpu_variant_is_its_own_entry():
     assert device_for_reported("NVIDIA H100 PCIe").memory_bandwidth == 2.0e12
     assert device_for_reported("NVIDIA A100 80GB PCIe").memory_bandwidth == 1.935e12
     assert find_device("h100-nvl").memory_bytes == 94e9 and find_device("A100 PCIe 40GB").name == "A100-PCIe-40GB"
+
+
+def test_lora_quantized_and_recomputed_runs_have_their_flops():
+    """LoRA: the frozen base costs 4 FLOPs per parameter and token (no weight gradients), the adapters 6; a
+    quantized base is the dense math it stands for; HFU adds the forward that recomputation runs again."""
+    from pathlib import Path
+
+    from llmadapt import Workload
+    from llmadapt.contract.flops import training_flops
+
+    w = Workload.from_file(Path(__file__).resolve().parents[1] / "examples" / "tiny-llama.toml")
+    m, t = w.model, w.train.seq_len
+    full = model_flops_per_token(m, t)
+    attention = 12 * m.num_layers * m.num_heads * m.head_dim * t
+    n = param_count(m, active=True, embedding=False)
+    assert training_flops(w) == (full, full)  # no recomputation: hardware = model
+    assert training_flops(w.with_overrides(["optimizations.recompute=full"])) == (full, full * 4 / 3)
+    lora = w.with_overrides(["kind=finetune", "lora.rank=8", "lora.target_modules=[q_proj,v_proj]"])
+    q = m.hidden_size + m.num_heads * m.head_dim
+    v = m.hidden_size + m.num_kv_heads * m.head_dim
+    adapters = 8 * (q + v) * m.num_layers
+    assert training_flops(lora)[0] == pytest.approx(4 * n + 6 * adapters + attention)
+    quantized = lora.with_overrides(["optimizations.quantization=nf4"])
+    assert training_flops(quantized) == training_flops(lora)

@@ -92,10 +92,14 @@ def row_metrics(summary, baseline_losses: list[float | None] | None) -> dict[str
         "peak_memory_mib": s.peak_memory_bytes / 2**20 if s.peak_memory_bytes else None,
         "first_loss": s.losses[0] if s.losses else None, "last_loss": s.losses[-1] if s.losses else None,
         "parity_delta": delta,
+        "mfu": s.mfu, "hfu": s.hfu if s.hfu != s.mfu else None,
         **_expert_columns(s.expert_imbalance),
         **_eval_columns(s.evaluations),
     }
 
+
+# Where the device's peak is known (GPUs in the catalog): MFU, and HFU where recomputation makes it differ
+UTILISATION_COLUMNS = [("mfu", "MFU", ".1%"), ("hfu", "HFU", ".1%")]
 
 # MoE runs only: the router's balance, the mean over layers of each layer's mean over steps (ExpertImbalance)
 EXPERT_COLUMNS = [("expert_cv", "expert CV", ".3f"), ("expert_max_over_mean", "expert max/mean", ".2f"),
@@ -157,6 +161,7 @@ class Comparison:
         if any("expert_cv" in r.metrics for r in self.rows):
             columns = columns + EXPERT_COLUMNS
         columns = columns + [c for c in EVAL_COLUMNS if any(c[0] in r.metrics for r in self.rows)]
+        columns = columns + [c for c in UTILISATION_COLUMNS if any(r.metrics.get(c[0]) is not None for r in self.rows)]
         problems = {h: f"P{i}" for i, h in enumerate(self.problems(), 1)}
         head = ["problem", "run", "status"] + [title for _, title, _ in columns]
         uncertain = any(r.estimates for r in self.rows)

@@ -102,7 +102,8 @@ def render_summary(s: dict[str, Any]) -> str:
                 line += f"; bunched chunks {v['bunched_share']:.0%} (engine ITL {v['engine_itl_ms']:.2f} ms)"
             lines.append(line)
     if s.get("mfu") is not None:
-        lines.append(f"mfu        {s['mfu']:.1%}")
+        hfu = f", hfu {s['hfu']:.1%} (recomputation counted)" if s.get("hfu") and s["hfu"] != s["mfu"] else ""
+        lines.append(f"mfu        {s['mfu']:.1%}{hfu}")
     for failure in s.get("failures", []):
         where = f"rank {failure['rank']}" if failure.get("rank") is not None else "launcher"
         lines.append(f"failure    {failure['cause']} ({where}): {failure['message'][:300]}")

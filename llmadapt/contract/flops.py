@@ -7,7 +7,12 @@ does), for MoE only the active experts (top-k) plus the router; L layers, H quer
 Q head dim, T sequence length. GQA shrinks N (smaller K/V projections) but not the attention
 term, whose score and value products run over all H query heads. The attention term is the
 non-causal one (PaLM), so it overstates causal attention work by about 2x. Forward is 1/3,
-backward 2/3. Recomputation is not counted (that would be hardware FLOPs, HFU).
+backward 2/3. Recomputation is not counted in MFU's model FLOPs; HFU's hardware FLOPs count it.
+
+LoRA (``training_flops``): the frozen base computes no weight gradients, so each of its N parameters costs 4
+FLOPs per token (forward, and the gradient with respect to its input), not 6; the adapters (r * (in + out)
+parameters per target matrix) cost 6. A quantized base is counted as the dense math it stands for, at the
+workload's precision: dequantising it is overhead, not model work.
 """
 
 from __future__ import annotations
@@ -44,6 +49,38 @@ def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
         n += model.hidden_size * model.vocab_size  # tied: the output matmul still runs
     attention = 12 * model.num_layers * model.num_heads * model.head_dim * seq_len
     return float(6 * n + attention)
+
+
+_TARGET_SHAPES = {  # (in, out) of each LoRA target matrix, by its transformers name
+    "q_proj": lambda m: (m.hidden_size, m.num_heads * m.head_dim),
+    "k_proj": lambda m: (m.hidden_size, m.num_kv_heads * m.head_dim),
+    "v_proj": lambda m: (m.hidden_size, m.num_kv_heads * m.head_dim),
+    "o_proj": lambda m: (m.num_heads * m.head_dim, m.hidden_size),
+    "gate_proj": lambda m: (m.hidden_size, m.intermediate_size),
+    "up_proj": lambda m: (m.hidden_size, m.intermediate_size),
+    "down_proj": lambda m: (m.intermediate_size, m.hidden_size),
+}
+
+
+def training_flops(workload) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) per token of a training or fine-tuning workload: model FLOPs for MFU (PaLM's
+    convention; for LoRA, the frozen base without weight gradients plus the adapters), hardware FLOPs for HFU
+    (model FLOPs plus the forward that recomputation runs again: all of it for 'full', attention's score and
+    value products for 'selective')."""
+    m, seq = workload.model, workload.train.seq_len
+    full = model_flops_per_token(m, seq)
+    attention = 12 * m.num_layers * m.num_heads * m.head_dim * seq
+    if workload.lora.rank:
+        n = (full - attention) / 6  # the matmul parameters of the base
+        adapters = sum(workload.lora.rank * sum(_TARGET_SHAPES[t](m)) for t in workload.lora.target_modules
+                       if t in _TARGET_SHAPES) * m.num_layers
+        model = 4 * n + 6 * adapters + attention
+        forward = 2 * n + 2 * adapters + attention / 3
+    else:
+        model, forward = full, full / 3
+    recompute = workload.optimizations.recompute
+    extra = forward if recompute == "full" else attention / 3 if recompute == "selective" else 0.0
+    return float(model), float(model + extra)
 
 
 def peak_flops(device_name: str, precision: str) -> float | None:

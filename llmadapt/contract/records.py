@@ -24,7 +24,8 @@ from llmadapt.host import node_name, utc_now
 SCHEMA_VERSION = "1.6"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
-# 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators
+# 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
+# hardware_flops_per_token and hfu
 
 
 @attrs.frozen
@@ -608,7 +609,8 @@ class Summary:
     """PaLM convention (see llmadapt.contract.flops)."""
     achieved_flops_per_s: float | None
     mfu: float | None
-    """None where the device peak is unknown (e.g. CPUs) or the convention does not apply."""
+    """None where the device peak is unknown (e.g. CPUs). LoRA counts the frozen base without weight gradients; a
+    quantized base counts as the dense math at the workload's precision (llmadapt.contract.flops)."""
     phase_means_s: dict[str, float]
     """Mean over measured steps and ranks, per 'source:name'."""
     failures: list[Failure]
@@ -624,5 +626,9 @@ class Summary:
     """What the background sampler saw (workload.telemetry)."""
     evaluations: list[Evaluation] | None = None
     """Runs with workload.eval: the held-out figures before training, every eval.every steps and after, by step."""
+    hardware_flops_per_token: float | None = None
+    """model_flops_per_token plus the forward that recomputation runs again (llmadapt.contract.flops)."""
+    hfu: float | None = None
+    """Hardware FLOPs utilisation: MFU with recomputation counted; None where MFU is."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["summary"] = "summary"

@@ -13,7 +13,7 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable
 
-from llmadapt.contract.flops import mfu, model_flops_per_token, peak_flops
+from llmadapt.contract.flops import mfu, peak_flops, training_flops
 from llmadapt.contract.breakdowns import breakdown_summary, expert_imbalance, telemetry_summary
 from llmadapt.contract.records import Device, Evaluation, Failure, Patch, Stats, Summary
 from llmadapt.spec import Workload
@@ -94,13 +94,12 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
 
     head = headers.get(0) or (next(iter(headers.values())) if headers else None)
     device = Device(**head["device"]) if head else None
-    fpt = model_flops_per_token(workload.model, workload.train.seq_len)
+    fpt, hardware_fpt = training_flops(workload)
     tok_stats = describe(tokens_s)
     achieved = fpt * tok_stats.mean if tok_stats else None
     peak = peak_flops(device.name, workload.precision) if device else None
-    # MFU is meaningless for quantized or LoRA runs under the 6N convention: leave it out.
-    plain = workload.optimizations.quantization == "none" and not workload.lora.rank
-    run_mfu = mfu(fpt, tok_stats.mean, peak, world) if (tok_stats and plain) else None
+    run_mfu = mfu(fpt, tok_stats.mean, peak, world) if tok_stats else None
+    run_hfu = mfu(hardware_fpt, tok_stats.mean, peak, world) if tok_stats else None
 
     # Every rank wrote its last record: the run is complete, and whatever the launcher saw go wrong after
     # that (a rank dying in teardown, a timeout while the ranks exited) is a warning, not a lost run.
@@ -139,6 +138,8 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
         model_flops_per_token=fpt,
         achieved_flops_per_s=achieved,
         mfu=run_mfu,
+        hardware_flops_per_token=hardware_fpt,
+        hfu=run_hfu,
         phase_means_s={k: sum(v) / len(v) for k, v in sorted(phase_sums.items())},
         failures=failures,
         warnings=warnings,
