@@ -81,3 +81,12 @@ def _ephemeral_low() -> int:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768  # Linux's default
+
+
+def gpu_visible() -> bool:
+    """Whether workers will see a GPU (checked without torch): an NVIDIA device node or tool, not forced to CPU."""
+    import shutil
+
+    if os.environ.get("LLMADAPT_DEVICE", "auto") == "cpu" or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return False
+    return Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") is not None

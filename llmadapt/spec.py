@@ -192,6 +192,9 @@ class Parallelism:
     tp: int = attrs.field(default=1, validator=_at_least(1))
     pp: int = attrs.field(default=1, validator=_at_least(1))
     ep: int = attrs.field(default=1, validator=_at_least(1))
+    p2p: bool = True
+    """Peer-to-peer between GPUs (NVLink, or PCIe P2P); false sets NCCL_P2P_DISABLE=1 for the ranks, so collectives
+    go through host memory (study A's NVLink against PCIe). Needs NCCL: refused where no GPU is visible."""
 
     @property
     def world_size(self) -> int:
@@ -589,8 +592,8 @@ class Workload:
 def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
     """A workload's dict less what does not define it: labels, per-adapter settings, sources, the model
     folder's location (its content is the checksum; absent for a preset, so older hashes stay as they were), and
-    the eval section when nothing is evaluated, save.lora, serve.stream, serve.mode and serve.engine at their
-    defaults (so are older hashes)."""
+    the eval section when nothing is evaluated, save.lora, serve.stream, serve.mode, serve.engine and
+    parallelism.p2p at their defaults (so are older hashes)."""
     for key in ("name", "adapters", "sources"):
         data.pop(key)
     if not data["eval"]["examples"]:
@@ -603,6 +606,8 @@ def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
         data["serve"].pop("mode")
     if data["serve"]["engine"] == attrs.asdict(EngineSpec()):
         data["serve"].pop("engine")
+    if data["parallelism"]["p2p"]:
+        data["parallelism"].pop("p2p")
     for key in ("name", "path"):
         data["model"].pop(key)
     if data["model"]["checksum"] is None:

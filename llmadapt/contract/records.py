@@ -25,7 +25,7 @@ SCHEMA_VERSION = "1.6"  # 1.1: end records, summary warnings; 1.2: client_load r
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
-# hardware_flops_per_token and hfu
+# hardware_flops_per_token and hfu; the header's topology
 
 
 @attrs.frozen
@@ -79,6 +79,40 @@ class Device:
 
 
 @attrs.frozen
+class GpuLink:
+    """How this rank's GPU reaches one other GPU of the machine, as NVML reports it."""
+
+    peer: int
+    """The other GPU's index (NVML's, on this machine)."""
+    path: str
+    """NVML's common ancestor: 'same board', 'one PCIe switch', 'several PCIe switches', 'PCIe host bridge',
+    'same NUMA node', 'across NUMA nodes (SMP interconnect)'."""
+    nvlink: bool | None
+    """Whether peer-to-peer runs over NVLink (NVML's P2P NVLink capability); None where NVML cannot say."""
+    p2p: str | None
+    """Peer-to-peer read status: 'ok', or why not ('chipset not supported', 'disabled by NCCL_P2P_DISABLE', ...)."""
+
+
+@attrs.frozen
+class Topology:
+    """Where a rank ran and how its devices are connected (what study A compares as NVLink against PCIe), and the
+    communication settings that change the path a collective takes."""
+
+    interconnect: str
+    """'nvlink', 'pcie' (GPUs reach each other over PCIe only), 'single gpu', or 'cpu' (no device links)."""
+    numa_nodes: int | None = None
+    """NUMA nodes of the machine (Linux's /sys/devices/system/node)."""
+    cpus: list[int] | None = None
+    """The cores this rank may run on (its affinity)."""
+    nvlinks_active: int | None = None
+    """This GPU's NVLink links that are up."""
+    gpu_links: list[GpuLink] = attrs.Factory(list)
+    settings: dict[str, str] = attrs.Factory(dict)
+    """The environment variables that steer communication, as set for this rank (NCCL_*, GLOO_*, CUDA_VISIBLE_DEVICES
+    and the like); P2P turned off by the workload (parallelism.p2p = false) shows as NCCL_P2P_DISABLE=1."""
+
+
+@attrs.frozen
 class Header:
     """First record of each rank's file: who ran what, where, with which software."""
 
@@ -106,6 +140,8 @@ class Header:
     wall_anchor_ns: int
     """time.time_ns() read together with mono_anchor_ns: maps this process's monotonic clock to wall time."""
     mono_anchor_ns: int
+    topology: Topology | None = None
+    """How the rank's device connects to the others (training workers); None where not measured."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["header"] = "header"
 

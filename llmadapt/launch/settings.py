@@ -10,7 +10,7 @@ import time
 import attrs
 
 from llmadapt.contract.stream import parse_address
-from llmadapt.errors import LlmadaptError
+from llmadapt.errors import LlmadaptError, UnsupportedError
 from llmadapt.spec import Workload
 
 LAUNCHERS = ("auto", "inline", "subprocess", "torchrun", "slurm")
@@ -136,4 +136,13 @@ def resolve(workload: Workload, adapter: str):
     check_adapter_settings(workload, [adapter])
     workload = workload.for_adapter(adapter)
     check_supported(info, workload)
+    if not workload.parallelism.p2p:
+        from llmadapt.host import gpu_visible
+
+        if workload.kind == "serve":
+            raise UnsupportedError("parallelism.p2p=false is for training stacks on NCCL; a serving engine "
+                                   "chooses its own transport")
+        if not gpu_visible():
+            raise UnsupportedError("parallelism.p2p=false turns off NCCL's peer-to-peer path between GPUs; no GPU "
+                                   "is visible here, and gloo on a CPU has no such path: nothing would change")
     return info, workload

@@ -13,7 +13,7 @@ import attrs
 
 import llmadapt.host as host
 from llmadapt.adapter.context import WorkerContext
-from llmadapt.contract.records import Device, Memory
+from llmadapt.contract.records import Device, GpuLink, Memory, Topology
 
 
 @attrs.frozen
@@ -138,6 +138,78 @@ def describe_device(device) -> Device:
     except OSError:
         pass
     return Device(kind="cpu", name=name, count=1, memory_bytes=total)
+
+
+# Environment variables that change which path a collective takes, or how: recorded with every run.
+_COMM_VARIABLES = ("CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "MASTER_ADDR")
+_COMM_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_")
+_PATHS = {0: "same board", 10: "one PCIe switch", 20: "several PCIe switches", 30: "PCIe host bridge",
+          40: "same NUMA node", 50: "across NUMA nodes (SMP interconnect)"}
+_P2P = {0: "ok", 1: "chipset not supported", 2: "GPU not supported", 3: "IOH topology not supported",
+        4: "disabled by the driver", 5: "not supported", 6: "unknown"}
+
+
+def describe_topology(device, env: dict[str, str] | None = None, nvml=None) -> Topology:
+    """The rank's place in the machine: NUMA nodes, its cores, and on a GPU how it reaches every other GPU (NVML:
+    the PCIe path, NVLink, the P2P status); the communication settings it runs with. ``nvml`` stands in for
+    pynvml in tests. Nothing here fails a run: what cannot be read is left None."""
+    env = dict(os.environ if env is None else env)
+    settings = {k: v for k, v in sorted(env.items()) if k in _COMM_VARIABLES or k.startswith(_COMM_PREFIXES)}
+    try:
+        numa = len([p for p in Path("/sys/devices/system/node").glob("node[0-9]*")]) or None
+    except OSError:
+        numa = None
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = None
+    if getattr(device, "type", "cpu") != "cuda":
+        return Topology(interconnect="cpu", numa_nodes=numa, cpus=cpus, settings=settings)
+    links, active = [], None
+    try:
+        if nvml is None:
+            import pynvml as nvml
+
+            nvml.nvmlInit()
+        count = nvml.nvmlDeviceGetCount()
+        me = nvml.nvmlDeviceGetHandleByIndex(_nvml_index(device, env))
+        active = 0
+        for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
+            try:
+                active += nvml.nvmlDeviceGetNvLinkState(me, link) == getattr(nvml, "NVML_FEATURE_ENABLED", 1)
+            except Exception:  # noqa: BLE001 - no such link, or no NVLink at all
+                break
+        for peer in range(count):
+            other = nvml.nvmlDeviceGetHandleByIndex(peer)
+            if peer == _nvml_index(device, env):
+                continue
+            path = _PATHS.get(int(nvml.nvmlDeviceGetTopologyCommonAncestor(me, other)), "unknown")
+            p2p = nvlink = None
+            try:
+                p2p = _P2P.get(int(nvml.nvmlDeviceGetP2PStatus(me, other, nvml.NVML_P2P_CAPS_INDEX_READ)), "unknown")
+                nvlink = int(nvml.nvmlDeviceGetP2PStatus(me, other, nvml.NVML_P2P_CAPS_INDEX_NVLINK)) == 0
+            except Exception:  # noqa: BLE001 - an older driver: the path is still known
+                pass
+            if env.get("NCCL_P2P_DISABLE") == "1" and p2p == "ok":
+                p2p = "disabled by NCCL_P2P_DISABLE"
+            links.append(GpuLink(peer=peer, path=path, nvlink=nvlink, p2p=p2p))
+    except Exception:  # noqa: BLE001 - no NVML: the topology is unknown, the run goes on
+        return Topology(interconnect="unknown", numa_nodes=numa, cpus=cpus, settings=settings)
+    if not links:
+        kind = "single gpu"
+    else:
+        kind = "nvlink" if any(link.nvlink for link in links) or active else "pcie"
+    return Topology(interconnect=kind, numa_nodes=numa, cpus=cpus, nvlinks_active=active, gpu_links=links,
+                    settings=settings)
+
+
+def _nvml_index(device, env: dict[str, str]) -> int:
+    """NVML's index of a torch device: NVML sees every GPU, CUDA only those CUDA_VISIBLE_DEVICES names."""
+    index = device.index or 0
+    visible = [v for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible and index < len(visible) and visible[index].strip().isdigit():
+        return int(visible[index])
+    return index
 
 
 def apply_thread_policy() -> None:

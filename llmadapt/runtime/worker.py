@@ -34,6 +34,7 @@ from llmadapt.runtime.device import (
     Place,
     apply_thread_policy,
     describe_device,
+    describe_topology,
     memory_snapshot,
     pick_device,
     reset_peak_memory,
@@ -99,6 +100,8 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
         if not inline:
             apply_thread_policy()
         device = pick_device(place)
+        if not workload.parallelism.p2p:  # read by NCCL when its communicators start
+            os.environ["NCCL_P2P_DISABLE"] = "1"
         if place.world_size > 1:
             import torch.distributed as dist
 
@@ -144,7 +147,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
             framework_version=trainer.framework_version(), launcher=launch["launcher"],
             workload_hash=workload.content_hash, problem_hash=workload.problem_hash, workload=workload.to_dict(),
             checkpoint_hash=workload.model.checksum or recorded_weights_hash(checkpoint), device=describe_device(device),
-            software=software_versions(), patches=list(trainer.patches),
+            software=software_versions(), patches=list(trainer.patches), topology=describe_topology(device),
         ))
 
         for metric in setup:

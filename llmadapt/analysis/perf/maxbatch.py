@@ -17,9 +17,7 @@ The search directory holds ``probes.jsonl`` (a ``probe`` record per probe, then 
 
 from __future__ import annotations
 
-import os
 import secrets
-import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -34,6 +32,7 @@ from llmadapt.contract.perf import MaxBatch, Probe
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json
 from llmadapt.errors import LlmadaptError
+from llmadapt.host import gpu_visible
 from llmadapt.launch.settings import check_adapter_settings
 from llmadapt.spec import Workload
 
@@ -83,13 +82,6 @@ class MaxBatchResult:
         for p in self.probes:
             w.writerow([getattr(p, k) for k in keys])
         return buf.getvalue()
-
-
-def gpu_visible() -> bool:
-    """Whether workers will see a GPU (checked without torch): an NVIDIA device node or tool, not forced to CPU."""
-    if os.environ.get("LLMADAPT_DEVICE", "auto") == "cpu" or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
-        return False
-    return Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") is not None
 
 
 def classify(summary) -> tuple[str, str | None]:

@@ -1,0 +1,102 @@
+"""Topology: every training header says how the rank's device reaches the others (NUMA and cores on CPU; NVML's
+PCIe path, NVLink and P2P status on GPU) and the communication settings it ran with; parallelism.p2p = false turns
+NCCL's peer-to-peer path off, and is refused where nothing would honour it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from llmadapt import UnsupportedError, Workload
+from llmadapt.contract.jsonl import read_jsonl
+from llmadapt.runtime.device import describe_topology
+from llmadapt.testing import environments_unready
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = Workload.from_file(ROOT / "examples" / "tiny-llama.toml")
+
+
+class FakeNvml:
+    """NVML as pynvml exposes it, for a machine of four GPUs: 0-1 and 2-3 NVLink pairs on one PCIe switch each,
+    the pairs across the host bridge (the way DGX-like boards are wired). Faithful to pynvml's names and codes."""
+
+    NVML_NVLINK_MAX_LINKS = 18
+    NVML_FEATURE_ENABLED = 1
+    NVML_P2P_CAPS_INDEX_READ = 0
+    NVML_P2P_CAPS_INDEX_NVLINK = 2
+
+    def nvmlDeviceGetCount(self):
+        return 4
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        if link >= 4:
+            raise RuntimeError("NVML_ERROR_INVALID_ARGUMENT")
+        return 1
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a, b):
+        return 10 if a // 2 == b // 2 else 30  # one PCIe switch within a pair, the host bridge across
+
+    def nvmlDeviceGetP2PStatus(self, a, b, index):
+        if index == self.NVML_P2P_CAPS_INDEX_NVLINK:
+            return 0 if a // 2 == b // 2 else 5  # NVLink within a pair only
+        return 0
+
+
+def test_a_gpu_rank_records_each_peers_path_nvlink_and_p2p():
+    device = SimpleNamespace(type="cuda", index=1)
+    t = describe_topology(device, env={"CUDA_VISIBLE_DEVICES": "2,3", "NCCL_ALGO": "Ring", "HOME": "/root"},
+                          nvml=FakeNvml())
+    # torch's cuda:1 under CUDA_VISIBLE_DEVICES=2,3 is NVML's GPU 3
+    assert t.interconnect == "nvlink" and t.nvlinks_active == 4
+    assert [(g.peer, g.path, g.nvlink, g.p2p) for g in t.gpu_links] == [
+        (0, "PCIe host bridge", False, "ok"), (1, "PCIe host bridge", False, "ok"),
+        (2, "one PCIe switch", True, "ok")]
+    assert t.settings == {"CUDA_VISIBLE_DEVICES": "2,3", "NCCL_ALGO": "Ring"}  # what steers communication only
+    off = describe_topology(device, env={"NCCL_P2P_DISABLE": "1"}, nvml=FakeNvml())
+    assert {g.p2p for g in off.gpu_links} == {"disabled by NCCL_P2P_DISABLE"}
+
+
+def test_without_nvml_the_topology_is_unknown_not_a_failure():
+    class Broken(FakeNvml):
+        def nvmlDeviceGetCount(self):
+            raise RuntimeError("NVML_ERROR_DRIVER_NOT_LOADED")
+
+    t = describe_topology(SimpleNamespace(type="cuda", index=0), env={}, nvml=Broken())
+    assert t.interconnect == "unknown" and t.gpu_links == []
+
+
+def test_a_cpu_rank_records_numa_nodes_cores_and_settings():
+    t = describe_topology(SimpleNamespace(type="cpu", index=None), env={"GLOO_SOCKET_IFNAME": "lo"})
+    assert t.interconnect == "cpu" and t.cpus == sorted(os.sched_getaffinity(0))
+    assert t.numa_nodes is None or t.numa_nodes >= 1
+    assert t.settings == {"GLOO_SOCKET_IFNAME": "lo"}
+
+
+def test_p2p_off_is_refused_where_nothing_would_honour_it(monkeypatch):
+    from llmadapt.launch.settings import resolve
+
+    off = TINY.with_overrides(["parallelism.p2p=false"])
+    assert off.problem_hash == TINY.problem_hash  # a layout setting: the same problem
+    assert off.content_hash != TINY.content_hash and TINY.to_dict()["parallelism"]["p2p"] is True
+    monkeypatch.setenv("LLMADAPT_DEVICE", "cpu")
+    with pytest.raises(UnsupportedError, match="no GPU is visible here, and gloo on a CPU has no such path"):
+        resolve(off, "torch")
+
+
+@pytest.mark.skipif(bool(environments_unready("torch")), reason=environments_unready("torch") or "")
+def test_every_rank_header_carries_its_topology(tmp_path):
+    from llmadapt import run
+
+    result = run(TINY.with_overrides(["parallelism.dp=2", "train.steps=2"]), "torch", out=tmp_path)
+    assert result.ok
+    for rank in (0, 1):
+        header = read_jsonl(result.run_dir / f"rank-{rank:05d}.jsonl")[0]
+        t = header["topology"]
+        assert t["interconnect"] == "cpu" and t["cpus"] and t["gpu_links"] == []
+        assert "MASTER_ADDR" in t["settings"]  # torchrun's rendezvous: how the ranks found each other
