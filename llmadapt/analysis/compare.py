@@ -254,14 +254,23 @@ class Comparison:
         step time goes. Each cell: ms per profiled step and rank, and its share of that row's step."""
         from llmadapt.analysis.report import read_summary
 
-        rows = []
+        rows, phases = [], []
         for r in self.rows:
-            b = read_summary(r.run_dir).get("breakdown") if r.run_dir and r.status == "ok" else None
+            summary = read_summary(r.run_dir) if r.run_dir and r.status == "ok" else {}
+            b = summary.get("breakdown")
             if b and b["profiled_steps"]:
                 rows.append((r.label, b))
-        if not rows:
-            return "no profiled runs: set profile.steps (e.g. --set 'profile.steps=[3]') to break steps down"
-        return "\n".join(breakdown_columns(rows))
+            if summary.get("phase_means_s") and (summary.get("step_time_s") or {}).get("mean"):
+                phases.append((r.label, summary["phase_means_s"], summary["step_time_s"]["mean"]))
+        lines = breakdown_columns(rows) if rows else [
+            "no profiled runs: set profile.steps (e.g. --set 'profile.steps=[3]') to break steps down"]
+        if phases:  # every run's phases, timed by each stack on every measured step (not only profiled ones)
+            names = list(dict.fromkeys(n for _, p, _ in phases for n in p))
+            body = [[name] + ["-" if name not in p else f"{p[name] * 1e3:.2f} ({p[name] / step:.0%})"
+                              for _, p, step in phases] for name in names]
+            lines += ["", *text_table(["phase (source:name), ms (share of the step)"] + [label for label, _, _ in phases],
+                                      body)]
+        return "\n".join(lines)
 
     def difference(self, problem: str) -> str:
         first = self.problems()[0]

@@ -109,8 +109,10 @@ def render_summary(s: dict[str, Any]) -> str:
         lines.append(f"failure    {failure['cause']} ({where}): {failure['message'][:300]}")
     for warning in s.get("warnings", []):
         lines.append(f"warning    {warning}")
+    step_mean = (s.get("step_time_s") or {}).get("mean")
     for name, secs in s.get("phase_means_s", {}).items():
-        lines.append(f"phase      {name:<24} {secs:.4f} s")
+        share = f"  {secs / step_mean:6.1%} of the step" if step_mean else ""
+        lines.append(f"phase      {name:<24} {secs:.4f} s{share}")
     for p in s.get("patches", []):
         lines.append(f"patch      {p['framework']}: {p['name']} ({p['kind']}) - {p['description']}")
     for f in s.get("failures", []):
