@@ -213,6 +213,13 @@ def test_a_profiled_step_is_marked_left_out_of_statistics_and_attributed(tmp_pat
     assert NAMED | {"mlp", "attention.rotary"} <= set(classes) and set(classes) <= set(MODULE_CLASSES)
     assert [layer["layer"] for layer in b["layers"]] == [0, 1]
     assert all(layer["forward_seconds"] > 0 and layer["backward_seconds"] > 0 for layer in b["layers"])
+    # Module x operator: every operator's time is in one 'module/operator' cell, so the matrix adds up to the
+    # operator classes; eager attention shows its softmax inside attention.core, the MLP its GEMMs
+    cross = {c["name"]: c["seconds"] for c in b["module_operators"]}
+    for op in b["operators"]:
+        assert sum(v for k, v in cross.items() if k.rsplit("/", 1)[1] == op["name"]) == pytest.approx(
+            op["seconds"], rel=1e-6), op["name"]
+    assert cross["attention.core/softmax"] > 0 and cross["mlp/gemm"] > 0 and cross["optimizer/optimizer"] > 0
     # One rank, no collective: all the step is compute or idle (Python between operators).
     assert b["collectives"] == [] and b["comm_seconds"] == 0
     assert b["compute_seconds"] + b["idle_seconds"] == pytest.approx(b["step_seconds"], rel=0.01)
@@ -236,7 +243,7 @@ def test_a_profiled_step_is_marked_left_out_of_statistics_and_attributed(tmp_pat
         assert line in text, line
 
     rows = list(csv.DictReader(io.StringIO(export(result.run_dir, "breakdown-csv"))))
-    assert {r["table"] for r in rows} == {"module", "operator", "layer", "timeline"}
+    assert {r["table"] for r in rows} == {"module", "operator", "module_operator", "layer", "timeline"}
     assert sum(float(r["seconds"]) for r in rows if r["table"] == "module" and r["step"] == "3") == \
         pytest.approx(total)
     with pytest.raises(LlmadaptError, match="no breakdown in this run"):

@@ -560,6 +560,16 @@ def breakdown_columns(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
     lines = table("module class, ms (share)", "modules", MODULE_CLASSES)
     if any(b["operators"] for _, b in rows):
         lines += [""] + table("operator class, ms (share)", "operators", OPERATOR_CLASSES)
+    if any(b.get("module_operators") for _, b in rows):
+        # the pairs that hold at least 2% of some run's step, module by module in the taxonomy's order
+        big = {c["name"] for _, b in rows for c in b.get("module_operators", [])
+               if c["seconds"] >= 0.02 * sum(x["seconds"] for x in b["module_operators"])}
+        order = tuple(n for m in MODULE_CLASSES for n in sorted(big) if n.rsplit("/", 1)[0] == m)
+        kept = [(label, {**b, "module_operators": [c for c in b.get("module_operators", []) if c["name"] in big]},
+                 sum(c["seconds"] for c in b.get("module_operators", []))) for label, b in rows]
+        body = [[name] + [cell(next((c["seconds"] for c in b["module_operators"] if c["name"] == name), None),
+                               total) for _, b, total in kept] for name in order]
+        lines += [""] + text_table(["module/operator (2% or more), ms (share)"] + [label for label, _ in rows], body)
     timeline = [
         ["profiled step ms"] + [ms(b["step_seconds"]) for _, b in rows],
         ["compute ms"] + [ms(b["compute_seconds"]) for _, b in rows],

@@ -215,6 +215,7 @@ def render_breakdown(b: dict[str, Any]) -> list[str]:
         if b.get("gemm_flops_per_s"):
             lines.append(f"GEMM achieved {b['gemm_flops_per_s'] / 1e9:,.2f} GFLOP/s per rank (set it against "
                          "`llmadapt micro peak`)")
+    lines += module_operator_lines(b)
     if b["layers"]:
         lines += [""] + text_table(["layer", "forward ms", "backward ms"],
                                    [[str(x["layer"]), ms(x["forward_seconds"]), ms(x["backward_seconds"])]
@@ -226,6 +227,29 @@ def render_breakdown(b: dict[str, Any]) -> list[str]:
               "-" if c["busbw_gbytes_per_s"] is None else f"{c['busbw_gbytes_per_s']:.3f}", c["backend"],
               c["algorithm"] or "-"] for c in b["collectives"]])
     return lines
+
+
+def module_operator_lines(b: dict[str, Any], width: int = 6) -> list[str]:
+    """Module class x operator class, ms per profiled step: which operators each module spends its time on (the
+    operator classes with most time as columns, the rest summed as 'rest')."""
+    from llmadapt.analysis.table import text_table
+
+    cells = b.get("module_operators") or []
+    if not cells:
+        return []
+    split = [(c["name"].rsplit("/", 1), c["seconds"]) for c in cells]
+    totals: dict[str, float] = {}
+    for (_, op), seconds in split:
+        totals[op] = totals.get(op, 0.0) + seconds
+    columns = sorted(totals, key=lambda op: -totals[op])[:width]
+    modules = [m["name"] for m in b["modules"] if any(mod == m["name"] for (mod, _), _ in split)]
+    body = []
+    for module in modules:
+        mine = {op: seconds for (mod, op), seconds in split if mod == module}
+        rest = sum(v for op, v in mine.items() if op not in columns)
+        body.append([module, *[f"{mine[op] * 1e3:.2f}" if op in mine else "-" for op in columns],
+                     f"{rest * 1e3:.2f}" if rest else "-"])
+    return [""] + text_table(["module x operator, ms", *columns, "rest"], body)
 
 
 EXPORT_FORMATS = ("json", "csv", "breakdown-csv", "evaluation-csv", "chrome-trace", "vllm-bench")
@@ -316,8 +340,8 @@ def _breakdown_csv(breakdowns: list[dict[str, Any]]) -> str:
         if b.get("error"):
             writer.writerow([*head, "error", b["error"], "", "", "", "", "", "", "", ""])
             continue
-        for table, key in (("module", "modules"), ("operator", "operators")):
-            for c in b[key]:
+        for table, key in (("module", "modules"), ("operator", "operators"), ("module_operator", "module_operators")):
+            for c in b.get(key, []):
                 writer.writerow([*head, table, c["name"], c["seconds"], c["forward_seconds"], c["backward_seconds"],
                                  c["count"], c["flops"] if c["flops"] is not None else "", "", "", ""])
         for x in b["layers"]:

@@ -77,6 +77,7 @@ def breakdown_summary(records: list[dict[str, Any]], world: int) -> BreakdownSum
         compute_seconds=mean("compute_seconds"), idle_seconds=mean("idle_seconds"),
         gemm_flops_per_s=gemm.flops / gemm.seconds if gemm and gemm.flops and gemm.seconds else None,
         errors=errors, memory_seconds=mean("memory_seconds"), kernel_types=classes("kernel_types"),
+        module_operators=classes("module_operators"),
     )
 
 

@@ -25,7 +25,7 @@ SCHEMA_VERSION = "1.6"  # 1.1: end records, summary warnings; 1.2: client_load r
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
-# hardware_flops_per_token and hfu; the header's topology
+# hardware_flops_per_token and hfu; the header's topology; the breakdown's module_operators
 
 
 @attrs.frozen
@@ -257,6 +257,10 @@ class Breakdown:
     the adapter's own code and the gaps between operators)."""
     other_operators: list[ClassTime] = attrs.Factory(list)
     """What the operator class 'other' holds: the events with most time no operator class claims (at most 8)."""
+    module_operators: list[ClassTime] = attrs.Factory(list)
+    """Level operator or full: each module class's time by operator class, named 'module/operator'
+    ('attention.core/softmax', 'moe.experts/gemm'); on a GPU by the class of the operator that launched the
+    kernels."""
     collectives: list[Collective] = attrs.Factory(list)
     comm_seconds: float = 0.0
     """Wall time during which at least one collective ran (the union of their spans)."""
@@ -576,6 +580,7 @@ class BreakdownSummary:
     """Profiling failures (rank, step: what), each leaving its step and the run intact."""
     memory_seconds: float = 0.0
     kernel_types: list[ClassTime] = attrs.Factory(list)
+    module_operators: list[ClassTime] = attrs.Factory(list)
 
 
 @attrs.frozen

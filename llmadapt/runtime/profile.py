@@ -351,6 +351,7 @@ def fold(events, *, rank: int, step: int, level: str, basis: str) -> Breakdown:
     slot = {"forward": 0, "backward": 1, "step": 2}
     other: dict[str, float] = defaultdict(float)
     other_ops: dict[str, float] = defaultdict(float)
+    cross: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # 'module/operator': forward, backward, step
     for e, cls, layer, phase, seconds, waited_kind in attribute(events, basis, comm_spans):
         modules[cls or "other"][slot[phase]] += seconds
         if cls is None:
@@ -362,6 +363,7 @@ def fold(events, *, rank: int, step: int, level: str, basis: str) -> Breakdown:
             kind = waited_kind or ("optimizer" if cls == "optimizer" and not collective_kind(e.name)
                                    else operator_class(e.name))
             op = ops[kind]
+            cross[f"{cls or 'other'}/{kind}"][slot[phase]] += seconds
             if kind == "other":
                 other_ops[e.name] += seconds
             op[0] += seconds
@@ -376,4 +378,5 @@ def fold(events, *, rank: int, step: int, level: str, basis: str) -> Breakdown:
                    for name, v in sorted(ops.items(), key=lambda kv: -kv[1][0])],
         other=[ClassTime(name[:120], t) for name, t in sorted(other.items(), key=lambda kv: -kv[1])[:8]],
         other_operators=[ClassTime(name[:120], t) for name, t in sorted(other_ops.items(), key=lambda kv: -kv[1])[:8]],
+        module_operators=[ClassTime(n, sum(v), v[0], v[1]) for n, v in sorted(cross.items(), key=lambda kv: -sum(kv[1]))],
     )
