@@ -56,6 +56,7 @@ class Check:
         # The reference adapter runs on this interpreter (it has torch): no environment to build, no network.
         self.env.setdefault("LLMADAPT_PYTHON_TORCH", sys.executable)
         self.runs = out / "runs"
+        self.catalog = out / "devices.toml"
         self.found: dict[str, Any] = {}
 
     def save(self) -> None:
@@ -216,7 +217,8 @@ def main() -> int:
 
     def micro_peak(timeout: float) -> dict[str, Any]:
         sizes = "256,512" if r else "4096,8192"
-        extra = ["--save", "gpu-check-cpu"] if not cuda else []
+        # a CPU is described by measurement: saved in this check's own catalog, never the user's
+        extra = ["--save", "gpu-check-cpu", "--catalog-file", str(check.catalog)] if not cuda else []
         rc, out, err = check.llmadapt("micro", "peak", "--dtypes", "bf16", "--gemm-sizes", sizes, "--out",
                                       str(check.runs), *extra, timeout=timeout)
         if out is None:
@@ -237,7 +239,7 @@ def main() -> int:
 
     def estimate(timeout: float) -> dict[str, Any]:
         data = check.found.get("big") or _missing("llama-1b")
-        device = [] if cuda else ["--device", "gpu-check-cpu"]
+        device = [] if cuda else ["--device", "gpu-check-cpu", "--catalog", str(check.catalog)]
         rc, out, err = check.llmadapt("estimate", "--validate", data["run_dir"], *device, timeout=timeout)
         if out is None:
             raise RuntimeError(f"exit {rc}: {err}")

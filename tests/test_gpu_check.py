@@ -19,10 +19,13 @@ SHARED_TRACE = ROOT.parent / "shared" / "data" / "kineto-gpu" / "a100-2rank-nccl
 
 
 def test_the_gpu_check_rehearses_every_step_on_cpu(tmp_path):
+    from llmadapt.contract.catalog import user_catalog_path
+
     try:
         python = python_for(REFERENCE_ENVIRONMENT)
     except EnvironmentNotReadyError as exc:
         pytest.skip(str(exc))
+    user_catalog = user_catalog_path().read_text() if user_catalog_path().is_file() else None
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMADAPT_PYTHON_")}
     env["PYTHONPATH"] = str(ROOT)
     done = subprocess.run([str(python), "benchmarks/gpu_check.py", "--rehearse", "--out", str(tmp_path)], cwd=ROOT,
@@ -49,3 +52,6 @@ def test_the_gpu_check_rehearses_every_step_on_cpu(tmp_path):
     assert lora["eval_loss_after"] < lora["eval_loss_before"]  # the fine-tune learned something
     if SHARED_TRACE.is_file():
         assert steps["trace"]["figures"]["named_kernel_share"] > 0.95
+    # the CPU was described in the check's own catalog, not the user's
+    assert "gpu-check-cpu" in (tmp_path / "devices.toml").read_text()
+    assert (user_catalog_path().read_text() if user_catalog_path().is_file() else None) == user_catalog
