@@ -35,14 +35,16 @@ def test_compare_prints_strong_and_weak_scaling_where_the_rows_allow():
         return Row(label=label, adapter="torch", variant="", run_dir=None, status="ok", problem_hash=workload.problem_hash,
                    metrics={"devices": devices, "step_p50_s": step, "tokens_per_s": tokens})
 
-    rows = [row("dp1", w, 1, 1.0, 100.0), row("dp2", w, 2, 0.625, 160.0), row("dp4", w, 4, 0.2, 500.0),
-            row("dp2 gb16", big, 2, 1.25, 150.0)]
+    rows = [row("torch dp1", w, 1, 1.0, 100.0), row("torch dp2", w, 2, 0.625, 160.0),
+            row("torch dp4", w, 4, 0.2, 500.0), row("torch dp2", big, 2, 1.25, 150.0),
+            row("torch dp2 recompute=full", w, 2, 0.7, 140.0)]  # another technique: no dp1 to scale against
     text = Comparison(rows, workloads={w.problem_hash: w, big.problem_hash: big}).table()
     lines = [line.split() for line in text.splitlines()]
-    assert ["P1", "dp2", "2", "strong", "1.60x", "80%", "dp1"] in lines  # 1.0 / 0.625 = 1.6 on 2 devices
-    assert ["P1", "dp4", "4", "strong", "5.00x", "125%!", "dp1"] in lines  # more than linear: marked
-    assert ["P2", "dp2", "gb16", "2", "weak", "1.50x", "75%", "dp1"] in lines  # 150/2 per device against 100
+    assert ["P1", "torch", "dp2", "2", "strong", "1.60x", "80%", "torch", "dp1"] in lines  # 1.0 / 0.625 on 2
+    assert ["P1", "torch", "dp4", "4", "strong", "5.00x", "125%!", "torch", "dp1"] in lines  # superlinear: marked
+    assert ["P2", "torch", "dp2", "2", "weak", "1.50x", "75%", "torch", "dp1"] in lines  # 150/2 per device vs 100
+    assert not any("recompute=full" in line and "strong" in line for line in lines)
     assert any(line.startswith("!: above 110%") for line in text.splitlines())
-    one = Comparison([row("dp1", w, 1, 1.0, 100.0), row("dp1 again", w, 1, 1.1, 90.0)],
+    one = Comparison([row("torch dp1", w, 1, 1.0, 100.0), row("torch dp1", w, 1, 1.1, 90.0)],
                      workloads={w.problem_hash: w}).table()
     assert "scaling" not in one

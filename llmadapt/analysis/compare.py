@@ -8,6 +8,7 @@ intervals) whether its runs were made now or read from the store, and the tables
 from __future__ import annotations
 
 import json
+import re
 
 from pathlib import Path
 from typing import Any, Callable
@@ -193,24 +194,24 @@ class Comparison:
 
     def scaling_lines(self, problems: dict[str, str]) -> list[str]:
         """How the step scales with devices, where the table has the rows to say it: strong scaling within a
-        problem (the same global batch on more devices: speedup of the step time against the problem's row with
-        the fewest devices, efficiency = speedup over the device ratio); weak scaling across problems that differ
-        in global batch alone, grown with the devices (tokens/s per device against the fewest devices')."""
-        from llmadapt.analysis.table import text_table
-
+        problem (the same global batch on more devices: speedup of the step time against the row with the fewest
+        devices, efficiency = speedup over the device ratio); weak scaling across problems that differ
+        in global batch alone, grown with the devices (tokens/s per device against the fewest devices'). Each
+        within rows of one stack and its techniques (the label less its parallel layout)."""
         ok = [r for r in self.rows if r.status == "ok" and r.metrics.get("devices")
               and self._median(r, "step_p50_s") and self._median(r, "tokens_per_s")]
         body = []
         for h in problems:
-            group = [r for r in ok if r.problem_hash == h]
-            if len({r.metrics["devices"] for r in group}) < 2:
-                continue
-            base = min(group, key=lambda r: (r.metrics["devices"], group.index(r)))
-            for r in group:
-                speedup = self._median(base, "step_p50_s") / self._median(r, "step_p50_s")
-                ratio = r.metrics["devices"] / base.metrics["devices"]
-                body.append([problems[h], r.label, str(r.metrics["devices"]), "strong", f"{speedup:.2f}x",
-                             _efficiency(speedup / ratio), base.label])
+            # one problem, one stack and technique: rows that differ in their parallel layout alone
+            groups: dict[str, list[Row]] = {}
+            for r in ok:
+                if r.problem_hash == h:
+                    groups.setdefault(_without_layout(r.label), []).append(r)
+            for group in groups.values():
+                if len({r.metrics["devices"] for r in group}) < 2:
+                    continue
+                base = min(group, key=lambda r: (r.metrics["devices"], group.index(r)))
+                body += self._strong_rows(problems[h], group, base)
         for group in self._weak_groups(ok):
             base = min(group, key=lambda r: r.metrics["devices"])
             per_device = self._median(base, "tokens_per_s") / base.metrics["devices"]
@@ -229,6 +230,15 @@ class Comparison:
                          "under unlike conditions (threads per rank, the machine's load), not a real speedup")
         return lines
 
+    def _strong_rows(self, problem: str, group: list[Row], base: Row) -> list[list[str]]:
+        rows = []
+        for r in group:
+            speedup = self._median(base, "step_p50_s") / self._median(r, "step_p50_s")
+            ratio = r.metrics["devices"] / base.metrics["devices"]
+            rows.append([problem, r.label, str(r.metrics["devices"]), "strong", f"{speedup:.2f}x",
+                         _efficiency(speedup / ratio), base.label])
+        return rows
+
     def _median(self, row: Row, key: str) -> float | None:
         estimate = row.estimates.get(key)
         value = estimate.median if estimate else row.metrics.get(key)
@@ -244,7 +254,8 @@ class Comparison:
                 continue
             problem = w.problem_dict()
             problem["train"] = {k: v for k, v in problem["train"].items() if k != "global_batch"}
-            key = json.dumps([problem, w.train.global_batch / r.metrics["devices"]], sort_keys=True, default=str)
+            key = json.dumps([problem, w.train.global_batch / r.metrics["devices"], _without_layout(r.label)],
+                             sort_keys=True, default=str)
             groups.setdefault(key, []).append(r)
         return [g for g in groups.values() if len({r.problem_hash for r in g}) > 1
                 and len({r.metrics["devices"] for r in g}) > 1]
@@ -287,6 +298,12 @@ class Comparison:
 # The figure a row is set against its problem's first row by, per kind.
 HEADLINE = {"train": "step_p50_s", "serve": "ttft_p50_ms"}
 ESTIMATED = {"train": ("step_p50_s", "tokens_per_s"), "serve": ("ttft_p50_ms", "tpot_p50_ms", "output_throughput")}
+
+
+def _without_layout(label: str) -> str:
+    """A row's label less its parallel layout (tpN, ppN, dpN, epN) and micro-batch (mbN): the stack and the
+    techniques it ran with, which a scaling group shares."""
+    return " ".join(w for w in label.split() if not re.fullmatch(r"(tp|pp|dp|ep|mb)\d+", w))
 
 
 def _efficiency(value: float) -> str:
