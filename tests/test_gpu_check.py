@@ -33,8 +33,8 @@ def test_the_gpu_check_rehearses_every_step_on_cpu(tmp_path):
     results = json.loads((tmp_path / "gpu-check.json").read_text())
     steps = {s["step"]: s for s in results["steps"]}
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert list(steps) == ["tiny-llama", "llama-1b", "trace", "micro-peak", "estimate", "maxbatch", "lora-eval",
-                           "deepspeed-zero2", "deepspeed-zero3", "megatron"]
+    assert list(steps) == ["tiny-llama", "llama-1b", "trace", "micro-peak", "estimate", "lora-eval",
+                           "deepspeed-zero2", "deepspeed-zero3", "megatron", "maxbatch"]
     for name, s in steps.items():
         # a stack's step may be skipped only where its environment is not built here, saying so
         assert s["status"] == "ok" or (s["status"] == "skipped" and "environment is built" in s["message"]
