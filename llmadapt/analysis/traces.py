@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import gzip
 import json
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -68,9 +69,8 @@ def trace_breakdown(trace: dict[str, Any], *, include_last_step: bool = False) -
     if not figures:
         return Breakdown(rank, -1, "operator", "device", 0.0, source="kineto",
                          error="no GPU activity in this trace (kernels, copies or sets with a stream)")
-    steps = sorted(int(str(e["name"])[len(STEP_MARK):].split()[0]) for e in trace["traceEvents"]
-                   if str(e.get("name", "")).startswith(STEP_MARK) and str(e["name"])[len(STEP_MARK):].split()
-                   and str(e["name"])[len(STEP_MARK):].split()[0].isdigit())
+    marks = (re.match(re.escape(STEP_MARK) + r"(\d+)", str(e.get("name", ""))) for e in trace["traceEvents"])
+    steps = sorted(int(m.group(1)) for m in marks if m)
     modules = annotated_modules(trace, device_activities(trace, include_last_step=include_last_step))
     return Breakdown(rank=rank, step=steps[0] if steps else -1, level="operator", basis="device",
                      modules=modules, source="kineto", **figures)
