@@ -126,6 +126,8 @@ def render_summary(s: dict[str, Any]) -> str:
     if s.get("telemetry"):
         lines += render_telemetry(s["telemetry"])
     if s.get("breakdown"):
+        from llmadapt.analysis.breakdown_text import render_breakdown
+
         lines += ["", *render_breakdown(s["breakdown"])]
     return "\n".join(lines)
 
@@ -182,74 +184,6 @@ def render_telemetry(t: dict[str, Any]) -> list[str]:
                      + (f"{t['joules_per_token']:.4g} J per token" if t.get("joules_per_token") else "no tokens"))
     lines += [f"not measured {u}" for u in t.get("unavailable", [])]
     return lines
-
-
-def render_breakdown(b: dict[str, Any]) -> list[str]:
-    """The profiled steps: timeline, module classes, operator classes, layers, collectives."""
-    from llmadapt.analysis.table import text_table
-
-    def ms(seconds: float) -> str:
-        return f"{seconds * 1e3:.2f}"
-
-    lines = [f"breakdown  level {b['level']}, {b['basis']} basis, mean per profiled step and rank over "
-             f"{b['profiled_steps']} profiled step(s)"]
-    lines += [f"profiling failed {e}" for e in b.get("errors", [])]
-    if not b["profiled_steps"]:
-        return lines
-    exposed = b["comm_seconds"] - b["overlapped_comm_seconds"]
-    copies = next((c["seconds"] for c in b.get("kernel_types") or [] if c["name"] == "memory"), 0.0)
-    lines.append(f"timeline   step {ms(b['step_seconds'])} ms = compute {ms(b['compute_seconds'])} + exposed "
-                 f"communication {ms(exposed)} + " + (f"copies alone {ms(copies)} + " if copies else "")
-                 + f"idle {ms(b['idle_seconds'])}; communication {ms(b['comm_seconds'])} "
-                 f"ms, " + (f"{b['overlapped_comm_seconds'] / b['comm_seconds']:.0%} of it overlapped with compute"
-                            if b["comm_seconds"] else "none"))
-    total = sum(c["seconds"] for c in b["modules"]) or 1.0
-    lines += text_table(["module class", "ms", "share", "forward ms", "backward ms"],
-                        [[c["name"], ms(c["seconds"]), f"{c['seconds'] / total:.1%}", ms(c["forward_seconds"]),
-                          ms(c["backward_seconds"])] for c in b["modules"]])
-    if b["operators"]:
-        total = sum(c["seconds"] for c in b["operators"]) or 1.0
-        lines += [""] + text_table(["operator class", "ms", "share", "count", "GFLOP"],
-                                   [[c["name"], ms(c["seconds"]), f"{c['seconds'] / total:.1%}", str(c["count"]),
-                                     f"{c['flops'] / 1e9:.3f}" if c.get("flops") else "-"] for c in b["operators"]])
-        if b.get("gemm_flops_per_s"):
-            lines.append(f"GEMM achieved {b['gemm_flops_per_s'] / 1e9:,.2f} GFLOP/s per rank (set it against "
-                         "`llmadapt micro peak`)")
-    lines += module_operator_lines(b)
-    if b["layers"]:
-        lines += [""] + text_table(["layer", "forward ms", "backward ms"],
-                                   [[str(x["layer"]), ms(x["forward_seconds"]), ms(x["backward_seconds"])]
-                                    for x in b["layers"]])
-    if b["collectives"]:
-        lines += [""] + text_table(
-            ["collective", "count", "ms", "MB", "busbw GB/s", "backend", "algorithm"],
-            [[c["kind"], str(c["count"]), ms(c["seconds"]), "-" if c["bytes"] is None else f"{c['bytes'] / 1e6:.3f}",
-              "-" if c["busbw_gbytes_per_s"] is None else f"{c['busbw_gbytes_per_s']:.3f}", c["backend"],
-              c["algorithm"] or "-"] for c in b["collectives"]])
-    return lines
-
-
-def module_operator_lines(b: dict[str, Any], width: int = 6) -> list[str]:
-    """Module class x operator class, ms per profiled step: which operators each module spends its time on (the
-    operator classes with most time as columns, the rest summed as 'rest')."""
-    from llmadapt.analysis.table import text_table
-
-    cells = b.get("module_operators") or []
-    if not cells:
-        return []
-    split = [(c["name"].rsplit("/", 1), c["seconds"]) for c in cells]
-    totals: dict[str, float] = {}
-    for (_, op), seconds in split:
-        totals[op] = totals.get(op, 0.0) + seconds
-    columns = sorted(totals, key=lambda op: -totals[op])[:width]
-    modules = [m["name"] for m in b["modules"] if any(mod == m["name"] for (mod, _), _ in split)]
-    body = []
-    for module in modules:
-        mine = {op: seconds for (mod, op), seconds in split if mod == module}
-        rest = sum(v for op, v in mine.items() if op not in columns)
-        body.append([module, *[f"{mine[op] * 1e3:.2f}" if op in mine else "-" for op in columns],
-                     f"{rest * 1e3:.2f}" if rest else "-"])
-    return [""] + text_table(["module x operator, ms", *columns, "rest"], body)
 
 
 EXPORT_FORMATS = ("json", "csv", "breakdown-csv", "evaluation-csv", "chrome-trace", "vllm-bench")
