@@ -65,13 +65,14 @@ def trace_breakdown(trace: dict[str, Any], *, include_last_step: bool = False) -
 
     info = trace.get("distributedInfo") or {}
     rank, world = int(info.get("rank", 0)), int(info.get("world_size", 1))
-    figures = device_breakdown(trace, world, include_last_step=include_last_step)
+    activities = device_activities(trace, include_last_step=include_last_step)
+    figures = device_breakdown(trace, world, activities=activities)
     if not figures:
         return Breakdown(rank, -1, "operator", "device", 0.0, source="kineto",
                          error="no GPU activity in this trace (kernels, copies or sets with a stream)")
     marks = (re.match(re.escape(STEP_MARK) + r"(\d+)", str(e.get("name", ""))) for e in trace["traceEvents"])
     steps = sorted(int(m.group(1)) for m in marks if m)
-    modules = annotated_modules(trace, device_activities(trace, include_last_step=include_last_step))
+    modules = annotated_modules(trace, activities)
     return Breakdown(rank=rank, step=steps[0] if steps else -1, level="operator", basis="device",
                      modules=modules, source="kineto", **figures)
 
@@ -93,8 +94,10 @@ def annotated_modules(trace: dict[str, Any], activities: list[dict[str, Any]]) -
             by_process[e.get("pid")].append(r)
     for table in (*ranges.values(), *by_process.values()):
         table.sort()
+    from llmadapt.runtime.timeline import LAUNCH_CATEGORIES
+
     launches = {int(e["args"]["correlation"]): e for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {})}
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in (e.get("args") or {})}
     seconds: dict[str, float] = defaultdict(float)
     for a in activities:
         launch = launches.get(int(a["args"]["correlation"]))

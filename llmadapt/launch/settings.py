@@ -11,6 +11,7 @@ import attrs
 
 from llmadapt.contract.stream import parse_address
 from llmadapt.errors import LlmadaptError, UnsupportedError
+from llmadapt.host import gpu_visible
 from llmadapt.spec import Workload
 
 LAUNCHERS = ("auto", "inline", "subprocess", "torchrun", "slurm")
@@ -137,8 +138,6 @@ def resolve(workload: Workload, adapter: str):
     workload = workload.for_adapter(adapter)
     check_supported(info, workload)
     if not workload.parallelism.p2p:
-        from llmadapt.host import gpu_visible
-
         if workload.kind == "serve":
             raise UnsupportedError("parallelism.p2p=false is for training stacks on NCCL; a serving engine "
                                    "chooses its own transport")

@@ -172,7 +172,8 @@ def describe_topology(device, env: dict[str, str] | None = None, nvml=None) -> T
 
             nvml.nvmlInit()
         count = nvml.nvmlDeviceGetCount()
-        me = nvml.nvmlDeviceGetHandleByIndex(_nvml_index(device, env))
+        mine = _nvml_index(device, env)
+        me = nvml.nvmlDeviceGetHandleByIndex(mine)
         active = 0
         for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
             try:
@@ -180,9 +181,9 @@ def describe_topology(device, env: dict[str, str] | None = None, nvml=None) -> T
             except Exception:  # noqa: BLE001 - no such link, or no NVLink at all
                 break
         for peer in range(count):
-            other = nvml.nvmlDeviceGetHandleByIndex(peer)
-            if peer == _nvml_index(device, env):
+            if peer == mine:
                 continue
+            other = nvml.nvmlDeviceGetHandleByIndex(peer)
             path = _PATHS.get(int(nvml.nvmlDeviceGetTopologyCommonAncestor(me, other)), "unknown")
             p2p = nvlink = None
             try:

@@ -184,7 +184,8 @@ def _collectives(comm_events: list[tuple[str, str, dict[str, Any]]], group: int)
 # -- the GPU's kernel basis ---------------------------------------------------------------------------------
 _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 """Kineto's categories of work a GPU does: what Holistic Trace Analysis counts as GPU kernels (stream >= 0)."""
-_LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+"""Kineto's categories of the host calls that launch GPU work (their correlation ids name the work)."""
 _HTA_COMM = re.compile(r"^nccl.*Kernel")
 _HTA_MEMORY = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
 _HTA_NOT_COMPUTE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
@@ -220,15 +221,18 @@ def device_activities(trace: dict[str, Any], *, include_last_step: bool = False)
 
 
 def device_breakdown(trace: dict[str, Any], world: int, *, window: Interval | None = None,
-                     include_last_step: bool = False) -> dict[str, Any]:
+                     include_last_step: bool = False, activities: list[dict[str, Any]] | None = None
+                     ) -> dict[str, Any]:
     """The kernel basis of one rank's trace: every GPU activity's time by operator class (``kernel_class``), the
     collectives from NCCL's kernels, and the temporal breakdown with HTA's definitions (``kernel_type``):
     computation is the union of computation kernels, communication of NCCL kernels, memory of copies and sets;
     overlap is computation during communication; idle is the window with no activity at all. The window is the
     given one (a profiled step's range) or, as HTA's, from the first activity's start to the last one's end.
     Returns the fields of ``Breakdown`` from ``step_seconds`` on (no modules: those come from the profiler's
-    events, or from annotations for a trace llmadapt did not record)."""
-    activities = device_activities(trace, include_last_step=include_last_step)
+    events, or from annotations for a trace llmadapt did not record). ``activities``: device_activities's
+    answer, where the caller has it already."""
+    if activities is None:
+        activities = device_activities(trace, include_last_step=include_last_step)
     if not activities:
         return {}
     spans = [_span(e) for e in activities]
@@ -245,7 +249,7 @@ def device_breakdown(trace: dict[str, Any], world: int, *, window: Interval | No
         cls = kernel_class(name, e.get("cat", "kernel"))
         classes[cls][0] += max(min(span[1], window[1]) - max(span[0], window[0]), 0.0) / 1e6
         classes[cls][1] += 1
-        if _HTA_COMM.match(name) or "nccl" in name.lower():
+        if "nccl" in name.lower():
             comm_events.append((nccl_kernel_kind(name, str((e.get("args") or {}).get("Collective name", ""))),
                                 "nccl", e))
     unions = {t: intersect(union(by_type[t]), clip) for t in KERNEL_TYPES}
