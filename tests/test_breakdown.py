@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from llmadapt import Workload, compare
-from llmadapt.adapter.breakdown import MODULE_CLASSES, hf_module_class, layer_index, operator_class
+from llmadapt.adapter.breakdown import MODULE_CLASSES, hf_module_class, layer_index, operator_class, split_module
 from llmadapt.analysis.report import export, render_summary
 from llmadapt.contract.breakdowns import expert_imbalance, imbalance
 from llmadapt.contract.flops import param_count
@@ -31,8 +31,9 @@ PROFILED = ["train.seq_len=256", "train.global_batch=16", "train.micro_batch=8",
             "train.steps=2", "profile.steps=[3]", "profile.level=operator"]
 STACKS = ["torch", "deepspeed:parallelism.dp=2,optimizations.zero_stage=3", "megatron:parallelism.tp=2",
           "colossalai:parallelism.dp=2,optimizations.zero_stage=2"]
-NAMED = {"embedding", "attention.qkv", "attention.core", "attention.out", "norm", "model", "lm_head_loss",
-         "optimizer"}
+# Study A's parts, on every stack (eager attention: scores, softmax, weighted sum apart)
+NAMED = {"embedding", "attention.qkv", "attention.rotary", "attention.qk", "attention.softmax", "attention.av",
+         "attention.out", "norm", "model", "lm_head", "loss", "optimizer"}
 
 
 def workload(name: str, *extra: str) -> Workload:
@@ -103,9 +104,12 @@ def test_the_taxonomy_names_transformers_modules_and_operators():
     assert hf_module_class("model.layers.0.block_sparse_moe.experts.3", "MixtralBlockSparseTop2MLP") == "moe.experts"
     assert hf_module_class("model.layers.0.block_sparse_moe.experts.3.w1", "Linear") == "moe.experts"
     assert hf_module_class("model.layers.0.mlp", "LlamaMLP") == "mlp"
-    assert hf_module_class("model.layers.0.mlp.gate_proj", "Linear") is None  # the MLP's, not a router
+    assert hf_module_class("model.layers.0.mlp.gate_proj", "Linear") == "mlp.gate"  # the MLP's, not a router
+    assert [hf_module_class(f"model.layers.0.mlp.{n}", "Linear") for n in ("up_proj", "down_proj", "act_fn")] == [
+        "mlp.up", "mlp.down", None]  # the activation is the MLP's own code (split_module)
+    assert hf_module_class("model.layers.0.mlp.experts.gate_up_proj", "Linear") == "moe.experts"
     assert hf_module_class("model.layers.0", "LlamaDecoderLayer") == "model"  # residual adds, the block's glue
-    assert hf_module_class("", "LlamaForCausalLM") == "model" and hf_module_class("lm_head", "Linear") == "lm_head_loss"
+    assert hf_module_class("", "LlamaForCausalLM") == "model" and hf_module_class("lm_head", "Linear") == "lm_head"
     assert hf_module_class("", "DistributedDataParallel") == "communication"
     assert layer_index("module.model.layers.12") == 12 and layer_index("model.layers.1.mlp") is None
     assert [operator_class(n) for n in ("aten::mm", "aten::addmm", "aten::_softmax", "aten::copy_",
@@ -120,6 +124,51 @@ def test_the_taxonomy_names_transformers_modules_and_operators():
         "_ReduceFromModelParallelRegion", "LinearFunctionForZeroStage3", "ProfilerStep#3")] == [
         "gradient_accumulation", "parameter_hooks", "parameter_hooks", "autograd", "autograd", "autograd",
         "framework_function", "framework_function", "other"]
+
+
+def test_study_a_splits_attention_mlp_and_moe_by_what_each_call_ran():
+    """split_module on the operator sequences each stack's modules run (read from their profiles)."""
+    # eager attention (transformers, Megatron-core's core_attention): scores, mask, softmax, dropout, weighted sum
+    eager = [("aten::transpose", None), ("aten::matmul", None), ("aten::mul", None), ("aten::add", None),
+             ("aten::softmax", None), ("aten::dropout", None), ("aten::matmul", None), ("aten::contiguous", None)]
+    assert split_module("attention.core", eager) == [
+        "attention.core", "attention.qk", "attention.softmax", "attention.softmax", "attention.softmax",
+        "attention.softmax", "attention.av", "attention.core"]
+    megatron = [("aten::empty", None), ("aten::baddbmm", None), ("aten::masked_fill_", None), ("aten::softmax", None),
+                ("aten::bmm", None)]
+    assert split_module("attention.core", megatron) == [
+        "attention.core", "attention.qk", "attention.softmax", "attention.softmax", "attention.av"]
+    fused = [("aten::transpose", None), ("aten::scaled_dot_product_attention", None)]
+    assert split_module("attention.core", fused) == ["attention.core", "attention.fused"]
+    # an MLP's own code: act_fn(gate) * up; ZeRO-3's hooks keep the module's class
+    mlp = [("llmadapt::module::mlp.gate", "mlp.gate"), ("aten::silu", None), ("llmadapt::module::mlp.up", "mlp.up"),
+           ("aten::mul", None), ("PreForwardFunction", None), ("llmadapt::module::mlp.down", "mlp.down")]
+    assert split_module("mlp", mlp) == [None, "mlp.activation", None, "mlp.activation", "mlp", None]
+    # transformers 4.x: the sparse block routes (softmax, top-k), dispatches, calls each expert, weights, sums
+    expert = ("llmadapt::module::moe.experts", "moe.experts")
+    block = [("llmadapt::module::moe.router", "moe.router"), ("aten::softmax", None), ("aten::topk", None),
+             ("aten::one_hot", None), ("aten::where", None), ("aten::index", None), expert, ("aten::mul", None),
+             ("aten::index_add_", None), ("aten::where", None), ("aten::index", None), expert, ("aten::mul", None),
+             ("aten::index_add_", None), ("aten::reshape", None)]
+    assert split_module("moe.dispatch", block) == [
+        None, "moe.router", "moe.router", "moe.dispatch", "moe.dispatch", "moe.dispatch", None, "moe.combine",
+        "moe.combine", "moe.dispatch", "moe.dispatch", None, "moe.combine", "moe.combine", "moe.combine"]
+    # transformers 5.x: the experts module gathers, runs each expert's two GEMMs, weights and sums itself
+    experts = [("aten::zeros_like", None), ("aten::one_hot", None), ("aten::where", None), ("aten::index", None),
+               ("aten::linear", None), ("aten::chunk", None), ("llmadapt::module::moe.experts", "moe.experts"),
+               ("aten::mul", None), ("aten::linear", None), ("aten::mul", None), ("aten::index_add_", None)]
+    assert split_module("moe.experts", experts) == [
+        "moe.dispatch", "moe.dispatch", "moe.dispatch", "moe.dispatch", "moe.experts", "moe.experts", None,
+        "moe.experts", "moe.experts", "moe.combine", "moe.combine"]
+    # one expert's own code (no gather, no sum): all of it the expert's
+    assert split_module("moe.experts", [expert, ("aten::mul", None), expert]) == [None, "moe.experts", None]
+    # Megatron-core's MoELayer: router, the dispatcher's permute, experts, unpermute
+    layer = [("llmadapt::module::moe.router", "moe.router"), ("aten::argsort", None), ("aten::index_select", None),
+             expert, ("aten::zeros", None), ("aten::scatter_add", None)]
+    assert split_module("moe.dispatch", layer) == [None, "moe.dispatch", "moe.dispatch", None, "moe.combine",
+                                                   "moe.combine"]
+    # a loss is 'loss' wherever it runs
+    assert split_module("model", [("aten::add", None), ("aten::cross_entropy_loss", None)]) == ["model", "loss"]
 
 
 def _x(name: str, ts: float, dur: float, tid: int = 1, cat: str = "cpu_op", **args) -> dict:
@@ -210,16 +259,17 @@ def test_a_profiled_step_is_marked_left_out_of_statistics_and_attributed(tmp_pat
     # The profiled step is the core's step, a few % apart: the core reads its clock inside the profiler's step
     # range, which opens just before and closes just after.
     assert b["step_seconds"] == pytest.approx(steps[3]["seconds"], rel=0.05)
-    assert NAMED | {"mlp", "attention.rotary"} <= set(classes) and set(classes) <= set(MODULE_CLASSES)
+    assert NAMED | {"mlp.gate", "mlp.up", "mlp.activation", "mlp.down"} <= set(classes) <= set(MODULE_CLASSES)
     assert [layer["layer"] for layer in b["layers"]] == [0, 1]
     assert all(layer["forward_seconds"] > 0 and layer["backward_seconds"] > 0 for layer in b["layers"])
     # Module x operator: every operator's time is in one 'module/operator' cell, so the matrix adds up to the
-    # operator classes; eager attention shows its softmax inside attention.core, the MLP its GEMMs
+    # operator classes; eager attention's scores and weighted sum are GEMMs, its softmax stage holds the softmax
     cross = {c["name"]: c["seconds"] for c in b["module_operators"]}
     for op in b["operators"]:
         assert sum(v for k, v in cross.items() if k.rsplit("/", 1)[1] == op["name"]) == pytest.approx(
             op["seconds"], rel=1e-6), op["name"]
-    assert cross["attention.core/softmax"] > 0 and cross["mlp/gemm"] > 0 and cross["optimizer/optimizer"] > 0
+    assert cross["attention.softmax/softmax"] > 0 and cross["mlp.gate/gemm"] > 0 and cross["optimizer/optimizer"] > 0
+    assert cross["attention.qk/gemm"] > 0 and cross["attention.av/gemm"] > 0 and "attention.qk/softmax" not in cross
     # One rank, no collective: all the step is compute or idle (Python between operators).
     assert b["collectives"] == [] and b["comm_seconds"] == 0
     assert b["compute_seconds"] + b["idle_seconds"] == pytest.approx(b["step_seconds"], rel=0.01)
@@ -359,17 +409,19 @@ def test_every_stack_breaks_its_step_into_the_same_classes(tmp_path, model):
         "colossalai:parallelism.dp=2"]
     table = compare(workload(model, *THREE), cells=stacks, out=tmp_path)
     assert [r.status for r in table.rows] == ["ok"] * 4, table.table()
-    moe = {"moe.router", "moe.experts", "moe.dispatch"}
-    expected = NAMED | (moe if model == "tiny-mixtral" else {"mlp"})
+    moe = {"moe.router", "moe.experts", "moe.dispatch", "moe.combine"}
     for row in table.rows:
         summary = json.loads((Path(row.run_dir) / "summary.json").read_text())
         names = {c["name"] for c in summary["breakdown"]["modules"]}
-        assert expected <= names <= set(MODULE_CLASSES), (row.cell, names)
+        # Megatron-core's linear_fc1 is the gate and up projections in one GEMM
+        mlp = {"mlp.activation", "mlp.down"} | ({"mlp.gate_up"} if row.adapter == "megatron" else {"mlp.gate", "mlp.up"})
+        expected = NAMED | (moe if model == "tiny-mixtral" else mlp)
+        assert expected <= names <= set(MODULE_CLASSES), (row.cell, expected - names)
         # Backward operators find the module whose forward made them: every class with weights has backward time
         # (a custom autograd Function mapped to the wrong forward operator left Megatron's qkv at zero)
         backward = {c["name"]: c["backward_seconds"] for c in summary["breakdown"]["modules"]}
-        weighted = {"attention.qkv", "attention.out", "lm_head_loss"} | (
-            {"moe.experts", "moe.router"} if model == "tiny-mixtral" else {"mlp"})
+        weighted = {"attention.qkv", "attention.out", "lm_head"} | (
+            {"moe.experts", "moe.router"} if model == "tiny-mixtral" else {"mlp.down"})
         assert all(backward[c] > 0 for c in weighted), (row.cell, backward)
         for rank in range(summary["world_size"]):
             assert_attributed(records_of(row.run_dir, rank), (row.cell, rank))
@@ -386,4 +438,4 @@ def test_every_stack_breaks_its_step_into_the_same_classes(tmp_path, model):
             assert summary["expert_imbalance"] is None
     side = table.breakdown_table()
     assert all(r.label in side.splitlines()[0] for r in table.rows)
-    assert "attention.core" in side and "profiled step ms" in side
+    assert "attention.softmax" in side and "profiled step ms" in side

@@ -11,16 +11,22 @@ from __future__ import annotations
 import re
 
 MODULE_CLASSES = (
-    "embedding", "attention.qkv", "attention.rotary", "attention.core", "attention.out", "mlp", "moe.router",
-    "moe.dispatch", "moe.experts", "moe.combine", "norm", "model", "lm_head_loss", "gradient", "optimizer",
-    "communication", "other",
+    "embedding", "norm", "attention.qkv", "attention.rotary", "attention.qk", "attention.softmax", "attention.av",
+    "attention.fused", "attention.core", "attention.out", "mlp.gate", "mlp.up", "mlp.gate_up", "mlp.activation",
+    "mlp.down", "mlp", "moe.router", "moe.dispatch", "moe.experts", "moe.combine", "model", "lm_head", "loss",
+    "gradient", "optimizer", "communication", "other",
 )
-"""Module classes (docs/breakdown.md says what each holds on each stack). 'model' is the model's own code
-outside its named parts: residual adds, masks and position ids, the layout between blocks. 'lm_head_loss' is
-the output projection and the loss, wherever the stack computes it. 'gradient' is the accumulation of each
-parameter's gradient and what a stack hooks there (DDP's bucketing, ZeRO's partitioning, Megatron-core's
-main_grad). 'optimizer' and 'communication' are also
-found by the core (the optimizer's step and zero_grad, collectives, waiting for a collective);
+"""Module classes: study A's list of a step's parts (docs/breakdown.md says what each holds on each stack).
+Attention splits into its scores (``attention.qk``: Q times K transposed), ``attention.softmax`` and its weighted
+sum (``attention.av``: the weights times V) where the attention is eager; a fused kernel (SDPA, FlashAttention)
+is one class that says so, ``attention.fused``; ``attention.core`` keeps the rest of attention's own code (the
+mask, the layout of q, k and v). The MLP splits into its projections and its activation (with the gating
+product); ``mlp.gate_up`` is one fused projection of both, ``mlp`` what no part claims. A MoE layer splits into
+its router, the dispatch of tokens to experts, the experts' own work and the combine (weighting and summing the
+experts' outputs). 'model' is the model's own code outside its named parts: residual adds, masks and position
+ids, the layout between blocks. 'gradient' is the accumulation of each parameter's gradient and what a stack
+hooks there (DDP's bucketing, ZeRO's partitioning, Megatron-core's main_grad). 'optimizer' and 'communication'
+are also found by the core (the optimizer's step and zero_grad, collectives, waiting for a collective);
 'communication' holds a data-parallel wrapper's own code too (gradient-reduction bookkeeping). 'other' is
 whatever no class claims: the adapter's own code between operators (reported, never hidden)."""
 
@@ -63,7 +69,7 @@ def hf_module_class(name: str, type_name: str) -> str | None:
     if type_name.endswith(("ForCausalLM", "Model", "DecoderLayer")) or layer_index(name) is not None:
         return "model"  # the model's and each block's own code: masks, position ids, residual adds
     if last == "lm_head":
-        return "lm_head_loss"
+        return "lm_head"
     if last == "embed_tokens" or type_name.endswith("Embedding") and "Rotary" not in type_name:
         return "embedding"
     if "Rotary" in type_name:
@@ -84,9 +90,99 @@ def hf_module_class(name: str, type_name: str) -> str | None:
         return "moe.experts"
     if "SparseMoe" in type_name or "MoeBlock" in type_name or last == "block_sparse_moe":
         return "moe.dispatch"  # transformers routes and combines in one loop: combine is inside dispatch here
+    if last in _MLP_PARTS:
+        return _MLP_PARTS[last]
     if type_name.endswith("MLP") or last == "mlp":
-        return "mlp"
+        return "mlp"  # its own code: the activation and gating product (split_module)
     return None
+
+
+_MLP_PARTS = {"gate_proj": "mlp.gate", "up_proj": "mlp.up", "down_proj": "mlp.down", "gate_up_proj": "mlp.gate_up"}
+
+
+def rotary_calls(modules) -> list[tuple[object, str, str]]:
+    """transformers applies the rotary embedding in a function of the model's own Python module
+    (``apply_rotary_pos_emb``) that attention's forward looks up there: that function, as a call the core times as
+    'attention.rotary' (``Trainer.profiled_calls``), for each attention module type among ``modules``."""
+    import sys
+
+    found = {}
+    for root in modules:
+        for _, module in root.named_modules():
+            home = sys.modules.get(type(module).__module__)
+            if type(module).__name__.endswith("Attention") and callable(getattr(home, "apply_rotary_pos_emb", None)):
+                found[id(home)] = home
+    return [(home, "apply_rotary_pos_emb", "attention.rotary") for home in found.values()]
+
+
+LOSS_OPS = ("cross_entropy", "nll_loss")  # a loss, inside the model or computed by the adapter
+_COMBINE_OPS = ("index_add", "scatter_add", "scatter_reduce")  # summing the experts' outputs back per token
+_MACHINERY = {"parameter_hooks", "framework_function", "autograd", "gradient_accumulation", "other"}
+
+
+def split_module(cls: str, parts: list[tuple[str, str | None]]) -> list[str | None]:
+    """Study A's finer classes inside one call of a module of class ``cls``: ``parts`` are what the call ran itself,
+    in time order, each (operator name, None) or (range name, its class) for a classified module or call inside
+    it; the result is each operator's class (None for a nested range: it keeps its own).
+
+    - attention's own code ('attention.core'): a fused attention operator is 'attention.fused'; GEMMs in turn
+      the scores ('attention.qk') and the weighted sum ('attention.av'), and what runs between the two (scale,
+      mask, softmax, dropout: Megatron-core's fused scale-mask-softmax) 'attention.softmax';
+    - an MLP's own elementwise operators are its activation and gating product ('mlp.activation');
+    - a MoE layer's own code (and experts that gather and scatter tokens themselves): before an expert's work
+      (a GEMM or an expert module) dispatch, after it combine, up to and with the sum of the outputs
+      (index_add_, scatter_add); softmax and top-k before the first expert are the router's;
+    - a loss operator is 'loss' wherever it runs.
+    The frameworks' machinery (ZeRO's hooks, autograd Functions) keeps the module's class."""
+    kinds = [None if nested else operator_class(name) for name, nested in parts]
+    out: list[str | None] = [None if nested else cls for _, nested in parts]
+    if cls == "attention.core":
+        gemms = 0
+        for i, kind in enumerate(kinds):
+            if kind == "attention":
+                out[i] = "attention.fused"
+            elif kind == "gemm":
+                out[i] = "attention.av" if gemms % 2 else "attention.qk"
+                gemms += 1
+            elif kind == "softmax" or gemms % 2 and kind not in _MACHINERY and out[i] is not None:
+                out[i] = "attention.softmax"  # with the scale, mask and dropout between the two GEMMs
+    elif cls == "mlp":
+        out = ["mlp.activation" if kind == "elementwise" else o for kind, o in zip(kinds, out)]
+    elif cls in ("moe.dispatch", "moe.experts"):
+        out = _split_moe(cls, parts, kinds, out)
+    return ["loss" if nested is None and any(k in name for k in LOSS_OPS) else o
+            for (name, nested), o in zip(parts, out)]
+
+
+def _split_moe(cls: str, parts, kinds, out):
+    work = [kind == "gemm" or nested == "moe.experts" for (_, nested), kind in zip(parts, kinds)]
+    combines = [nested is None and any(k in name for k in _COMBINE_OPS) for name, nested in parts]
+    if cls == "moe.experts" and not any(combines):
+        return out  # one expert, or experts that leave dispatch and combine to their layer
+    segments, start, busy = [], 0, False  # a segment: one expert's dispatch, work and combine
+    for i in range(len(parts)):
+        busy = busy or work[i]
+        if combines[i] and busy:
+            segments.append(range(start, i + 1))
+            start, busy = i + 1, False
+    segments.append(range(start, len(parts)))
+    first_work = next((i for i, w in enumerate(work) if w), len(parts))
+    for segment in segments:
+        done = [i for i in segment if work[i]]
+        first, last = (done[0], done[-1]) if done else ((-1, -1) if segment.start > first_work else (len(parts),) * 2)
+        for i in segment:
+            if out[i] is None or kinds[i] in _MACHINERY or collective_kind(parts[i][0]):
+                continue
+            if work[i]:
+                out[i] = "moe.experts"
+            elif i < first:
+                routing = i < first_work and (kinds[i] == "softmax" or "topk" in parts[i][0])
+                out[i] = "moe.router" if routing and cls == "moe.dispatch" else "moe.dispatch"
+            elif i > last:
+                out[i] = "moe.combine"
+            else:
+                out[i] = cls if cls == "moe.experts" else "moe.dispatch"
+    return out
 
 
 _COLLECTIVES = (

@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 
 import attrs
 
-from llmadapt.adapter.breakdown import hf_module_class
+from llmadapt.adapter.breakdown import hf_module_class, rotary_calls
 from llmadapt.adapter.context import Chunk, PlannedRequest, ServeContext, StepBatch, WorkerContext
 from llmadapt.contract.records import Comm, Metric, Patch, Phase, Span
 
@@ -111,8 +111,9 @@ class Trainer(abc.ABC):
 
     def profiled_calls(self) -> list[tuple[Any, str, str]]:
         """Work a stack does outside any module, timed as a class during profiled steps: (object, method name,
-        class) triples, e.g. Megatron-core computes the loss in a method of GPTModel. Default: none."""
-        return []
+        class) triples, e.g. Megatron-core computes the loss in a method of GPTModel. Default: transformers'
+        rotary embedding, applied by a function of the model's Python module (an override adds to these)."""
+        return rotary_calls(self.profiled_modules())
 
 
 class FineTuner(Trainer):

@@ -259,7 +259,7 @@ class Breakdown:
     """What the operator class 'other' holds: the events with most time no operator class claims (at most 8)."""
     module_operators: list[ClassTime] = attrs.Factory(list)
     """Level operator or full: each module class's time by operator class, named 'module/operator'
-    ('attention.core/softmax', 'moe.experts/gemm'); on a GPU by the class of the operator that launched the
+    ('attention.softmax/softmax', 'moe.experts/gemm'); on a GPU by the class of the operator that launched the
     kernels."""
     collectives: list[Collective] = attrs.Factory(list)
     comm_seconds: float = 0.0

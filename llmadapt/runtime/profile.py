@@ -21,7 +21,14 @@ from typing import Any, Callable
 
 import attrs
 
-from llmadapt.adapter.breakdown import MODULE_CLASSES, collective_kind, layer_index, operator_class
+from llmadapt.adapter.breakdown import (
+    LOSS_OPS,
+    MODULE_CLASSES,
+    collective_kind,
+    layer_index,
+    operator_class,
+    split_module,
+)
 from llmadapt.contract.records import Breakdown, ClassTime, LayerTime
 from llmadapt.contract.rundir import RunDir
 from llmadapt.runtime.timeline import STEP_MARK, analyse, intersect, length, subtract, union
@@ -197,6 +204,14 @@ def _range_hooks(module, labels: list[str], record_function) -> list[Any]:
     return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
 
 
+def _range_class(name: str) -> str | None:
+    """The class of one of the core's ranges around a module or a call; None for anything else."""
+    for prefix in (_MODULE, _CALL):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return "model" if name.startswith(_LAYER) else None
+
+
 def _framework_function(name: str) -> bool:
     """A framework's own autograd Function or hook node (Megatron-core's tensor-parallel regions and linear
     layers, DeepSpeed ZeRO-3's parameter hooks): not an ATen operator, not a range of llmadapt's, not the
@@ -205,7 +220,6 @@ def _framework_function(name: str) -> bool:
                                 "nccl:", "record_param_comms", "cuda"))
 
 
-_LOSS_OPS = ("cross_entropy", "nll_loss")  # a loss the adapter computes outside the model's modules
 _ACCUMULATE = "AccumulateGrad"  # the autograd node that accumulates a parameter's gradient (and runs its hooks)
 
 
@@ -230,30 +244,41 @@ def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float, s
             return (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / 1e6
         return e.self_cpu_time_total / 1e6
 
+    split: dict[int, dict[int, str | None]] = {}  # a module's call -> its parts' finer classes (split_module)
+
+    def finer(scope, part, cls: str) -> str:
+        """The class of what ``part`` (a child of the range ``scope`` of class ``cls``) ran, by study A's split."""
+        if id(scope) not in split:
+            children = sorted(scope.cpu_children, key=lambda c: c.time_range.start)
+            parts = [(c.name, _range_class(c.name)) for c in children]
+            split[id(scope)] = dict(zip(map(id, children), split_module(cls, parts)))
+        return split[id(scope)].get(id(part)) or cls
+
     def context(e):
         """(class, layer, backward sequence key, in the model's forward) from the innermost ranges around e."""
         cls = layer = backward_key = None
         comm = in_module = forward = False
-        node = e
+        node, below = e, None
         while node is not None:
             name = node.name
             if collective_kind(name):
                 comm = True
-            if backward_key is None and name.startswith(_MODULE):
-                in_module = forward = True
-                cls = cls or name[len(_MODULE):]
-            elif backward_key is None and name.startswith(_CALL):
+            if backward_key is None and name.startswith((_MODULE, _CALL)):
+                forward = forward or name.startswith(_MODULE)
                 in_module = True
-                cls = cls or name[len(_CALL):]
+                if cls is None:
+                    cls = _range_class(name)
+                    if below is not None:
+                        cls = finer(node, below, cls)
             elif layer is None and backward_key is None and name.startswith(_LAYER):
                 layer = int(name[len(_LAYER):])
             elif cls is None and name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")):
                 cls = "optimizer"
-            elif cls is None and not in_module and backward_key is None and any(k in name for k in _LOSS_OPS):
-                cls = "lm_head_loss"
+            elif cls is None and not in_module and backward_key is None and any(k in name for k in LOSS_OPS):
+                cls = "loss"
             elif backward_key is None and name.startswith(_BACKWARD):
                 backward_key = (getattr(node, "fwd_thread", node.thread), node.sequence_nr)
-            node = node.cpu_parent
+            node, below = node.cpu_parent, node
         return ("communication" if comm else cls), layer, backward_key, forward
 
     # A range's own time is the gaps between its children. A gap that leads to a backward node is the autograd

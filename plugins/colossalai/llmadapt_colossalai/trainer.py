@@ -224,7 +224,7 @@ class ColossalAITrainer(Trainer):
     def profiled_calls(self):
         # The plugin's optimizer wrapper (ZeRO's, HybridParallel's) is no torch.optim.Optimizer the core knows;
         # the booster's backward adds the plugin's gradient reduction to autograd's.
-        return [(self.optimizer, "step", "optimizer"), (self.optimizer, "zero_grad", "optimizer"),
+        return [*super().profiled_calls(), (self.optimizer, "step", "optimizer"), (self.optimizer, "zero_grad", "optimizer"),
                 (self.booster, "backward", "gradient")]
 
     def step(self, batch) -> StepResult:

@@ -311,7 +311,7 @@ class DeepSpeedTrainer(Trainer):
 
     def profiled_calls(self):
         # The engine's step is ZeRO's optimizer step; its backward adds ZeRO's gradient reduction to autograd's.
-        calls = [(self.engine, "step", "optimizer"), (self.engine, "backward", "gradient")]
+        calls = [*super().profiled_calls(), (self.engine, "step", "optimizer"), (self.engine, "backward", "gradient")]
         # ZeRO-3 gathers a module's parameters before it runs and releases them after, in hooks of its own
         offload = getattr(self.engine.optimizer, "parameter_offload", None)
         if offload is not None:

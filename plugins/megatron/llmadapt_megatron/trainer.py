@@ -39,13 +39,18 @@ class MegatronTrainer(Trainer):
         return f"pipeline stage {self._pp_rank}/{p.pp}, tensor rank {self._tp_rank}/{p.tp}, data rank {self._dp_rank}/{p.dp}"
 
     def module_class(self, name: str, type_name: str) -> str | None:
-        return megatron_module_class(name, type_name)
+        cls = megatron_module_class(name, type_name)
+        # linear_fc1 is the gate and up projections in one GEMM with a gated linear unit (SwiGLU), else up alone
+        return "mlp.up" if cls == "mlp.gate_up" and not self.config.gated_linear_unit else cls
 
     def profiled_calls(self):
         # GPTModel computes the (vocab-parallel) loss in its own forward, outside output_layer; Megatron's optimizer
         # is no torch.optim.Optimizer (whose step the core knows), and its DDP keeps gradients in a buffer.
-        calls = [(self.model.module, "compute_language_model_loss", "lm_head_loss"),
-                 (self.optimizer, "step", "optimizer"), (self.model, "zero_grad_buffer", "optimizer")]
+        from megatron.core.transformer import attention
+
+        calls = [(self.model.module, "compute_language_model_loss", "loss"),
+                 (self.optimizer, "step", "optimizer"), (self.model, "zero_grad_buffer", "optimizer"),
+                 (attention, "apply_rotary_pos_emb", "attention.rotary")]  # self_attention applies it
         if getattr(self.config, "finalize_model_grads_func", None) is not None:
             calls.append((self.config, "finalize_model_grads_func", "gradient"))
         return calls
@@ -362,7 +367,7 @@ def megatron_module_class(name: str, type_name: str) -> str | None:
     if type_name in ("GPTModel", "TransformerBlock", "TransformerLayer", "MoETransformerLayer"):
         return "model"  # their own code: the layout between blocks, residual adds (the loss has a range of its own)
     if last == "output_layer":
-        return "lm_head_loss"
+        return "lm_head"
     if last in ("embedding", "word_embeddings", "position_embeddings"):
         return "embedding"
     if last == "rotary_pos_emb" or "Rotary" in type_name:
@@ -372,15 +377,19 @@ def megatron_module_class(name: str, type_name: str) -> str | None:
     if last == "linear_proj":
         return "attention.out"
     if last in ("self_attention", "core_attention"):
-        return "attention.core"  # self_attention's own operators: rotary applied, the layout of q, k, v
+        return "attention.core"  # their own operators, split by study A (scores, softmax, weighted sum, the layout)
     if "norm" in last.lower() or "Norm" in type_name:
         return "norm"
     if last == "router":
         return "moe.router"
-    if last in ("experts", "shared_experts"):
-        return "moe.experts"
+    if last in ("experts", "shared_experts") or ".experts." in name:
+        return "moe.experts"  # and each local expert with its parts
     if type_name == "MoELayer":
-        return "moe.dispatch"  # the token dispatcher is no module: permute and unpermute (combine) land here
+        return "moe.dispatch"  # its own code: the token dispatcher is no module (split_module: dispatch, combine)
+    if last == "linear_fc1":
+        return "mlp.gate_up"
+    if last == "linear_fc2":
+        return "mlp.down"
     if last == "mlp":
-        return "mlp"
+        return "mlp"  # its own code: the activation and gating product (split_module)
     return None
