@@ -65,7 +65,8 @@ def runs(tmp_path_factory) -> Path:
     return out
 
 
-EXPECTED_CHARTS = {"loss", "step_time", "memory", "breakdown_modules", "breakdown_operators", "expert_load",
+EXPECTED_CHARTS = {"loss", "step_time", "memory", "breakdown_modules", "breakdown_operators",
+                   "breakdown_module_operators", "expert_load",
                    "evaluation", "eval_expert_load", "latency_cdf", "latency_vs_load", "throughput_vs_batch"}
 
 

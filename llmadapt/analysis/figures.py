@@ -18,7 +18,8 @@ from llmadapt.spec import Workload
 
 _COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf", "#aec7e8", "#ff9896", "#98df8a", "#ffbb78", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7",
-           "#dbdb8d", "#9edae5"]  # matplotlib's tab10, then tab20's light halves: 20 classes told apart
+           "#dbdb8d", "#9edae5", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#6b6ecf", "#b5cf6b",
+           "#e7ba52", "#d6616b", "#ce6dbd"]  # matplotlib's tab10, tab20's light halves, tab20b: 30 classes apart
 
 
 @attrs.frozen
@@ -120,11 +121,46 @@ def breakdown_bars(rows: list[tuple[str, dict[str, Any]]], key: str, order: tupl
     left = [0.0] * len(rows)
     for j, name in enumerate(names):
         values = [next((c["seconds"] * 1e3 for c in b[key] if c["name"] == name), 0.0) for _, b in rows]
-        ax.barh([label for label, _ in rows], values, left=left, color=_COLORS[j % 20], label=name)
+        ax.barh([label for label, _ in rows], values, left=left, color=_COLORS[j % len(_COLORS)], label=name)
         left = [a + v for a, v in zip(left, values)]
     ax.invert_yaxis()
     ax.set_xlabel(f"ms per profiled step and rank, by {'module' if key == 'modules' else 'operator'} class")
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    return fig
+
+
+def module_operator_bars(rows: list[tuple[str, dict[str, Any]]], modules: tuple[str, ...],
+                         operators: tuple[str, ...]):
+    """The module x operator matrix, one panel per row: each module class's time (ms per profiled step and rank)
+    stacked by operator class, so that which operators a module spends its time on can be read off."""
+    rows = [(label, {tuple(c["name"].rsplit("/", 1)): c["seconds"] * 1e3 for c in b["module_operators"]})
+            for label, b in rows if b.get("module_operators")]
+    if not rows:
+        return None
+    present_modules = {m for _, cells in rows for m, _ in cells}
+    present_ops = {o for _, cells in rows for _, o in cells}
+    names = [m for m in modules if m in present_modules] + sorted(present_modules - set(modules))
+    ops = [o for o in operators if o in present_ops] + sorted(present_ops - set(operators))
+    plt = _pyplot()
+    cols = min(len(rows), 3)
+    grid = math.ceil(len(rows) / cols)
+    fig, axes = plt.subplots(grid, cols, figsize=(3.6 * cols + 1.2, (0.2 * len(names) + 1.0) * grid + 0.8),
+                             sharey=True, squeeze=False)
+    for ax, (label, cells) in zip(axes.flat, rows):
+        left = [0.0] * len(names)
+        for j, op in enumerate(ops):
+            values = [cells.get((m, op), 0.0) for m in names]
+            ax.barh(range(len(names)), values, left=left, color=_COLORS[j % len(_COLORS)],
+                    label=op if ax is axes.flat[0] else None)
+            left = [a + v for a, v in zip(left, values)]
+        ax.set_title(label, fontsize=8)
+        ax.set_xlabel("ms per profiled step and rank")
+    for ax in axes.flat[len(rows):]:
+        ax.set_visible(False)
+    axes[0][0].set_yticks(range(len(names)), names)
+    axes[0][0].invert_yaxis()
+    fig.tight_layout()
+    fig.legend(fontsize=7, ncol=min(len(ops), 7), loc="lower center", bbox_to_anchor=(0.5, 1.0))  # above the panels
     return fig
 
 

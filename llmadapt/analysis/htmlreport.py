@@ -140,6 +140,8 @@ def _figures(runs: list[F.ReportRun], rows, log) -> dict[str, Any]:
                               F.breakdown_bars(breakdowns, "modules", MODULE_CLASSES)),
         "breakdown_operators": ("Where the step's time goes, by operator class",
                                 F.breakdown_bars(breakdowns, "operators", OPERATOR_CLASSES)),
+        "breakdown_module_operators": ("Which operators each module class spends its time on",
+                                       F.module_operator_bars(breakdowns, MODULE_CLASSES, OPERATOR_CLASSES)),
         "expert_load": ("Expert load per layer (MoE)", F.expert_heatmaps(runs)),
         "evaluation": ("Held-out loss and accuracy against the steps trained", F.evaluation_curves(runs)),
         "eval_expert_load": ("Expert load on the held-out examples, before and after training (MoE)",
