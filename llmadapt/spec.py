@@ -195,6 +195,11 @@ class Parallelism:
     p2p: bool = True
     """Peer-to-peer between GPUs (NVLink, or PCIe P2P); false sets NCCL_P2P_DISABLE=1 for the ranks, so collectives
     go through host memory (study A's NVLink against PCIe). Needs NCCL: refused where no GPU is visible."""
+    threads_per_rank: int = attrs.field(default=0, validator=_at_least(0))
+    """CPU threads of each rank (torch's intra-op pool, OpenMP, MKL). 0: the launcher's choice, OMP_NUM_THREADS
+    where exported, else the node's cores shared among its ranks. A comparison whose cells would get different
+    counts gives them all the fewest (llmadapt.analysis.compare): on a CPU, threads per rank decide the step time
+    as much as the layout does."""
 
     @property
     def world_size(self) -> int:
@@ -592,8 +597,8 @@ class Workload:
 def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
     """A workload's dict less what does not define it: labels, per-adapter settings, sources, the model
     folder's location (its content is the checksum; absent for a preset, so older hashes stay as they were), and
-    the eval section when nothing is evaluated, save.lora, serve.stream, serve.mode, serve.engine and
-    parallelism.p2p at their defaults (so are older hashes)."""
+    the eval section when nothing is evaluated, save.lora, serve.stream, serve.mode, serve.engine,
+    parallelism.p2p and parallelism.threads_per_rank at their defaults (so are older hashes)."""
     for key in ("name", "adapters", "sources"):
         data.pop(key)
     if not data["eval"]["examples"]:
@@ -608,6 +613,8 @@ def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
         data["serve"].pop("engine")
     if data["parallelism"]["p2p"]:
         data["parallelism"].pop("p2p")
+    if not data["parallelism"]["threads_per_rank"]:
+        data["parallelism"].pop("threads_per_rank")
     for key in ("name", "path"):
         data["model"].pop(key)
     if data["model"]["checksum"] is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from llmadapt import Workload
-from llmadapt.analysis.cells import Cell, layout_label, plan
+from llmadapt.analysis.cells import Cell, layout_label, plan, same_threads
 from llmadapt.analysis.parity import PARITY_ATOL, PARITY_RTOL, parity, parity_of_runs
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.contract.rundir import RunDir
@@ -97,6 +97,25 @@ def test_layout_labels_name_every_setting_that_is_not_the_default():
                                 "optimizations.recompute=full"])
     assert layout_label("deepspeed", w) == "deepspeed dp2 zero3 offload=optimizer recompute=full mb1"
     assert layout_label("megatron", small().with_overrides(["parallelism.tp=2", "train.micro_batch=4"])) == "megatron tp2"
+
+
+def test_cells_of_one_comparison_get_the_same_threads_per_rank(monkeypatch):
+    """On four cores a 1-rank cell would get four threads and a 2-rank cell two each: both get two, and say
+    nothing in their labels; a cell that sets its own keeps it, and then the labels name each cell's count."""
+    import llmadapt.launch.supervise as supervise
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(supervise.os, "sched_getaffinity", lambda pid: set(range(4)))
+    grid = plan(small(), [Cell("torch")], {"parallelism.dp": [1, 2]})
+    cells, line = same_threads(grid)
+    assert [p.workload.parallelism.threads_per_rank for p in cells] == [2, 2]
+    assert [p.layout for p in cells] == [p.layout for p in grid] and "threads per rank: 2" in line
+    assert cells[0].workload.sources["parallelism.threads_per_rank"] == "comparison"
+    # the same default everywhere: nothing to set
+    same = plan(small(), [Cell("torch"), Cell.parse("torch:train.lr=0.01")])
+    assert same_threads(same) == (same, None)
+    mixed, _ = same_threads(plan(small(), [Cell("torch"), Cell.parse("torch:parallelism.dp=2,parallelism.threads_per_rank=1")]))
+    assert [p.layout for p in mixed] == ["torch dp1 mb1 thr4", "torch dp2 mb1 thr1"]
 
 
 def test_a_grid_plans_what_an_adapter_cannot_run_as_unsupported_and_refuses_it_on_request():

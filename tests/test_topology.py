@@ -100,3 +100,21 @@ def test_every_rank_header_carries_its_topology(tmp_path):
         t = header["topology"]
         assert t["interconnect"] == "cpu" and t["cpus"] and t["gpu_links"] == []
         assert "MASTER_ADDR" in t["settings"]  # torchrun's rendezvous: how the ranks found each other
+
+
+@pytest.mark.skipif(bool(environments_unready("torch")), reason=environments_unready("torch") or "")
+def test_a_comparison_runs_its_cells_with_the_threads_it_chose_and_records_them(tmp_path):
+    """dp1 against dp2 on this machine: both cells' ranks run with the same intra-op threads (each header says
+    so), the count the comparison chose; without it the 1-rank cell got every core and the 2-rank cell half."""
+    from llmadapt import compare
+    from llmadapt.launch.supervise import default_threads
+
+    table = compare(TINY.with_overrides(["train.steps=2"]), ["torch"], matrix={"parallelism.dp": [1, 2]},
+                    out=tmp_path)
+    assert [r.status for r in table.rows] == ["ok", "ok"]
+    threads = set()
+    for row in table.rows:
+        for rank in range(int(row.label.split("dp")[1][0])):
+            header = read_jsonl(Path(row.run_dir) / f"rank-{rank:05d}.jsonl")[0]
+            threads.add(header["topology"]["threads"]["intra_op"])
+    assert threads == {default_threads(2)}  # OMP_NUM_THREADS where exported, else the cores over two ranks

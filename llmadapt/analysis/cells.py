@@ -118,6 +118,35 @@ def plan(workload: Workload, cells: list[Cell], matrix: dict[str, list[Any]] | N
     return planned
 
 
+def same_threads(planned: list[PlannedCell], ranks_per_node=None) -> tuple[list[PlannedCell], str | None]:
+    """The training cells of one comparison with the same CPU threads per rank: a cell that leaves
+    parallelism.threads_per_rank unset gets the fewest any cell would get by default (1-rank and 2-rank cells on
+    two cores: one thread each, not two against one), and where cells still differ (set by the user), their
+    labels say thrN. Returns the cells and a line saying what was chosen (None when nothing was)."""
+    from llmadapt.launch.supervise import default_threads
+
+    ranks_per_node = ranks_per_node or (lambda w: w.world_size)
+    train = [p for p in planned if p.workload.kind != "serve"]
+    unset = [p for p in train if not p.workload.parallelism.threads_per_rank]
+    chosen = min((default_threads(ranks_per_node(p.workload)) for p in unset), default=0)
+    if unset and len({default_threads(ranks_per_node(p.workload)) for p in unset}) == 1 and len(unset) == len(train):
+        return planned, None  # every cell gets the same without being told
+    out, line = [], None
+    for p in planned:
+        if p in unset:
+            w = p.workload.with_overrides([f"parallelism.threads_per_rank={chosen}"], source="comparison")
+            p = attrs.evolve(p, workload=w)
+        out.append(p)
+    counts = {p.workload.parallelism.threads_per_rank for p in out if p.workload.kind != "serve"}
+    if len(counts) > 1:
+        out = [attrs.evolve(p, layout=f"{p.layout} thr{p.workload.parallelism.threads_per_rank}")
+               if p.workload.kind != "serve" else p for p in out]
+    if unset:
+        line = (f"threads per rank: {chosen} for the {len(unset)} cell(s) that leave it unset, the fewest any of "
+                "them gets by default (set parallelism.threads_per_rank to choose)")
+    return out, line
+
+
 def layout_label(adapter: str, w: Workload) -> str:
     """'deepspeed dp2 zero3 offload=optimizer recompute=full': the adapter and every layout or memory setting
     that is not the default (dp1 when nothing is parallel)."""

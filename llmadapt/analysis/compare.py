@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import attrs
 
-from llmadapt.analysis.cells import Cell, as_cells, matrix_settings, plan
+from llmadapt.analysis.cells import Cell, as_cells, matrix_settings, plan, same_threads
 from llmadapt.analysis.parity import loss_parity
 from llmadapt.analysis.table import text_table
 from llmadapt.analysis.uncertainty import Estimate, bootstrap_median
@@ -402,6 +402,10 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     if not isinstance(repeat, int) or repeat < 1:
         raise LlmadaptError(f"repeat must be a whole number >= 1, got {repeat!r}")
     planned = plan(workload, as_cells(adapters, cells), matrix, refuse_unsupported=refuse_unsupported)
+    if run_options.get("launcher", "auto") in ("auto", "torchrun") and not run_options.get("nodes"):
+        planned, threads = same_threads(planned)  # this machine's cores are the ranks' (not a cluster's nodes')
+        if log and threads:
+            log(threads)
     skipped = [p for p in planned if p.unsupported]
     if log and skipped:
         log(f"not supported, not run ({len(skipped)} of {len(planned)} cells):")

@@ -104,6 +104,9 @@ class Topology:
     """NUMA nodes of the machine (Linux's /sys/devices/system/node)."""
     cpus: list[int] | None = None
     """The cores this rank may run on (its affinity)."""
+    threads: dict[str, int] = attrs.Factory(dict)
+    """The rank's CPU threads: torch's intra-op pool ('intra_op', which OpenMP and MKL follow) and its inter-op
+    pool ('inter_op'), as the run started."""
     nvlinks_active: int | None = None
     """This GPU's NVLink links that are up."""
     gpu_links: list[GpuLink] = attrs.Factory(list)

@@ -179,7 +179,7 @@ def _run_launched(workload, info, launcher, launch, python, per_node, nodes, col
                                        progress)
         else:
             cmd = adapter_cmd or worker_command(launcher, python, run_dir, per_node=world)
-            failures += supervise(cmd, env=worker_env(world, info.environment), log=RunDir(run_dir).worker_log,
+            failures += supervise(cmd, env=worker_env(world, info.environment, workload.parallelism.threads_per_rank), log=RunDir(run_dir).worker_log,
                                    tail=run_dir / "rank-00000.jsonl", timeout=timeout,
                                    memory_limit_bytes=memory_limit_bytes, progress=progress)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM from a scheduler (llmadapt.errors.Terminated)

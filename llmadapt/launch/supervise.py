@@ -62,10 +62,26 @@ def interrupt_text(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
 
 
-def worker_env(world: int, environment: EnvironmentSpec) -> dict[str, str]:
-    """What every worker process starts with; PYTHONPATH names our sources (environments.process_env)."""
+def default_threads(ranks_per_node: int) -> int:
+    """The CPU threads a rank gets when nothing says otherwise: OMP_NUM_THREADS where exported, else this node's
+    cores (those this process may use) shared among its ranks."""
+    exported = os.environ.get("OMP_NUM_THREADS", "")
+    if exported.isdigit() and int(exported) > 0:
+        return int(exported)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // ranks_per_node)
+
+
+def worker_env(world: int, environment: EnvironmentSpec, threads: int = 0) -> dict[str, str]:
+    """What every worker process starts with; PYTHONPATH names our sources (environments.process_env).
+    ``threads``: each rank's CPU threads (workload.parallelism.threads_per_rank; 0: ``default_threads``)."""
     env = process_env(environment)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.setdefault("OMP_NUM_THREADS", str(default_threads(world)))
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LLMADAPT_COLLECT",

@@ -5,6 +5,7 @@ Shared by the training worker and the micro-benchmark worker. torch is imported 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from pathlib import Path
@@ -163,8 +164,13 @@ def describe_topology(device, env: dict[str, str] | None = None, nvml=None) -> T
         cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = None
+    threads = {}
+    with contextlib.suppress(Exception):
+        import torch
+
+        threads = {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()}
     if getattr(device, "type", "cpu") != "cuda":
-        return Topology(interconnect="cpu", numa_nodes=numa, cpus=cpus, settings=settings)
+        return Topology(interconnect="cpu", numa_nodes=numa, cpus=cpus, threads=threads, settings=settings)
     links, active = [], None
     try:
         if nvml is None:
@@ -195,13 +201,13 @@ def describe_topology(device, env: dict[str, str] | None = None, nvml=None) -> T
                 p2p = "disabled by NCCL_P2P_DISABLE"
             links.append(GpuLink(peer=peer, path=path, nvlink=nvlink, p2p=p2p))
     except Exception:  # noqa: BLE001 - no NVML: the topology is unknown, the run goes on
-        return Topology(interconnect="unknown", numa_nodes=numa, cpus=cpus, settings=settings)
+        return Topology(interconnect="unknown", numa_nodes=numa, cpus=cpus, threads=threads, settings=settings)
     if not links:
         kind = "single gpu"
     else:
         kind = "nvlink" if any(link.nvlink for link in links) or active else "pcie"
-    return Topology(interconnect=kind, numa_nodes=numa, cpus=cpus, nvlinks_active=active, gpu_links=links,
-                    settings=settings)
+    return Topology(interconnect=kind, numa_nodes=numa, cpus=cpus, threads=threads, nvlinks_active=active,
+                    gpu_links=links, settings=settings)
 
 
 def _nvml_index(device, env: dict[str, str]) -> int:
@@ -213,12 +219,15 @@ def _nvml_index(device, env: dict[str, str]) -> int:
     return index
 
 
-def apply_thread_policy() -> None:
+def apply_thread_policy(threads: int = 0) -> None:
+    """torch's intra-op pool (and OpenMP's and MKL's with it) at ``threads`` (the workload's threads_per_rank),
+    else at OMP_NUM_THREADS as the launcher set it."""
     import torch
 
-    threads = os.environ.get("OMP_NUM_THREADS")
+    threads = threads or int(os.environ.get("OMP_NUM_THREADS") or 0)
     if threads:
-        torch.set_num_threads(int(threads))
+        os.environ.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        torch.set_num_threads(threads)
 
 
 def pick_device(place: Place):

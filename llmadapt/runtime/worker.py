@@ -98,7 +98,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
     try:
         workload = Workload.from_dict(launch["workload"])
         if not inline:
-            apply_thread_policy()
+            apply_thread_policy(workload.parallelism.threads_per_rank)
         device = pick_device(place)
         if not workload.parallelism.p2p:  # read by NCCL when its communicators start
             os.environ["NCCL_P2P_DISABLE"] = "1"
