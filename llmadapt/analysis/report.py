@@ -101,6 +101,8 @@ def render_summary(s: dict[str, Any]) -> str:
             if v.get("bunched_share") is not None:
                 line += f"; bunched chunks {v['bunched_share']:.0%} (engine ITL {v['engine_itl_ms']:.2f} ms)"
             lines.append(line)
+    if s.get("interference"):
+        lines.append(machine_line(s["interference"]))
     if s.get("mfu") is not None:
         hfu = f", hfu {s['hfu']:.1%} (recomputation counted)" if s.get("hfu") and s["hfu"] != s["mfu"] else ""
         lines.append(f"mfu        {s['mfu']:.1%}{hfu}")
@@ -130,6 +132,18 @@ def render_summary(s: dict[str, Any]) -> str:
 
         lines += ["", *render_breakdown(s["breakdown"])]
     return "\n".join(lines)
+
+
+def machine_line(i: dict[str, Any]) -> str:
+    """'machine    quiet ...' or 'machine    DISTURBED: <cause>; ...', with what was measured."""
+    def num(value, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    measured = (f"load {num(i['load_start'], '.2f')} -> {num(i['load_end'], '.2f')}, other processes "
+                f"{num(i['other_cpu_cores'], '.2f')} cores, waits for a core {num(i['run_delay_share'], '.1%')}")
+    if i["quiet"]:
+        return f"machine    quiet during the measured steps ({measured})"
+    return f"machine    DISTURBED during the measured steps: {'; '.join(i['causes'])} ({measured})"
 
 
 def render_imbalance(layers: list[dict[str, Any]]) -> str:

@@ -21,11 +21,12 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.6"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.7"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
-# hardware_flops_per_token and hfu; the header's topology; the breakdown's module_operators
+# hardware_flops_per_token and hfu; the header's topology; the breakdown's module_operators;
+# 1.7: interference records and the summary's interference; the topology's threads
 
 
 @attrs.frozen
@@ -318,6 +319,59 @@ class Telemetry:
     unavailable: list[str] = attrs.Factory(list)
     """The first sample of a rank: what its sources cannot measure here, and why."""
     type: Literal["telemetry"] = "telemetry"
+
+
+@attrs.frozen
+class Interference:
+    """What ran beside one rank while it measured its steps (llmadapt.runtime.interference): read as its first
+    measured step started and after its last. A field is None where this machine cannot say."""
+
+    rank: int
+    node: str
+    window_s: float
+    """From the first measured step's start to the last one's end (profiled steps included), this rank's clock."""
+    cores: int | None
+    """The cores this rank may run on."""
+    threads: int | None
+    """The rank's intra-op threads (torch, OpenMP)."""
+    load_start: float | None
+    load_end: float | None
+    """The machine's one-minute load average."""
+    machine_busy_cpu_s: float | None
+    """CPU time the whole machine spent outside idle over the window, every process (/proc/stat)."""
+    own_cpu_s: float | None
+    """This rank's process's CPU time over the window."""
+    run_delay_s: float | None
+    """Time this rank's threads were runnable but waiting for a core, summed over its threads (schedstat)."""
+    steal_s: float | None
+    """CPU time a hypervisor gave to other guests (a VM's steal)."""
+    gpu_other_processes: int | None = None
+    """Other processes with a context on this rank's GPU (NVML)."""
+    gpu_throttle_reasons: list[str] | None = None
+    """Why NVML says the GPU ran below its clocks at either end (power cap, thermal, hardware slowdown, ...)."""
+    gpu_temperature_c: float | None = None
+    gpu_power_limit_w: float | None = None
+    gpu_sm_clock_mhz: float | None = None
+    type: Literal["interference"] = "interference"
+
+
+@attrs.frozen
+class InterferenceSummary:
+    """Whether the machine was quiet during the measured steps, and if not, what disturbed them."""
+
+    quiet: bool
+    causes: list[str]
+    """One line per cause found, with its measure ('other processes used 1.4 of 2 cores'); empty when quiet."""
+    other_cpu_cores: float | None
+    """Cores other processes kept busy on average over the window (the machine's busy CPU time less the ranks'),
+    the largest over nodes."""
+    run_delay_share: float | None
+    """The largest share of a rank's thread-time spent waiting for a core: run delay over window x threads."""
+    steal_share: float | None
+    load_start: float | None
+    load_end: float | None
+    gpu_other_processes: int | None = None
+    gpu_throttle_reasons: list[str] = attrs.Factory(list)
 
 
 @attrs.frozen
@@ -674,5 +728,7 @@ class Summary:
     """model_flops_per_token plus the forward that recomputation runs again (llmadapt.contract.flops)."""
     hfu: float | None = None
     """Hardware FLOPs utilisation: MFU with recomputation counted; None where MFU is."""
+    interference: InterferenceSummary | None = None
+    """Training runs: whether the machine was quiet while the steps were measured, and what disturbed them."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["summary"] = "summary"

@@ -20,6 +20,7 @@ from llmadapt.contract.records import (
     Evaluation,
     Failure,
     Header,
+    Interference,
     Metric,
     Request,
     ServerSample,
@@ -32,6 +33,7 @@ from llmadapt.errors import ContractError
 RECORD_TYPES: dict[str, type] = {
     "header": Header, "step": Step, "request": Request, "server_sample": ServerSample, "client_load": ClientLoad,
     "comm": Comm, "breakdown": Breakdown, "telemetry": Telemetry, "evaluation": Evaluation,
+    "interference": Interference,
     "metric": Metric, "failure": Failure, "end": End, "summary": Summary,
     "op_bench": OpBench, "estimate": Estimate, "fit": Fit, "validation": Validation, "probe": Probe,
     "maxbatch": MaxBatch,

@@ -178,7 +178,7 @@ def describe_topology(device, env: dict[str, str] | None = None, nvml=None) -> T
 
             nvml.nvmlInit()
         count = nvml.nvmlDeviceGetCount()
-        mine = _nvml_index(device, env)
+        mine = nvml_index(device, env)
         me = nvml.nvmlDeviceGetHandleByIndex(mine)
         active = 0
         for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
@@ -210,7 +210,7 @@ def describe_topology(device, env: dict[str, str] | None = None, nvml=None) -> T
                     gpu_links=links, settings=settings)
 
 
-def _nvml_index(device, env: dict[str, str]) -> int:
+def nvml_index(device, env: dict[str, str]) -> int:
     """NVML's index of a torch device: NVML sees every GPU, CUDA only those CUDA_VISIBLE_DEVICES names."""
     index = device.index or 0
     visible = [v for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]

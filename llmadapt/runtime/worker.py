@@ -28,7 +28,7 @@ from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.stream import StreamingWriter
 from llmadapt.errors import LlmadaptError
 from llmadapt.host import node_name, utc_now
-from llmadapt.runtime import lifecycle
+from llmadapt.runtime import interference, lifecycle
 from llmadapt.runtime.data import TokenData
 from llmadapt.runtime.device import (
     Place,
@@ -36,6 +36,7 @@ from llmadapt.runtime.device import (
     describe_device,
     describe_topology,
     memory_snapshot,
+    nvml_index,
     pick_device,
     reset_peak_memory,
     software_versions,
@@ -156,7 +157,8 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
         profiled = set(workload.profile.steps)
         sampler = Sampler(place.rank, workload.telemetry.interval_s,
                           (ctx.device.index or 0) if ctx.is_cuda else None).start()
-        energy_start = None
+        energy_start = quiet_start = None
+        gpu_index = nvml_index(ctx.device, dict(os.environ)) if ctx.is_cuda else None
         evaluate = _evaluator(workload, trainer, data, run_dir, dist_started)
         evaluate(0, writer)
         for step_index in range(workload.train.total_steps):
@@ -166,6 +168,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
             data_seconds = time.perf_counter() - data_start
             if step_index == workload.train.warmup_steps:
                 energy_start = sampler.energy_j()
+                quiet_start = interference.snapshot(gpu_index)
             reset_peak_memory(ctx)
             probe = (StepProfiler(trainer, rank=place.rank, world_size=place.world_size, step=step_index,
                                   level=workload.profile.level, cuda=ctx.is_cuda, run_dir=run_dir,
@@ -200,6 +203,9 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
                     and step_index + 1 < workload.train.total_steps:
                 evaluate(step_index + 1, writer)
         energy_end = sampler.energy_j()
+        if quiet_start is not None:
+            writer.write(interference.interference(place.rank, quiet_start, interference.snapshot(gpu_index),
+                                                   node_name()))
         for sample in sampler.stop():
             writer.write(sample)
         if energy_start is not None and energy_end is not None:

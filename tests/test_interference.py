@@ -1,0 +1,130 @@
+"""Interference: every training run records what ran beside it while it measured its steps, and `show` says quiet
+or disturbed with the measured cause. The burner test starts a real competing process; the GPU branch reads a
+fake NVML faithful to pynvml's names (no GPU here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from llmadapt import Workload
+from llmadapt.analysis.report import machine_line
+from llmadapt.contract.jsonl import read_jsonl
+from llmadapt.contract.schema import validate
+from llmadapt.contract.stats import interference_summary
+from llmadapt.runtime.interference import _gpu, interference, snapshot
+from llmadapt.testing import environments_unready
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = Workload.from_file(ROOT / "examples" / "tiny-llama.toml")
+
+
+def record(rank=0, node="a", window=2.0, busy=2.2, own=2.0, delay=0.01, threads=1, cores=2, steal=0.0, **gpu):
+    return {"rank": rank, "node": node, "window_s": window, "cores": cores, "threads": threads, "load_start": 0.5,
+            "load_end": 0.6, "machine_busy_cpu_s": busy, "own_cpu_s": own, "run_delay_s": delay, "steal_s": steal,
+            "gpu_other_processes": gpu.get("others"), "gpu_throttle_reasons": gpu.get("throttle"),
+            "type": "interference"}
+
+
+def test_quiet_and_each_cause_of_disturbance_with_its_measure():
+    quiet = interference_summary([record(rank=0, own=1.0), record(rank=1, own=1.1)])  # 0.1 s over 2 s: 0.05 cores
+    assert quiet.quiet and quiet.causes == [] and quiet.other_cpu_cores == pytest.approx(0.05)
+    assert machine_line(_as_dict(quiet)).startswith("machine    quiet during the measured steps (load 0.50 -> 0.60")
+    # two ranks on one node: the machine's busy time less both ranks' is the others'
+    busy = interference_summary([record(rank=0, busy=4.0, own=1.0), record(rank=1, busy=4.0, own=1.0)])
+    assert not busy.quiet and busy.causes == ["other processes kept 1.00 of 2 cores busy"]
+    waits = interference_summary([record(delay=0.3, threads=2)])  # 0.3 s over 2 s x 2 threads
+    assert waits.causes == ["rank 0's threads waited for a core 8% of their time"]
+    assert interference_summary([record(steal=0.2)]).causes == ["the hypervisor gave 5% of the CPU to other guests (steal)"]
+    gpu = interference_summary([record(others=1, throttle=["hardware thermal", "power cap"])])
+    assert gpu.causes == ["1 other process(es) on a rank's GPU", "GPU clocks held down: hardware thermal, power cap"]
+    # a window too short for /proc/stat's ticks is not judged on other processes' CPU
+    assert interference_summary([record(window=0.1, busy=0.3, own=0.1, delay=0.0)]).quiet
+    assert interference_summary([]) is None
+
+
+def _as_dict(summary) -> dict:
+    import attrs
+
+    return attrs.asdict(summary)
+
+
+def test_a_snapshot_pair_makes_a_valid_record_with_this_process_counted():
+    start = snapshot()
+    end_at = time.monotonic() + 0.2
+    while time.monotonic() < end_at:  # this process's own CPU, not another's
+        pass
+    r = interference(3, start, snapshot(), "here")
+    from llmadapt.contract.schema import to_json
+
+    data = to_json(r)
+    validate(data)
+    assert data["rank"] == 3 and data["window_s"] >= 0.2 and data["own_cpu_s"] >= 0.1
+    assert data["run_delay_s"] is not None and data["machine_busy_cpu_s"] >= data["own_cpu_s"] - 0.05
+
+
+class FakeNvml:
+    """pynvml's calls the GPU branch makes, for one GPU that another process shares and that runs hot."""
+
+    NVML_TEMPERATURE_GPU = 0
+    NVML_CLOCK_SM = 1
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return f"gpu{index}"
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        return [SimpleNamespace(pid=os.getpid()), SimpleNamespace(pid=999999)]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle):
+        return []
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+        return 0x1 | 0x40  # idle (not interference) and hardware thermal slowdown
+
+    def nvmlDeviceGetTemperature(self, handle, sensor):
+        return 87
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle):
+        return 700000  # mW
+
+    def nvmlDeviceGetClockInfo(self, handle, clock):
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")  # a field the device cannot give is left out
+
+
+def test_the_gpu_branch_reads_other_processes_throttling_and_limits_from_nvml():
+    gpu = _gpu(0, FakeNvml())
+    assert gpu == {"others": 1, "throttle": ["hardware thermal"], "temperature_c": 87.0, "power_limit_w": 700.0}
+    r = interference(0, {**snapshot(), "gpu": gpu}, {**snapshot(), "gpu": gpu}, "here")
+    assert (r.gpu_other_processes, r.gpu_throttle_reasons, r.gpu_sm_clock_mhz) == (1, ["hardware thermal"], None)
+
+
+@pytest.mark.skipif(bool(environments_unready("torch")), reason=environments_unready("torch") or "")
+def test_a_competing_process_started_beside_a_run_shows_in_its_record(tmp_path):
+    """A CPU burner on every core for the length of the run (bounded in time): the summary says disturbed, naming
+    other processes' CPU with its measure, and `show` prints it."""
+    from llmadapt import run
+    from llmadapt.analysis.report import render_summary
+
+    burn = "import time\nend = time.monotonic() + 120\nwhile time.monotonic() < end: pass\n"
+    burners = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(os.cpu_count() or 1)]
+    try:
+        result = run(TINY.with_overrides(["train.steps=30", "train.seq_len=128"]), "torch", out=tmp_path)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    assert result.ok
+    records = read_jsonl(result.run_dir / "rank-00000.jsonl")
+    found = [r for r in records if r["type"] == "interference"]
+    assert len(found) == 1 and found[0]["window_s"] >= 0.5
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    i = summary["interference"]
+    assert not i["quiet"] and any(c.startswith("other processes kept") for c in i["causes"]), i
+    assert "machine    DISTURBED during the measured steps: other processes kept" in render_summary(summary)
