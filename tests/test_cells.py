@@ -152,6 +152,9 @@ def test_a_grid_plans_what_an_adapter_cannot_run_as_unsupported_and_refuses_it_o
     (["--cell", "torch", "--cell", "torch:train.steps=8"], "error: cells torch and torch:train.steps=8 run the same "
                                                            "workload on torch: give each once"),
     ([], "error: name what to run: --adapters torch,deepspeed, or cells such as --cell"),
+    (["--adapters", "torch", "--matrix", "parallelism.dp=1,2", "--baseline", "megatron"],
+     "error: baseline 'megatron' names no cell of this comparison; its cells: torch"),
+    (["--adapters", "torch", "--repeat", "0"], "error: repeat must be a whole number >= 1, got 0"),
 ])
 def test_bad_cells_and_settings_are_one_line_before_anything_starts(tmp_path, args, message):
     out = cli("compare", EXAMPLE, *args, "--out", tmp_path / "runs")

@@ -40,13 +40,15 @@ def test_quiet_and_each_cause_of_disturbance_with_its_measure():
     # two ranks on one node: the machine's busy time less both ranks' is the others'
     busy = interference_summary([record(rank=0, busy=4.0, own=1.0), record(rank=1, busy=4.0, own=1.0)])
     assert not busy.quiet and busy.causes == ["other processes kept 1.00 of 2 cores busy"]
+    # waits for a core are reported, not judged: a run with more threads than cores makes them itself
     waits = interference_summary([record(delay=0.3, threads=2)])  # 0.3 s over 2 s x 2 threads
-    assert waits.causes == ["rank 0's threads waited for a core 8% of their time"]
+    assert waits.quiet and waits.run_delay_share == pytest.approx(0.075)
     assert interference_summary([record(steal=0.2)]).causes == ["the hypervisor gave 5% of the CPU to other guests (steal)"]
     gpu = interference_summary([record(others=1, throttle=["hardware thermal", "power cap"])])
     assert gpu.causes == ["1 other process(es) on a rank's GPU", "GPU clocks held down: hardware thermal, power cap"]
     # a window too short for /proc/stat's ticks is not judged on other processes' CPU
-    assert interference_summary([record(window=0.1, busy=0.3, own=0.1, delay=0.0)]).quiet
+    short = interference_summary([record(window=0.1, busy=0.3, own=0.1)])
+    assert short.quiet is None and machine_line(_as_dict(short)).startswith("machine    not judged")
     assert interference_summary([]) is None
 
 

@@ -48,3 +48,35 @@ def test_compare_prints_strong_and_weak_scaling_where_the_rows_allow():
     one = Comparison([row("torch dp1", w, 1, 1.0, 100.0), row("torch dp1", w, 1, 1.1, 90.0)],
                      workloads={w.problem_hash: w}).table()
     assert "scaling" not in one
+
+
+def test_the_verdict_names_the_fastest_the_indistinguishable_and_withholds_what_it_cannot_back():
+    """Under the table: the fastest row by its headline median, the rows whose 95% intervals overlap it (cannot
+    be told apart), the slower ones by how much; --baseline sets the reference of the vs column; a disturbed
+    machine or a single sample withholds the verdict, saying why, and a disturbed side gets no percentage."""
+    import attrs
+
+    from llmadapt.analysis.compare import Comparison, Row
+    from llmadapt.analysis.uncertainty import Estimate
+
+    def row(label, median, low, high, n=5, disturbed=()):
+        e = Estimate(median, low, high, n, "runs")
+        return Row(label=label, adapter=label.split()[0], variant="", run_dir=None, status="ok", problem_hash="p",
+                   metrics={"step_p50_s": median}, cell=label.split()[0], estimates={"step_p50_s": e},
+                   disturbed=list(disturbed))
+
+    rows = [row("megatron tp2", 1.5, 1.4, 1.6), row("torch dp1", 1.0, 0.95, 1.05), row("deepspeed dp2", 1.02, 0.97, 1.08)]
+    table = Comparison(rows=rows).table()
+    assert ("P1 verdict: fastest torch dp1; cannot be told apart from it: deepspeed dp2; slower: megatron tp2 +50% "
+            "(medians and 95% intervals over runs)") in table
+    body = table.splitlines()[2:5]
+    assert [line.split()[6] for line in body] == ["-", "-33%", "-32%"]  # against the first row: megatron
+    based = Comparison(rows=rows, baseline="torch").table()
+    assert "vs baseline" in based and [line.split()[6] for line in based.splitlines()[2:5]] == ["+50%", "-", "≈"]
+    noisy = [rows[0], attrs.evolve(rows[1], disturbed=["other processes kept 0.93 of 2 cores busy"]), rows[2]]
+    text = Comparison(rows=noisy).table()
+    assert ("P1 verdict withheld: the machine was disturbed during torch dp1 (other processes kept 0.93 of 2 cores "
+            "busy); rerun on a quiet machine") in text and "fastest" not in text
+    assert text.splitlines()[3].split()[6] == "disturbed"
+    lone = [rows[0], row("torch dp1", 1.0, 1.0, 1.0, n=1)]
+    assert "P1 verdict withheld: a single sample, no interval to judge by: torch dp1" in Comparison(rows=lone).table()

@@ -48,6 +48,9 @@ class Row:
     """Medians with their bootstrap intervals (``ESTIMATED``): over the runs when there are several, over the
     measured steps of the one run otherwise."""
     machine: str = ""
+    disturbed: list[str] = attrs.Factory(list)
+    """What disturbed the machine while any of the row's runs measured its steps (the summaries' interference);
+    empty when every run was quiet or not judged."""
 
 
 # (key, heading, format) of the comparison table, per kind
@@ -146,6 +149,16 @@ class Comparison:
     """Grouped by problem, in the order the problems first appear."""
     workloads: dict[str, Workload] = attrs.field(factory=dict, repr=False, eq=False)
     """One workload per problem hash, to name how problems differ."""
+    baseline: str | None = None
+    """The row every other row of its problem is set against (a cell as given, or a row's label); None: each
+    problem's first row."""
+
+    def reference(self, problem: str) -> Row | None:
+        """The row of ``problem`` the others are set against: the baseline's where it is in the problem, else
+        the problem's first row that ran ok."""
+        rows = [r for r in self.rows if r.problem_hash == problem and r.status == "ok"]
+        named = [r for r in rows if self.baseline in (r.cell, r.label)]
+        return (named or rows or [None])[0]
 
     def problems(self) -> list[str]:
         return list(dict.fromkeys(r.problem_hash for r in self.rows))
@@ -167,11 +180,10 @@ class Comparison:
         head = ["problem", "run", "status"] + [title for _, title, _ in columns]
         uncertain = any(r.estimates for r in self.rows)
         if uncertain:
-            head.insert(4, "vs first")
+            head.insert(4, "vs baseline" if self.baseline else "vs first")
         body = []
-        firsts: dict[str, Row] = {}
         for r in self.rows:
-            first = firsts.setdefault(r.problem_hash, r) if r.status == "ok" else None
+            first = self.reference(r.problem_hash) if r.status == "ok" else None
             cells = [problems[r.problem_hash], r.label, r.status]
             for key, _, fmt in columns:
                 estimate = r.estimates.get(key)
@@ -185,12 +197,44 @@ class Comparison:
                      "(not run)" + ("; parity delta: max |loss delta| against the first row of its problem"
                                     if not serve else ""))
         if uncertain:
-            lines.append(_uncertainty_note(self.rows, HEADLINE["serve" if serve else "train"]))
+            lines.append(_uncertainty_note(self.rows, HEADLINE["serve" if serve else "train"], self.baseline))
+            lines += self.verdict_lines(problems, HEADLINE["serve" if serve else "train"])
         lines += [f"{problems[h]}: problem {h[:12]}{self.difference(h)}" for h in problems]
         lines += [f"{r.label}: {r.note}" for r in self.rows if r.note]
         if not serve:
             lines += self.scaling_lines(problems)
         return "\n".join(lines)
+
+    def verdict_lines(self, problems: dict[str, str], key: str) -> list[str]:
+        """Per problem with two or more rows: the fastest row (lowest headline median), the rows that cannot be
+        told apart from it (95% intervals overlap), and how much slower the others are. No verdict where a
+        row's runs ran on a disturbed machine, or where a row has a single sample (no interval to judge by)."""
+        out = []
+        for problem, name in problems.items():
+            rows = [r for r in self.rows if r.problem_hash == problem and r.status == "ok" and r.estimates.get(key)]
+            if len(rows) < 2:
+                continue
+            disturbed = [r for r in rows if r.disturbed]
+            if disturbed:
+                causes = "; ".join(dict.fromkeys(c for r in disturbed for c in r.disturbed))
+                out.append(f"{name} verdict withheld: the machine was disturbed during "
+                           f"{', '.join(r.label for r in disturbed)} ({causes}); rerun on a quiet machine")
+                continue
+            lone = [r.label for r in rows if r.estimates[key].n < 2]
+            if lone:
+                out.append(f"{name} verdict withheld: a single sample, no interval to judge by: {', '.join(lone)}")
+                continue
+            best = min(rows, key=lambda r: r.estimates[key].median)
+            ties = [r for r in rows if r is not best and r.estimates[key].overlaps(best.estimates[key])]
+            slower = [r for r in rows if r is not best and r not in ties]
+            line = f"{name} verdict: fastest {best.label}"
+            if ties:
+                line += f"; cannot be told apart from it: {', '.join(r.label for r in ties)}"
+            if slower:
+                line += "; slower: " + ", ".join(
+                    f"{r.label} {r.estimates[key].median / best.estimates[key].median - 1:+.0%}" for r in slower)
+            out.append(line + f" (medians and 95% intervals over {best.estimates[key].what})")
+        return out
 
     def scaling_lines(self, problems: dict[str, str]) -> list[str]:
         """How the step scales with devices, where the table has the rows to say it: strong scaling within a
@@ -311,22 +355,27 @@ def _efficiency(value: float) -> str:
 
 
 def _versus(row: Row, first: Row | None, key: str) -> str:
-    """The row's headline figure against the first row of its problem: '+12%' beyond noise, '≈' within it."""
+    """The row's headline figure against the reference row of its problem: '+12%' beyond noise, '≈' within it,
+    'disturbed' (no figure) where either side ran on a disturbed machine."""
     mine, theirs = row.estimates.get(key), first.estimates.get(key) if first else None
     if first is None or first is row or mine is None or theirs is None or not theirs.median:
         return "-"
+    if row.disturbed or first.disturbed:
+        return "disturbed"
     if mine.n >= 2 and theirs.n >= 2 and mine.overlaps(theirs):
         return "≈"
     change = f"{(mine.median / theirs.median - 1):+.0%}"
     return change if mine.n >= 2 and theirs.n >= 2 else f"{change}?"
 
 
-def _uncertainty_note(rows: list[Row], key: str) -> str:
+def _uncertainty_note(rows: list[Row], key: str, baseline: str | None = None) -> str:
     counts = sorted({(e.n, e.what) for r in rows for e in [r.estimates.get(key)] if e})
     over = ", ".join(f"{n} {what}" for n, what in counts)
-    return (f"medians with 95% bootstrap intervals (percentile, {2000} resamples) over {over}; vs first: the "
-            "headline against the first row of its problem, '≈' where the intervals overlap (within noise), '?' "
-            "where either side has a single sample (no interval to judge by)")
+    against = f"vs baseline: the headline against {baseline}" if baseline else \
+        "vs first: the headline against the first row of its problem"
+    return (f"medians with 95% bootstrap intervals (percentile, {2000} resamples) over {over}; {against}, '≈' "
+            "where the intervals overlap (within noise), '?' where either side has a single sample (no interval "
+            "to judge by), 'disturbed' where either side ran on a disturbed machine")
 
 
 def format_value(value: Any, fmt: str) -> str:
@@ -382,7 +431,7 @@ def parse_matrix(items: list[str]) -> dict[str, list[Any]]:
 
 def compare(workload: Workload | str | Path, adapters: list[str] | None = None, *,
             cells: list[Cell | str] | None = None, matrix: dict[str, list[Any]] | None = None,
-            refuse_unsupported: bool = False, repeat: int = 1, reuse: bool = False,
+            refuse_unsupported: bool = False, repeat: int = 1, reuse: bool = False, baseline: str | None = None,
             log: Callable[[str], None] | None = None, on_cell: Callable[[int, int, str], None] | None = None,
             **run_options: Any) -> Comparison:
     """Run every cell on every matrix variant, side by side; one row each, grouped by problem.
@@ -393,6 +442,9 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     declares it cannot run is an error by itself, and in a grid (with ``matrix``) a row marked unsupported,
     not run, unless ``refuse_unsupported``.
 
+    ``baseline``: the row the others of its problem are set against (a cell as given, e.g. 'torch' or
+    'megatron:parallelism.tp=2', or a row's label); default each problem's first row.
+
     ``repeat``: runs per cell; a row then shows medians with bootstrap intervals over its runs. ``reuse``: runs
     already in the run store (``out``) of the same workload hash, adapter version and machine, finished ok,
     count towards them and are not run again. ``on_cell(done, total, title)`` follows the runs.
@@ -402,6 +454,9 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     if not isinstance(repeat, int) or repeat < 1:
         raise LlmadaptError(f"repeat must be a whole number >= 1, got {repeat!r}")
     planned = plan(workload, as_cells(adapters, cells), matrix, refuse_unsupported=refuse_unsupported)
+    if baseline is not None and not any(baseline in (str(p.cell), p.title) for p in planned):
+        raise LlmadaptError(f"baseline {baseline!r} names no cell of this comparison; its cells: "
+                            + ", ".join(dict.fromkeys(str(p.cell) for p in planned)))
     if run_options.get("launcher", "auto") in ("auto", "torchrun") and not run_options.get("nodes"):
         planned, threads = same_threads(planned)  # this machine's cores are the ranks' (not a cluster's nodes')
         if log and threads:
@@ -439,7 +494,7 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
                           metrics={}, note=p.unsupported, problem_hash=p.workload.problem_hash, cell=str(p.cell))
     problems = list(dict.fromkeys(p.workload.problem_hash for p in planned))
     order = sorted(rows, key=lambda i: (problems.index(planned[i].workload.problem_hash), i))
-    return Comparison(rows=[rows[i] for i in order],
+    return Comparison(rows=[rows[i] for i in order], baseline=baseline,
                       workloads={p.workload.problem_hash: p.workload for p in reversed(planned)})
 
 
@@ -468,10 +523,12 @@ def row_of_runs(label: str, adapter: str, variant: str, cell: str, results: list
     if len(results) > 1:
         failed = sum(1 for s in summaries if s.status != "ok")
         notes.insert(0, f"{len(results)} runs" + (f", {failed} failed" if failed else ""))
+    disturbed = [c for s in summaries if s.interference is not None for c in s.interference.causes]
     return Row(label=label, adapter=adapter, variant=variant, run_dir=results[0][0],
                status="ok" if ok and len(ok) == len(results) else "failed", metrics=metrics,
                note="; ".join(dict.fromkeys(notes))[:400], problem_hash=first.problem_hash, cell=cell,
-               run_dirs=[d for d, _ in results], estimates=estimates, machine=machine)
+               run_dirs=[d for d, _ in results], estimates=estimates, machine=machine,
+               disturbed=list(dict.fromkeys(disturbed)))
 
 
 def _estimates(ok: list[tuple[str, Any]], kind: str) -> dict[str, Estimate]:

@@ -141,6 +141,8 @@ def machine_line(i: dict[str, Any]) -> str:
 
     measured = (f"load {num(i['load_start'], '.2f')} -> {num(i['load_end'], '.2f')}, other processes "
                 f"{num(i['other_cpu_cores'], '.2f')} cores, waits for a core {num(i['run_delay_share'], '.1%')}")
+    if i["quiet"] is None:
+        return f"machine    not judged: the measured steps took under half a second ({measured})"
     if i["quiet"]:
         return f"machine    quiet during the measured steps ({measured})"
     return f"machine    DISTURBED during the measured steps: {'; '.join(i['causes'])} ({measured})"

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse", action="store_true",
                    help="count runs already in --out of the same workload, adapter version and machine, instead "
                         "of running them again")
+    p.add_argument("--baseline", metavar="CELL",
+                   help="the row the others are set against: a cell as given (torch, 'megatron:parallelism.tp=2') "
+                        "or a row's label (default: each problem's first row)")
     p.add_argument("--runs", metavar="QUERY",
                    help="compare stored runs in --out instead of running: key=value terms, e.g. "
                         "'adapter=torch since=2026-12-01' ('' for all)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import attrs
+
 from llmadapt.cli.common import cells_progress, emit, name_list, run_options, workload_of
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
@@ -58,6 +60,11 @@ def cmd_compare(args) -> int:
         if given:
             raise LlmadaptError(f"compare --runs reads stored runs: it takes no {', '.join(given)}")
         comparison = compare_stored(args.runs, root=args.out)
+        if args.baseline is not None:
+            if not any(args.baseline in (r.cell, r.label) for r in comparison.rows):
+                raise LlmadaptError(f"baseline {args.baseline!r} names no row of these runs; their rows: "
+                                    + ", ".join(r.label for r in comparison.rows))
+            comparison = attrs.evolve(comparison, baseline=args.baseline)
     else:
         if args.workload is None:
             raise LlmadaptError("name a workload file to run, or --runs QUERY to compare stored runs")
@@ -71,7 +78,7 @@ def cmd_compare(args) -> int:
         with cells_progress(args) as on_cell:
             comparison = compare(workload, names, cells=args.cell,
                                  matrix=parse_matrix(args.matrix or []), refuse_unsupported=args.refuse_unsupported,
-                                 repeat=args.repeat, reuse=args.reuse, on_cell=on_cell,
+                                 repeat=args.repeat, reuse=args.reuse, baseline=args.baseline, on_cell=on_cell,
                                  log=None if on_cell else lambda m: print(m, file=sys.stderr, flush=True),
                                  **run_options(args))
     text = comparison.table()

@@ -359,14 +359,16 @@ class Interference:
 class InterferenceSummary:
     """Whether the machine was quiet during the measured steps, and if not, what disturbed them."""
 
-    quiet: bool
+    quiet: bool | None
+    """None: not judged (every measured window too short to count other processes' CPU, nothing else found)."""
     causes: list[str]
     """One line per cause found, with its measure ('other processes used 1.4 of 2 cores'); empty when quiet."""
     other_cpu_cores: float | None
     """Cores other processes kept busy on average over the window (the machine's busy CPU time less the ranks'),
     the largest over nodes."""
     run_delay_share: float | None
-    """The largest share of a rank's thread-time spent waiting for a core: run delay over window x threads."""
+    """The largest share of a rank's thread-time spent waiting for a core: run delay over window x threads.
+    Reported, not judged: other processes raise it, and so does a run with more threads than cores."""
     steal_share: float | None
     load_start: float | None
     load_end: float | None

@@ -166,19 +166,18 @@ SHORTEST_JUDGED_S = 0.5
 """A window shorter than this is not judged for other processes' CPU: /proc/stat counts in clock ticks (10 ms)."""
 OTHER_CORES_LIMIT = 0.25
 """Other processes keeping a quarter of a core busy on average disturb a measurement."""
-RUN_DELAY_LIMIT = 0.05
-"""Threads waiting for a core 5% of their time disturb a measurement (a quiet machine stays well under 1%)."""
 STEAL_LIMIT = 0.01
 
 
 def interference_summary(found: list[dict[str, Any]]) -> InterferenceSummary | None:
     """Quiet or disturbed, from every rank's interference record: other processes' CPU (per node, the machine's
-    busy CPU time less its ranks'), the ranks' waits for a core, steal, and on a GPU other processes and
-    throttled clocks. Each cause found is one line with its measure."""
+    busy CPU time less its ranks'), steal, and on a GPU other processes and throttled clocks; each cause found is
+    one line with its measure. The ranks' waits for a core are reported beside, not judged: a run with more
+    threads than cores makes them itself. Not judged (quiet None) where no window was long enough to count."""
     if not found:
         return None
     causes: list[str] = []
-    other_cores = None
+    other_cores, judged = None, False
     nodes: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in found:
         nodes[r["node"]].append(r)
@@ -190,13 +189,12 @@ def interference_summary(found: list[dict[str, Any]]) -> InterferenceSummary | N
             continue
         other = max(0.0, max(busy) - sum(own)) / window
         other_cores = max(other_cores or 0.0, other)
+        judged = judged or window >= SHORTEST_JUDGED_S
         if window >= SHORTEST_JUDGED_S and other >= OTHER_CORES_LIMIT:
             causes.append(f"other processes kept {other:.2f} of {rs[0]['cores']} cores busy")
-    delays = [(r["run_delay_s"] / (r["window_s"] * max(1, r["threads"] or 1)), r["rank"]) for r in found
+    delays = [r["run_delay_s"] / (r["window_s"] * max(1, r["threads"] or 1)) for r in found
               if r["run_delay_s"] is not None and r["window_s"] > 0]
-    delay_share = max(delays)[0] if delays else None
-    if delays and delay_share >= RUN_DELAY_LIMIT:
-        causes.append(f"rank {max(delays)[1]}'s threads waited for a core {delay_share:.0%} of their time")
+    delay_share = max(delays) if delays else None
     steals = [r["steal_s"] / (r["window_s"] * (r["cores"] or 1)) for r in found
               if r["steal_s"] is not None and r["window_s"] > 0]
     steal_share = max(steals) if steals else None
@@ -210,7 +208,7 @@ def interference_summary(found: list[dict[str, Any]]) -> InterferenceSummary | N
         causes.append(f"GPU clocks held down: {', '.join(throttled)}")
     loads = [r for r in found if r["load_start"] is not None]
     return InterferenceSummary(
-        quiet=not causes, causes=causes, other_cpu_cores=other_cores, run_delay_share=delay_share,
+        quiet=not causes if judged or causes else None, causes=causes, other_cpu_cores=other_cores, run_delay_share=delay_share,
         steal_share=steal_share, load_start=max((r["load_start"] for r in loads), default=None),
         load_end=max((r["load_end"] for r in loads), default=None),
         gpu_other_processes=max(gpu_others) if gpu_others else None, gpu_throttle_reasons=throttled)
