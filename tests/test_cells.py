@@ -257,3 +257,34 @@ def test_parity_command_across_stacks_and_layouts(tmp_path):
     assert report.ok, report.describe()
     assert report.names == ("torch dp2 mb1", "megatron tp2 mb1") and report.steps == 3
     assert abs(report.reference[-1] - report.reference[0]) > 1e-2  # SGD moved the loss: the scale is tested
+
+
+@needs_envs
+def test_repeats_run_in_shuffled_rounds_and_the_stopping_rule_names_what_never_settled(tmp_path):
+    """Two cells, two rounds plus a third the stopping rule adds (an interval within 1e-9 of its median is never
+    reached): every cell runs once per round before any runs again, each round's order drawn from the recorded
+    seed; every row is over its three runs, with one statistic for every column (the median over runs)."""
+    from llmadapt import compare
+    from llmadapt.analysis.compare import from_json_summary
+
+    logged: list[str] = []
+    table = compare(small(), ["torch"], matrix={"optimizations.recompute": ["none", "full"]}, repeat=2,
+                    settle=1e-9, max_rounds=3, seed=11, out=tmp_path, log=logged.append)
+    runs = [line for line in logged if line.startswith("[")]
+    assert [line.rsplit("(round ", 1)[1] for line in runs] == ["1)", "1)", "2)", "2)", "3)", "3)"]
+    for r in range(3):  # each round holds both cells
+        assert {line.split("] ", 1)[1].split(" (round")[0] for line in runs[2 * r:2 * r + 2]} == {
+            row.label for row in table.rows}
+    assert any(line.endswith("in an order shuffled with seed 11") for line in logged)
+    assert table.seed == 11 and table.unsettled == [row.label for row in table.rows]
+    text = table.table()
+    assert "never settled within 0%: " in text and "shuffled with seed 11" in text
+    for row in table.rows:
+        assert len(row.run_dirs) == 3 and row.estimates["step_p50_s"].what == "runs"
+        p90s = sorted(from_json_summary(json.loads((Path(d) / "summary.json").read_text())).step_time_s.p90
+                      for d in row.run_dirs)
+        assert row.metrics["step_p90_s"] == p90s[1]  # the median run's p90, not the first run's
+    with pytest.raises(LlmadaptError, match="settle is a share of the median between 0 and 1"):
+        compare(small(), ["torch"], settle=5, out=tmp_path)
+    with pytest.raises(LlmadaptError, match="max rounds must be a whole number >= 3"):
+        compare(small(), ["torch"], repeat=3, settle=0.05, max_rounds=2, out=tmp_path)

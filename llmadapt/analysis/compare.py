@@ -8,7 +8,9 @@ intervals) whether its runs were made now or read from the store, and the tables
 from __future__ import annotations
 
 import json
+import random
 import re
+import statistics
 
 from pathlib import Path
 from typing import Any, Callable
@@ -49,8 +51,8 @@ class Row:
     measured steps of the one run otherwise."""
     machine: str = ""
     disturbed: list[str] = attrs.Factory(list)
-    """What disturbed the machine while any of the row's runs measured its steps (the summaries' interference);
-    empty when every run was quiet or not judged."""
+    """Each of the row's runs that measured its steps on a disturbed machine, with the first cause its summary's
+    interference names; empty when every run was quiet or not judged."""
 
 
 # (key, heading, format) of the comparison table, per kind
@@ -152,6 +154,12 @@ class Comparison:
     baseline: str | None = None
     """The row every other row of its problem is set against (a cell as given, or a row's label); None: each
     problem's first row."""
+    seed: int | None = None
+    """The seed of the rounds' shuffled orders (None: one round, the cells in their order)."""
+    settle: float | None = None
+    """The stopping rule's share: rounds were added until every headline interval was narrower than this."""
+    unsettled: list[str] = attrs.Factory(list)
+    """Rows whose interval never got that narrow before the last round."""
 
     def reference(self, problem: str) -> Row | None:
         """The row of ``problem`` the others are set against: the baseline's where it is in the problem, else
@@ -199,6 +207,12 @@ class Comparison:
         if uncertain:
             lines.append(_uncertainty_note(self.rows, HEADLINE["serve" if serve else "train"], self.baseline))
             lines += self.verdict_lines(problems, HEADLINE["serve" if serve else "train"])
+        if self.seed is not None:
+            lines.append(f"run in rounds: every cell once per round, in an order shuffled with seed {self.seed}"
+                         + (f"; rounds added until every interval was within {self.settle:.0%} of its median"
+                            if self.settle else ""))
+        if self.unsettled:
+            lines.append(f"never settled within {self.settle:.0%}: {', '.join(self.unsettled)}")
         lines += [f"{problems[h]}: problem {h[:12]}{self.difference(h)}" for h in problems]
         lines += [f"{r.label}: {r.note}" for r in self.rows if r.note]
         if not serve:
@@ -216,9 +230,10 @@ class Comparison:
                 continue
             disturbed = [r for r in rows if r.disturbed]
             if disturbed:
-                causes = "; ".join(dict.fromkeys(c for r in disturbed for c in r.disturbed))
+                runs = sum(len(r.disturbed) for r in disturbed)
                 out.append(f"{name} verdict withheld: the machine was disturbed during "
-                           f"{', '.join(r.label for r in disturbed)} ({causes}); rerun on a quiet machine")
+                           f"{', '.join(r.label for r in disturbed)} ({runs} run(s); {disturbed[0].disturbed[0]}"
+                           f"{', ...' if runs > 1 else ''}); rerun on a quiet machine")
                 continue
             lone = [r.label for r in rows if r.estimates[key].n < 2]
             if lone:
@@ -336,7 +351,8 @@ class Comparison:
 
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rows": [attrs.asdict(r) for r in self.rows], "counts": self.counts()}
+        return {"rows": [attrs.asdict(r) for r in self.rows], "counts": self.counts(), "baseline": self.baseline,
+                "seed": self.seed, "settle": self.settle, "unsettled": self.unsettled}
 
 
 # The figure a row is set against its problem's first row by, per kind.
@@ -432,6 +448,7 @@ def parse_matrix(items: list[str]) -> dict[str, list[Any]]:
 def compare(workload: Workload | str | Path, adapters: list[str] | None = None, *,
             cells: list[Cell | str] | None = None, matrix: dict[str, list[Any]] | None = None,
             refuse_unsupported: bool = False, repeat: int = 1, reuse: bool = False, baseline: str | None = None,
+            settle: float | None = None, max_rounds: int = 10, seed: int | None = None,
             log: Callable[[str], None] | None = None, on_cell: Callable[[int, int, str], None] | None = None,
             **run_options: Any) -> Comparison:
     """Run every cell on every matrix variant, side by side; one row each, grouped by problem.
@@ -445,14 +462,25 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     ``baseline``: the row the others of its problem are set against (a cell as given, e.g. 'torch' or
     'megatron:parallelism.tp=2', or a row's label); default each problem's first row.
 
-    ``repeat``: runs per cell; a row then shows medians with bootstrap intervals over its runs. ``reuse``: runs
-    already in the run store (``out``) of the same workload hash, adapter version and machine, finished ok,
-    count towards them and are not run again. ``on_cell(done, total, title)`` follows the runs.
+    ``repeat``: runs per cell, in rounds: every cell once per round, in an order shuffled anew each round
+    (``seed``, recorded in the comparison; drawn when None), so that the machine's drift falls on every cell
+    alike; a row then shows medians with bootstrap intervals over its whole runs. ``settle``: after ``repeat``
+    rounds, more rounds until every row's headline interval is narrower than this share of its median, or
+    ``max_rounds`` is reached (the rows that never settled are named). ``reuse``: runs already in the run store
+    (``out``) of the same workload hash, adapter version and machine, finished ok, count towards them (the
+    newest first) and are not run again. ``on_cell(done, total, title)`` follows the runs.
     """
     if not isinstance(workload, Workload):
         workload = Workload.from_file(workload)
     if not isinstance(repeat, int) or repeat < 1:
         raise LlmadaptError(f"repeat must be a whole number >= 1, got {repeat!r}")
+    if settle is not None:
+        if not 0 < settle < 1:
+            raise LlmadaptError(f"settle is a share of the median between 0 and 1 (0.05: intervals within 5%), "
+                                f"got {settle!r}")
+        if not isinstance(max_rounds, int) or max_rounds < max(2, repeat):
+            raise LlmadaptError(f"max rounds must be a whole number >= {max(2, repeat)} (the repeats, and two runs "
+                                f"for an interval), got {max_rounds!r}")
     planned = plan(workload, as_cells(adapters, cells), matrix, refuse_unsupported=refuse_unsupported)
     if baseline is not None and not any(baseline in (str(p.cell), p.title) for p in planned):
         raise LlmadaptError(f"baseline {baseline!r} names no cell of this comparison; its cells: "
@@ -469,43 +497,80 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     out = Path(run_options.get("out", "runs"))
     reused = _reusable(planned, out) if reuse else {}
     to_run = [(i, p) for i, p in enumerate(planned) if not p.unsupported]
-    total = sum(max(0, repeat - len(reused.get(i, []))) for i, _ in to_run)
-    done = 0
-    rows: dict[int, Row] = {}
-    baselines: dict[str, list[float | None]] = {}
+    results: dict[int, list[tuple[str, dict[str, Any]]]] = {i: reused.get(i, [])[:repeat] for i, _ in to_run}
     for i, p in to_run:
-        results: list[tuple[str, dict[str, Any]]] = [(d, s) for d, s in reused.get(i, [])[:repeat]]
-        if log and results:
-            log(f"{p.title}: {len(results)} run(s) reused from {out}")
-        for _ in range(repeat - len(results)):
+        if log and results[i]:
+            log(f"{p.title}: {len(results[i])} run(s) reused from {out}: {', '.join(Path(d).name for d, _ in results[i])}")
+    rounds = repeat if settle is None else max_rounds
+    shuffled = rounds > 1
+    seed = random.SystemRandom().randrange(2**31) if seed is None and shuffled else seed
+    rng = random.Random(seed)
+    if log and shuffled:
+        log(f"in rounds: every cell once per round, in an order shuffled with seed {seed}")
+    total = sum(max(0, repeat - len(results[i])) for i, _ in to_run)
+    done = 0
+    for round_index in range(rounds):
+        if round_index >= repeat and not _unsettled(to_run, results, settle, workload.kind):
+            break
+        order = [(i, p) for i, p in to_run if len(results[i]) <= round_index]
+        if shuffled:
+            rng.shuffle(order)
+        if round_index >= repeat:
+            total += len(order)
+        for i, p in order:
             done += 1
             if log:
-                log(f"[{done}/{total}] {p.title}")
+                log(f"[{done}/{total}] {p.title}" + (f" (round {round_index + 1})" if shuffled else ""))
             if on_cell:
                 on_cell(done - 1, total, p.title)
             result: RunResult = run(p.workload, p.cell.adapter, **run_options)
-            results.append((str(result.run_dir), to_json(result.summary)))
-        if on_cell and total:
-            on_cell(done, total, p.title)
-        rows[i] = row_of_runs(p.title, p.cell.adapter, p.variant, str(p.cell), results, baselines)
+            results[i].append((str(result.run_dir), to_json(result.summary)))
+    if on_cell and total:
+        on_cell(done, total, "")
+    rows: dict[int, Row] = {}
+    baselines: dict[str, list[float | None]] = {}
+    for i, p in to_run:  # in the cells' order: a problem's first row is its parity reference
+        rows[i] = row_of_runs(p.title, p.cell.adapter, p.variant, str(p.cell), results[i], baselines)
     for i, p in enumerate(planned):
         if p.unsupported:
             rows[i] = Row(label=p.title, adapter=p.cell.adapter, variant=p.variant, run_dir=None, status="unsupported",
                           metrics={}, note=p.unsupported, problem_hash=p.workload.problem_hash, cell=str(p.cell))
     problems = list(dict.fromkeys(p.workload.problem_hash for p in planned))
     order = sorted(rows, key=lambda i: (problems.index(planned[i].workload.problem_hash), i))
-    return Comparison(rows=[rows[i] for i in order], baseline=baseline,
+    unsettled = [p.title for p in _unsettled(to_run, results, settle, workload.kind)] if settle else []
+    return Comparison(rows=[rows[i] for i in order], baseline=baseline, seed=seed if shuffled else None,
+                      settle=settle, unsettled=unsettled,
                       workloads={p.workload.problem_hash: p.workload for p in reversed(planned)})
+
+
+def _unsettled(to_run, results, settle: float | None, kind: str) -> list:
+    """The cells whose headline interval over their runs is not yet narrower than ``settle`` of its median."""
+    if settle is None:
+        return []
+    kind = "serve" if kind == "serve" else "train"
+    out = []
+    for i, p in to_run:
+        ok = [(d, s) for d, s in results[i] if s.get("status") == "ok"]
+        estimate = _estimates([(d, from_json_summary(s)) for d, s in ok], kind).get(HEADLINE[kind]) \
+            if len(ok) >= 2 else None
+        if estimate is None or not estimate.median or (estimate.high - estimate.low) / estimate.median > settle:
+            out.append(p)
+    return out
+
+
+def from_json_summary(data: dict[str, Any]):
+    """A summary as the run wrote it (summary.json), as the record type."""
+    from llmadapt.contract.jsonl import from_json
+    from llmadapt.contract.records import Summary
+
+    return from_json(Summary, data)
 
 
 def row_of_runs(label: str, adapter: str, variant: str, cell: str, results: list[tuple[str, dict[str, Any]]],
                 baselines: dict[str, list[float | None]], machine: str = "") -> Row:
     """One row from one or more runs of a cell ((run folder, summary) pairs): the first run's figures, the
     headline figures as medians with their intervals, every failure and warning in the note."""
-    from llmadapt.contract.jsonl import from_json
-    from llmadapt.contract.records import Summary
-
-    summaries = [from_json(Summary, s) for _, s in results]
+    summaries = [from_json_summary(s) for _, s in results]
     first = summaries[0]
     ok = [(d, s) for (d, _), s in zip(results, summaries) if s.status == "ok"]
     base = baselines.setdefault(first.problem_hash, first.losses) if first.losses else baselines.get(first.problem_hash)
@@ -517,13 +582,20 @@ def row_of_runs(label: str, adapter: str, variant: str, cell: str, results: list
         if s.serving is not None and not s.serving.valid:
             notes.append(s.serving.validity)
     metrics = row_metrics(first, base)
+    if len(ok) > 1:  # one population per row: every figure over the runs, as the headline's median is
+        per_run = [row_metrics(s, base) for _, s in ok]
+        for key, value in metrics.items():
+            values = [m.get(key) for m in per_run]
+            if key not in ("devices", "first_loss", "last_loss") and all(isinstance(v, (int, float)) for v in values):
+                metrics[key] = max(values) if key == "parity_delta" else statistics.median(values)
     estimates = _estimates(ok, "serve" if first.serving is not None else "train")
     for key, estimate in estimates.items():
         metrics[key] = estimate.median
     if len(results) > 1:
         failed = sum(1 for s in summaries if s.status != "ok")
         notes.insert(0, f"{len(results)} runs" + (f", {failed} failed" if failed else ""))
-    disturbed = [c for s in summaries if s.interference is not None for c in s.interference.causes]
+    disturbed = [f"{label} run {n}: {s.interference.causes[0]}" if len(results) > 1 else s.interference.causes[0]
+                 for n, s in enumerate(summaries, 1) if s.interference is not None and s.interference.causes]
     return Row(label=label, adapter=adapter, variant=variant, run_dir=results[0][0],
                status="ok" if ok and len(ok) == len(results) else "failed", metrics=metrics,
                note="; ".join(dict.fromkeys(notes))[:400], problem_hash=first.problem_hash, cell=cell,
@@ -588,7 +660,7 @@ def _reusable(planned, out: Path) -> dict[int, list[tuple[str, dict[str, Any]]]]
                     and r.row.get("adapter_version") == version and r.machine == node_name()
                     and not r.row.get("fault")):
                 found.setdefault(i, []).append((str(r.folder), r.summary))
-    return found
+    return {i: sorted(runs, key=lambda run: Path(run[0]).name, reverse=True) for i, runs in found.items()}
 
 
 def compare_stored(query: str | None = None, *, root: str | Path = "runs") -> Comparison:

@@ -3,7 +3,9 @@ Figure or None when the runs hold nothing for it. Why matplotlib: one library gi
 in a self-contained page (no script to load, text drawn as paths, so no font is fetched) and as PNG and SVG files;
 the page stays small and opens without a network.
 
-``ReportRun`` is what a figure reads of one run: its label, workload, summary and records.
+``ReportRun`` is what a figure reads of one run: its label, workload, summary and records. The figures that answer
+"which configuration" (the headline, loss and step time over steps, throughput against batch) are in
+analysis.figures_train.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import attrs
 
 from llmadapt.spec import Workload
 
-_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf", "#aec7e8", "#ff9896", "#98df8a", "#ffbb78", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7",
            "#dbdb8d", "#9edae5", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#6b6ecf", "#b5cf6b",
            "#e7ba52", "#d6616b", "#ce6dbd"]  # matplotlib's tab10, tab20's light halves, tab20b: 30 classes apart
@@ -30,6 +32,8 @@ class ReportRun:
     workload: Workload
     summary: dict[str, Any]
     records: list[dict[str, Any]] = attrs.field(repr=False)
+    problem: str = ""
+    """The problem's name in the report ('P2'): runs of different problems are never drawn on one axis."""
 
     @property
     def serving(self) -> bool:
@@ -44,7 +48,7 @@ class ReportRun:
         return {i: max(v) for i, v in sorted(by_step.items()) if len(v) == self.workload.world_size}
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -55,77 +59,49 @@ def _pyplot():
     return plt
 
 
-def _legend(ax) -> None:
+def legend(ax) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, loc="best")
-
-
-def loss_curves(runs: list[ReportRun]):
-    train = [r for r in runs if not r.serving and r.summary.get("losses")]
-    if not train:
-        return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for i, r in enumerate(train):
-        losses = r.summary["losses"]
-        ax.plot(range(len(losses)), losses, marker="o", ms=2.5, lw=1.2, color=_COLORS[i % 20], label=r.label,
-                alpha=0.85)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (global batch)")
-    _legend(ax)
-    return fig
-
-
-def step_times(runs: list[ReportRun]):
-    train = [r for r in runs if not r.serving and r.steps()]
-    if not train:
-        return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for i, r in enumerate(train):
-        steps = r.steps()
-        warm = r.workload.train.warmup_steps
-        xs = [s for s in steps if s >= warm]
-        ax.plot(xs, [steps[s] * 1e3 for s in xs], marker="o", ms=2.5, lw=1.2, color=_COLORS[i % 20], label=r.label)
-        profiled = sorted(set(r.workload.profile.steps) & set(xs))
-        if profiled:
-            ax.scatter(profiled, [steps[s] * 1e3 for s in profiled], s=40, facecolors="none",
-                       edgecolors=_COLORS[i % 20], label=f"{r.label}: profiled")
-    ax.set_xlabel("step (after warm-up)")
-    ax.set_ylabel("step time, ms (slowest rank)")
-    _legend(ax)
-    return fig
 
 
 def memory(rows: list[tuple[str, float]]):
     """Peak memory per row: (label, MiB)."""
     if not rows:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.2))
-    ax.barh([label for label, _ in rows], [mib for _, mib in rows], color=_COLORS[0])
+    ax.barh([label for label, _ in rows], [mib for _, mib in rows], color=COLORS[0])
     ax.invert_yaxis()
     ax.set_xlabel("peak memory, MiB (device allocated on GPU, RSS on CPU; max over ranks)")
     return fig
 
 
 def breakdown_bars(rows: list[tuple[str, dict[str, Any]]], key: str, order: tuple[str, ...]):
-    """Stacked bars of each row's breakdown classes (``key``: modules or operators), ms per profiled step."""
+    """Each row's breakdown classes (``key``: modules or operators) as stacked bars twice: ms per profiled step
+    (left: which row spends more) and shares of its step, 100% each (right: where each row's time goes)."""
     rows = [(label, b) for label, b in rows if b.get(key)]
     if not rows:
         return None
     present = {c["name"] for _, b in rows for c in b[key]}
     names = [n for n in order if n in present] + sorted(present - set(order))
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 0.55 * len(rows) + 1.6))
-    left = [0.0] * len(rows)
-    for j, name in enumerate(names):
-        values = [next((c["seconds"] * 1e3 for c in b[key] if c["name"] == name), 0.0) for _, b in rows]
-        ax.barh([label for label, _ in rows], values, left=left, color=_COLORS[j % len(_COLORS)], label=name)
-        left = [a + v for a, v in zip(left, values)]
-    ax.invert_yaxis()
-    ax.set_xlabel(f"ms per profiled step and rank, by {'module' if key == 'modules' else 'operator'} class")
-    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    seconds = [[next((c["seconds"] * 1e3 for c in b[key] if c["name"] == name), 0.0) for name in names]
+               for _, b in rows]
+    plt = pyplot()
+    fig, (absolute, share) = plt.subplots(1, 2, figsize=(10, 0.4 * len(rows) + 1.9), sharey=True,
+                                          layout="constrained")
+    labels = [label for label, _ in rows]
+    for ax, scale in ((absolute, [1.0] * len(rows)), (share, [100 / (sum(v) or 1) for v in seconds])):
+        left = [0.0] * len(rows)
+        for j, name in enumerate(names):
+            values = [v[j] * k for v, k in zip(seconds, scale)]
+            ax.barh(labels, values, left=left, color=COLORS[j % len(COLORS)], label=name if ax is share else None)
+            left = [a + v for a, v in zip(left, values)]
+    absolute.invert_yaxis()
+    what = "module" if key == "modules" else "operator"
+    absolute.set_xlabel(f"ms per profiled step and rank, by {what} class")
+    share.set_xlabel(f"share of the profiled step, % (each row 100%), by {what} class")
+    share.set_xlim(0, 100)
+    fig.legend(fontsize=7, ncol=min(len(names), 6), loc="outside lower center")
     return fig
 
 
@@ -141,7 +117,7 @@ def module_operator_bars(rows: list[tuple[str, dict[str, Any]]], modules: tuple[
     present_ops = {o for _, cells in rows for _, o in cells}
     names = [m for m in modules if m in present_modules] + sorted(present_modules - set(modules))
     ops = [o for o in operators if o in present_ops] + sorted(present_ops - set(operators))
-    plt = _pyplot()
+    plt = pyplot()
     cols = min(len(rows), 3)
     grid = math.ceil(len(rows) / cols)
     fig, axes = plt.subplots(grid, cols, figsize=(3.6 * cols + 1.2, (0.2 * len(names) + 1.0) * grid + 0.8),
@@ -150,7 +126,7 @@ def module_operator_bars(rows: list[tuple[str, dict[str, Any]]], modules: tuple[
         left = [0.0] * len(names)
         for j, op in enumerate(ops):
             values = [cells.get((m, op), 0.0) for m in names]
-            ax.barh(range(len(names)), values, left=left, color=_COLORS[j % len(_COLORS)],
+            ax.barh(range(len(names)), values, left=left, color=COLORS[j % len(COLORS)],
                     label=op if ax is axes.flat[0] else None)
             left = [a + v for a, v in zip(left, values)]
         ax.set_title(label, fontsize=8)
@@ -199,7 +175,7 @@ def _heatmaps(panels: list[tuple[str, list[list[int]]]]):
     """One heatmap per (title, tokens[layer][expert]) panel, as shares of each layer's tokens, on one colour scale."""
     if not panels:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(2.9 * len(panels) + 1.2, 2.9), squeeze=False,
                              layout="constrained")
     grids = [[[v / (sum(row) or 1) for v in row] for row in grid] for _, grid in panels]
@@ -223,12 +199,12 @@ def evaluation_curves(runs: list[ReportRun]):
     evaluated = [(r, r.summary["evaluations"]) for r in runs if r.summary.get("evaluations")]
     if not evaluated:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
     losses = [e["loss"] for _, points in evaluated for e in points]
     for i, (r, points) in enumerate(evaluated):
         steps = [e["step"] for e in points]
-        style = dict(marker="o", ms=3, lw=1.2, color=_COLORS[i % 20], label=r.label, alpha=0.85)
+        style = dict(marker="o", ms=3, lw=1.2, color=COLORS[i % 20], label=r.label, alpha=0.85)
         left.plot(steps, [e["loss"] for e in points], **style)
         exact = points[0].get("exact_match") is not None
         right.plot(steps, [e["exact_match" if exact else "token_accuracy"] for e in points],
@@ -240,7 +216,7 @@ def evaluation_curves(runs: list[ReportRun]):
     right.set_xlabel("steps trained")
     right.set_ylabel("exact match (dashed: per token)")
     right.set_ylim(-0.02, 1.02)
-    _legend(right)
+    legend(right)
     return fig
 
 
@@ -259,16 +235,16 @@ def latency_cdfs(runs: list[ReportRun]):
     serve = [r for r in runs if r.serving and _request_latencies(r, "ttft")]
     if not serve:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.3))
     for what, ax in zip(("ttft", "e2el"), axes):
         for i, r in enumerate(serve):
             values = _request_latencies(r, what)
-            ax.step(values, [(k + 1) / len(values) for k in range(len(values))], where="post", color=_COLORS[i % 20],
+            ax.step(values, [(k + 1) / len(values) for k in range(len(values))], where="post", color=COLORS[i % 20],
                     label=r.label)
         ax.set_xlabel(f"{what.upper()}, ms")
         ax.set_ylabel("share of requests")
-    _legend(axes[0])
+    legend(axes[0])
     return fig
 
 
@@ -281,7 +257,7 @@ def latency_vs_load(runs: list[ReportRun]):
     groups = {k: v for k, v in groups.items() if len({x.summary["serving"]["request_throughput"] for x in v}) >= 2}
     if not groups:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.3))
     for i, (engine, group) in enumerate(sorted(groups.items())):
         group = sorted(group, key=lambda x: x.summary["serving"]["request_throughput"])
@@ -289,47 +265,10 @@ def latency_vs_load(runs: list[ReportRun]):
         for ax, metric in zip(axes, ("ttft", "tpot")):
             for q, style in (("p50", "-o"), ("p99", "--s")):
                 ys = [(x.summary["serving"][f"{metric}_ms"] or {}).get(q) for x in group]
-                ax.plot(xs, ys, style, ms=3, color=_COLORS[i % 20], label=f"{engine} {q}")
+                ax.plot(xs, ys, style, ms=3, color=COLORS[i % 20], label=f"{engine} {q}")
                 ax.set_xlabel("achieved requests/s")
                 ax.set_ylabel(f"{metric.upper()}, ms")
-    _legend(axes[0])
-    return fig
-
-
-def throughput_vs_batch(runs: list[ReportRun]):
-    """Samples/s against global batch per (adapter, model), with Study B's Eq. 2 fitted over each where it can be."""
-    from llmadapt.analysis.perf.studyb import MOE_ATTENUATION, fit_throughput, sparsity_of, throughput
-    from llmadapt.errors import LlmadaptError
-
-    groups: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
-    for r in runs:
-        if r.serving or r.summary.get("status") != "ok" or not r.summary.get("samples_per_s"):
-            continue
-        key = (r.summary["adapter"], r.workload.model.name)
-        groups.setdefault(key, []).append((float(r.workload.train.global_batch), sparsity_of(r.workload.model),
-                                           float(r.summary["samples_per_s"]["mean"])))
-    groups = {k: v for k, v in groups.items() if len({b for b, _, _ in v}) >= 2}
-    if not groups:
-        return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for i, ((adapter, model), points) in enumerate(sorted(groups.items())):
-        color = _COLORS[i % 10]
-        ax.scatter([b for b, _, _ in points], [q for _, _, q in points], color=color, s=18,
-                   label=f"{adapter} {model}")
-        try:
-            fit = fit_throughput(points, MOE_ATTENUATION["mixtral"], source="report")
-        except LlmadaptError:
-            continue
-        lo, hi = min(b for b, _, _ in points), max(b for b, _, _ in points)
-        xs = [lo * (hi / lo) ** (k / 40) for k in range(41)]
-        s = points[0][1]
-        ax.plot(xs, [throughput(x, s, fit.coefficients["C4"], fit.coefficients["C2"], fit.fixed["C3"]) for x in xs],
-                color=color, lw=1, label=f"Eq. 2 fit (MAPE {fit.mape:.1%})")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("global batch (samples)")
-    ax.set_ylabel("samples/s")
-    _legend(ax)
+    legend(axes[0])
     return fig
 
 
@@ -337,17 +276,17 @@ def estimate_vs_measured(points: list[tuple[str, float, float]]):
     """(label, estimated s, measured s) per run whose device the catalog knows."""
     if not points:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(4.8, 4.2))
     for i, (label, est, meas) in enumerate(points):
-        ax.scatter([meas * 1e3], [est * 1e3], color=_COLORS[i % 20], label=label, s=22)
+        ax.scatter([meas * 1e3], [est * 1e3], color=COLORS[i % 20], label=label, s=22)
     top = max(max(e, m) for _, e, m in points) * 1e3 * 1.15
     ax.plot([0, top], [0, top], color="#999", lw=0.8, ls="--", label="estimate = measured")
     ax.set_xlim(0, top)
     ax.set_ylim(0, top)
     ax.set_xlabel("measured step time, ms (median)")
     ax.set_ylabel("estimated step time, ms")
-    _legend(ax)
+    legend(ax)
     return fig
 
 
@@ -374,7 +313,7 @@ def svg_text(fig) -> str:
 
 
 def close(fig) -> None:
-    _pyplot().close(fig)
+    pyplot().close(fig)
 
 
 def fmt_mib(value: float | None) -> str:

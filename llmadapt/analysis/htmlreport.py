@@ -1,8 +1,11 @@
 """A self-contained HTML report of runs: one file, every style, script and figure inline, nothing fetched when it
-opens. The comparison table (sortable, medians with their intervals where rows have repeats), then each figure the
-runs hold data for (analysis.figures): loss curves, step time over steps, peak memory, the module and operator
-breakdowns, expert load per layer, serving latency CDFs and latency against load, throughput against batch with
-Study B's fit, the estimate against the measurement. ``--figures DIR`` writes the same figures as PNG and SVG.
+opens. The comparison tables (sortable, medians with their intervals, each row's headline against its problem's
+first, the verdict per problem; laid out to fit a 1400 px window), then each figure the runs hold data for
+(analysis.figures, analysis.figures_train): the headline (rows sorted by step time or TTFT, with intervals and the
+verdict), loss curves per problem, step time over steps, peak memory, the module and operator breakdowns (absolute
+and 100%), expert load per layer, serving latency CDFs and latency against load, throughput against batch with
+Study B's fit over runs that differ in batch alone, the estimate against the measurement. ``--figures DIR`` writes
+the same figures as PNG and SVG.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from llmadapt.analysis import figures as F
+from llmadapt.analysis import figures_train as T
 from llmadapt.analysis.compare import Comparison, row_of_runs
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
@@ -20,18 +24,23 @@ from llmadapt.host import VERSION, utc_now
 from llmadapt.spec import Workload
 
 _STYLE = """
-body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1100px;
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1300px;
        color: #222; padding: 0 1em; }
 h1 { font-size: 1.5em; margin-bottom: 0.2em; } h2 { font-size: 1.15em; margin-top: 2em; }
 .meta { color: #666; font-size: 0.9em; }
-table { border-collapse: collapse; font-size: 0.86em; margin: 1em 0; }
-th, td { border-bottom: 1px solid #ddd; padding: 4px 8px; text-align: right; white-space: nowrap; }
+.wide { max-width: 100%; overflow-x: auto; }
+table { border-collapse: collapse; font-size: 12px; margin: 1em 0; }
+th, td { border-bottom: 1px solid #ddd; padding: 3px 5px; text-align: right; white-space: nowrap; }
+th { white-space: normal; vertical-align: bottom; min-width: 3.5em; max-width: 7em; }
+td:nth-child(2) { white-space: normal; min-width: 9em; max-width: 16em; }
 th:nth-child(-n+3), td:nth-child(-n+3) { text-align: left; }
+td .ci { display: block; color: #777; font-size: 0.88em; }
 th { cursor: pointer; background: #f4f4f4; user-select: none; } th.sorted-asc::after { content: " \\25B2"; }
 th.sorted-desc::after { content: " \\25BC"; }
 figure.chart { margin: 1em 0 2em; } figure.chart svg { max-width: 100%; height: auto; }
-figcaption { color: #555; font-size: 0.9em; }
-.note { color: #555; font-size: 0.85em; }
+figcaption { color: #555; font-size: 0.9em; } figcaption b { color: #222; }
+ul.verdict { margin: 0.3em 0 0.6em; padding-left: 1.3em; } ul.verdict li { margin: 0.15em 0; }
+.note { color: #555; font-size: 0.85em; overflow-wrap: anywhere; }
 """
 
 # Sort a table by the clicked column: numbers by their data-value, the rest as text.
@@ -92,9 +101,11 @@ def _load(folder: Path) -> tuple[dict[str, Any], Workload, list[dict[str, Any]]]
 
 
 def build(folders: list[Path], *, title: str = "llmadapt report", keep_figures: bool = False,
-          log: Callable[[str], None] | None = None) -> tuple[str, dict[str, Any], Comparison]:
+          log: Callable[[str], None] | None = None, baseline: str | None = None
+          ) -> tuple[str, dict[str, Any], Comparison]:
     """The report: (HTML text, the figures by name as (title, figure), the comparison its tables show). The
-    figures are closed once drawn into the page unless ``keep_figures`` (then close them with figures.close)."""
+    figures are closed once drawn into the page unless ``keep_figures`` (then close them with figures.close).
+    ``baseline``: the row (a label) each problem's others are set against; default each problem's first."""
     from llmadapt.analysis.cells import layout_label
 
     loaded = [(folder, *_load(folder)) for folder in folders]
@@ -110,9 +121,10 @@ def build(folders: list[Path], *, title: str = "llmadapt report", keep_figures: 
                                 [(str(f), s) for f, s, _, _ in group], baselines))
         for n, (folder, summary, workload, records) in enumerate(group):
             label = key[1] + (f" #{n + 1}" if len(group) > 1 else "")
-            runs.append(F.ReportRun(label, folder, workload, summary, records))
-    comparison = Comparison(rows=rows, workloads={k[0]: cells[k][0][2] for k in cells})
-    figs = _figures(runs, rows, log)
+            runs.append(F.ReportRun(label, folder, workload, summary, records,
+                                    problem=f"P{problems.index(key[0]) + 1}"))
+    comparison = Comparison(rows=rows, workloads={k[0]: cells[k][0][2] for k in cells}, baseline=baseline)
+    figs = _figures(runs, comparison, log)
     text = _html(title, comparison, runs, figs)
     if not keep_figures:
         for _, fig in figs.values():
@@ -120,25 +132,33 @@ def build(folders: list[Path], *, title: str = "llmadapt report", keep_figures: 
     return text, figs, comparison
 
 
-def _figures(runs: list[F.ReportRun], rows, log) -> dict[str, Any]:
+def _figures(runs: list[F.ReportRun], comparison: Comparison, log) -> dict[str, Any]:
     from llmadapt.adapter.breakdown import MODULE_CLASSES, OPERATOR_CLASSES
+    from llmadapt.analysis.report import read_summary
 
+    problems = _problem_names(comparison)
+    several = len(problems) > 1
+
+    def name(r) -> str:  # a row's label, led by its problem where the report has several
+        return f"{problems[r.problem_hash]} {r.label}" if several else r.label
+
+    rows = comparison.rows
     breakdowns = []
     for r in rows:
-        from llmadapt.analysis.report import read_summary
-
         b = read_summary(r.run_dir).get("breakdown") if r.run_dir else None
         if b and b.get("profiled_steps"):
-            breakdowns.append((r.label, b))
+            breakdowns.append((name(r), b))
     made = {
-        "loss": ("Loss per step", F.loss_curves(runs)),
-        "step_time": ("Step time over steps", F.step_times(runs)),
+        "headline": ("Which configuration: each problem's rows sorted by their headline figure, medians with 95% "
+                     "intervals", T.headline(rows, problems)),
+        "loss": ("Loss per step, one panel per problem", T.loss_curves(runs)),
+        "step_time": ("Step time over steps", T.step_times(runs)),
         "memory": ("Peak memory per configuration",
-                   F.memory([(r.label, r.metrics["peak_memory_mib"]) for r in rows
+                   F.memory([(name(r), r.metrics["peak_memory_mib"]) for r in rows
                              if r.metrics.get("peak_memory_mib")])),
-        "breakdown_modules": ("Where the step's time goes, by module class",
+        "breakdown_modules": ("Where the step's time goes, by module class: absolute and 100%",
                               F.breakdown_bars(breakdowns, "modules", MODULE_CLASSES)),
-        "breakdown_operators": ("Where the step's time goes, by operator class",
+        "breakdown_operators": ("Where the step's time goes, by operator class: absolute and 100%",
                                 F.breakdown_bars(breakdowns, "operators", OPERATOR_CLASSES)),
         "breakdown_module_operators": ("Which operators each module class spends its time on",
                                        F.module_operator_bars(breakdowns, MODULE_CLASSES, OPERATOR_CLASSES)),
@@ -148,13 +168,29 @@ def _figures(runs: list[F.ReportRun], rows, log) -> dict[str, Any]:
                              F.eval_expert_heatmaps(runs)),
         "latency_cdf": ("Serving latency distributions", F.latency_cdfs(runs)),
         "latency_vs_load": ("Serving latency against load", F.latency_vs_load(runs)),
-        "throughput_vs_batch": ("Throughput against batch size, with Study B's Eq. 2",
-                                F.throughput_vs_batch(runs)),
+        "throughput_vs_batch": ("Throughput against batch size, with Study B's Eq. 2 fitted over runs that differ "
+                                "in batch alone", T.throughput_vs_batch(runs)),
         "estimate_vs_measured": ("Estimated against measured step time", F.estimate_vs_measured(_estimates(runs))),
     }
     out = {name: (title, fig) for name, (title, fig) in made.items() if fig is not None}
     if log:
         log(f"figures: {', '.join(out) or 'none'}")
+    return out
+
+
+def _problem_names(comparison: Comparison) -> dict[str, str]:
+    return {h: f"P{i}" for i, h in enumerate(comparison.problems(), 1)}
+
+
+def _verdicts(comparison: Comparison, problems: dict[str, str]) -> list[str]:
+    """Comparison.verdict_lines per kind: the fastest row of each problem, the rows within noise of it, the rest."""
+    from llmadapt.analysis.compare import HEADLINE
+
+    serving = {r.problem_hash for r in comparison.rows if "request_throughput" in r.metrics}
+    out = []
+    for kind in ("train", "serve"):
+        mine = {h: p for h, p in problems.items() if (h in serving) == (kind == "serve")}
+        out += comparison.verdict_lines(mine, HEADLINE[kind]) if mine else []
     return out
 
 

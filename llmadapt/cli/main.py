@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse", action="store_true",
                    help="count runs already in --out of the same workload, adapter version and machine, instead "
                         "of running them again")
+    p.add_argument("--settle", type=float, metavar="SHARE",
+                   help="after --repeat rounds, add rounds until every row's 95%% interval is narrower than SHARE of "
+                        "its median (0.05: 5%%), up to --max-rounds; the rows that never settle are named")
+    p.add_argument("--max-rounds", type=int, default=10, metavar="N", help="the most rounds --settle runs (default 10)")
+    p.add_argument("--seed", type=int, metavar="N",
+                   help="the seed of the rounds' shuffled order (default: drawn, and printed under the table)")
     p.add_argument("--baseline", metavar="CELL",
                    help="the row the others are set against: a cell as given (torch, 'megatron:parallelism.tp=2') "
                         "or a row's label (default: each problem's first row)")

@@ -56,7 +56,8 @@ def cmd_compare(args) -> int:
         given = [flag for flag, on in (("a workload file", args.workload), ("--adapters", args.adapters),
                                        ("--attach", args.attach),
                                        ("--cell", args.cell), ("--matrix", args.matrix), ("--reuse", args.reuse),
-                                       ("--repeat", args.repeat != 1)) if on]
+                                       ("--repeat", args.repeat != 1), ("--settle", args.settle is not None),
+                                       ("--seed", args.seed is not None)) if on]
         if given:
             raise LlmadaptError(f"compare --runs reads stored runs: it takes no {', '.join(given)}")
         comparison = compare_stored(args.runs, root=args.out)
@@ -78,7 +79,8 @@ def cmd_compare(args) -> int:
         with cells_progress(args) as on_cell:
             comparison = compare(workload, names, cells=args.cell,
                                  matrix=parse_matrix(args.matrix or []), refuse_unsupported=args.refuse_unsupported,
-                                 repeat=args.repeat, reuse=args.reuse, baseline=args.baseline, on_cell=on_cell,
+                                 repeat=args.repeat, reuse=args.reuse, baseline=args.baseline, settle=args.settle,
+                                 max_rounds=args.max_rounds, seed=args.seed, on_cell=on_cell,
                                  log=None if on_cell else lambda m: print(m, file=sys.stderr, flush=True),
                                  **run_options(args))
     text = comparison.table()

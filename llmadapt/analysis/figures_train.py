@@ -1,0 +1,243 @@
+"""The report's figures that answer "which configuration, and is the comparison fair": the headline (each
+problem's rows sorted by their headline figure, with 95% intervals), loss curves per problem (one line where the
+runs coincide), step time over steps (small multiples for many runs), and throughput against batch with Study B's
+Eq. 2 fitted over runs that differ in batch alone. Drawn as analysis.figures draws the others.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from llmadapt.analysis.figures import COLORS, ReportRun, pyplot
+
+LINESTYLES = ["-", "--", ":", "-."]
+MARKERS = ["o", "s", "^", "D", "v", "x", "P", "*"]
+SMALL_MULTIPLES_FROM = 7
+"""Step time over steps: this many runs or more get one panel each, fewer share one axis."""
+
+# (estimate key, axis label, scale to the axis's unit) of a headline panel, per kind
+HEADLINE_PANELS = {
+    "train": [("step_p50_s", "step time p50, ms (lower is better)", 1e3),
+              ("tokens_per_s", "tokens/s (higher is better)", 1.0)],
+    "serve": [("ttft_p50_ms", "TTFT p50, ms (lower is better)", 1.0),
+              ("output_throughput", "output tokens/s (higher is better)", 1.0)],
+}
+
+
+def titled(runs: list[ReportRun]) -> list[str]:
+    """Each run's label, led by its problem ('P2 torch dp2') when the runs pose more than one problem."""
+    several = len({r.problem for r in runs}) > 1
+    return [f"{r.problem} {r.label}" if several and r.problem else r.label for r in runs]
+
+
+def _value(row, key: str) -> tuple[float, float, float] | None:
+    """(median, low, high) of a row's figure: its estimate's, or the plain value with no interval."""
+    estimate = row.estimates.get(key)
+    if estimate is not None:
+        return estimate.median, estimate.low, estimate.high
+    value = row.metrics.get(key)
+    return (float(value),) * 3 if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def headline(rows: list[Any], problems: dict[str, str]):
+    """Per problem (a row of two panels each): its rows that ran ok, sorted by the headline figure (step time p50
+    for training, TTFT p50 for serving; fastest on top), as bars with the 95% interval as error bars, and the
+    throughput beside it in the same order. Rows whose machine was disturbed are hatched and say so."""
+    groups = []
+    for problem, name in problems.items():
+        mine = [r for r in rows if r.problem_hash == problem and r.status == "ok"]
+        kind = "serve" if any("request_throughput" in r.metrics for r in mine) else "train"
+        key = HEADLINE_PANELS[kind][0][0]
+        mine = sorted((r for r in mine if _value(r, key)), key=lambda r: _value(r, key)[0])
+        if mine:
+            groups.append((name, kind, mine))
+    if not groups:
+        return None
+    plt = pyplot()
+    heights = [len(g[2]) * 0.34 + 0.7 for g in groups]
+    fig, axes = plt.subplots(len(groups), 2, figsize=(10, sum(heights) + 0.4), squeeze=False,
+                             gridspec_kw={"height_ratios": heights}, layout="constrained")
+    for (name, kind, mine), pair in zip(groups, axes):
+        labels = [r.label + (" (disturbed)" if r.disturbed else "") for r in mine]
+        for ax, (key, axis, scale), color in zip(pair, HEADLINE_PANELS[kind], (COLORS[0], COLORS[2])):
+            values = [_value(r, key) for r in mine]
+            ys = list(range(len(mine)))
+            medians = [v[0] * scale if v else 0.0 for v in values]
+            bars = ax.barh(ys, medians, color=color, alpha=0.75, height=0.6)
+            for bar, r in zip(bars, mine):
+                if r.disturbed:
+                    bar.set_hatch("///")
+                    bar.set_facecolor("#dddddd")
+                    bar.set_edgecolor("#777777")
+            err = [[(v[0] - v[1]) * scale if v else 0 for v in values],
+                   [(v[2] - v[0]) * scale if v else 0 for v in values]]
+            ax.errorbar(medians, ys, xerr=err, fmt="none", ecolor="#222", elinewidth=1, capsize=3)
+            top = max((v[2] * scale for v in values if v), default=1.0)
+            for y, v in zip(ys, values):
+                if v:
+                    ax.text(v[2] * scale + top * 0.01, y, f"{v[0] * scale:,.4g}", va="center", fontsize=7)
+            ax.set_xlim(0, top * 1.18)
+            ax.set_yticks(ys, labels if ax is pair[0] else [""] * len(ys))
+            ax.invert_yaxis()
+            ax.set_xlabel(axis)
+            ax.grid(axis="y", visible=False)
+        pair[0].set_title(f"{name}: sorted by {HEADLINE_PANELS[kind][0][1].split(',')[0]}, 95% intervals",
+                          fontsize=8, loc="left")
+    return fig
+
+
+def _agreement(losses: list[list[float]]) -> tuple[bool, float]:
+    """Whether loss curves coincide (same length; at every step the spread across runs within the parity
+    tolerance, atol + rtol x |loss|), and their largest spread at any step."""
+    from llmadapt.analysis.parity import PARITY_ATOL, PARITY_RTOL
+
+    steps = min(len(x) for x in losses)
+    spreads = [(max(col) - min(col), max(abs(v) for v in col)) for col in
+               ([x[i] for x in losses] for i in range(steps))]
+    widest = max((s for s, _ in spreads), default=0.0)
+    same = len({len(x) for x in losses}) == 1 and all(s <= PARITY_ATOL + PARITY_RTOL * m for s, m in spreads)
+    return same, widest
+
+
+def loss_curves(runs: list[ReportRun]):
+    """One axis per problem (runs of different problems never share one). Where a problem's runs coincide, one
+    line says so ('10 runs agree within 4.8e-07'); otherwise a line each, in differing styles, so that curves
+    drawn over one another still show."""
+    train = [r for r in runs if not r.serving and r.summary.get("losses")]
+    if not train:
+        return None
+    by_problem: dict[str, list[tuple[str, ReportRun]]] = {}
+    for name, r in zip(titled(train), train):
+        by_problem.setdefault(r.problem, []).append((r.label, r))
+    plt = pyplot()
+    cols = min(len(by_problem), 3)
+    grid = math.ceil(len(by_problem) / cols)
+    fig, axes = plt.subplots(grid, cols, figsize=(4.6 * cols + (1.8 if cols == 1 else 0.4), 3.1 * grid),
+                             squeeze=False, layout="constrained")
+    for ax, (problem, members) in zip(axes.flat, by_problem.items()):
+        losses = [r.summary["losses"] for _, r in members]
+        same, widest = _agreement(losses)
+        if same:
+            agree = f"agree within {widest:.2g}" if widest else "agree exactly"
+            text = f"{len(members)} runs {agree}" if len(members) > 1 else f"1 run ({members[0][0]})"
+            ax.plot(range(len(losses[0])), losses[0], marker="o", ms=2.5, lw=1.4, color=COLORS[0], label=text)
+            ax.set_title(f"{problem}: {text}", fontsize=8, loc="left")
+        else:
+            for i, (label, r) in enumerate(members):
+                ax.plot(range(len(losses[i])), losses[i], ls=LINESTYLES[i % 4], marker=MARKERS[i % 8], ms=3,
+                        lw=1.2, color=COLORS[i % 20], label=label, alpha=0.85, markerfacecolor="none")
+            ax.set_title(f"{problem}: {len(members)} runs differ by up to {widest:.2g}", fontsize=8, loc="left")
+            ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (global batch)")
+    for ax in axes.flat[len(by_problem):]:
+        ax.set_visible(False)
+    return fig
+
+
+def step_times(runs: list[ReportRun]):
+    """Step time over the measured steps (slowest rank; profiled steps circled). Up to six runs share one axis,
+    with the legend outside it; more get a panel each on a shared y axis. A log axis where the times span more
+    than a factor of eight."""
+    train = [r for r in runs if not r.serving and r.steps()]
+    if not train:
+        return None
+    series = []
+    for name, r in zip(titled(train), train):
+        steps = r.steps()
+        xs = [s for s in steps if s >= r.workload.train.warmup_steps]
+        if xs:
+            series.append((name, xs, [steps[s] * 1e3 for s in xs], sorted(set(r.workload.profile.steps) & set(xs))))
+    if not series:
+        return None
+    values = [v for _, _, ys, _ in series for v in ys if v > 0]
+    log = bool(values) and max(values) / min(values) > 8
+    plt = pyplot()
+    if len(series) < SMALL_MULTIPLES_FROM:
+        fig, ax = plt.subplots(figsize=(8, 3.4), layout="constrained")
+        for i, (name, xs, ys, profiled) in enumerate(series):
+            ax.plot(xs, ys, ls=LINESTYLES[i % 4], marker=MARKERS[i % 8], ms=3, lw=1.2, color=COLORS[i % 20],
+                    label=name, markerfacecolor="none")
+            if profiled:
+                ax.scatter(profiled, [ys[xs.index(s)] for s in profiled], s=60, facecolors="none",
+                           edgecolors=COLORS[i % 20], lw=1.5, label=f"{name}: profiled")
+        ax.set_xlabel("step (after warm-up)")
+        ax.set_ylabel("step time, ms (slowest rank)")
+        if log:
+            ax.set_yscale("log")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        return fig
+    cols = 4 if len(series) <= 16 else 5
+    grid = math.ceil(len(series) / cols)
+    fig, axes = plt.subplots(grid, cols, figsize=(2.45 * cols, 1.75 * grid + 0.5), sharex=True, sharey=True,
+                             squeeze=False, layout="constrained")
+    for i, (ax, (name, xs, ys, profiled)) in enumerate(zip(axes.flat, series)):
+        ax.plot(xs, ys, marker="o", ms=2, lw=1, color=COLORS[0])
+        if profiled:
+            ax.scatter(profiled, [ys[xs.index(s)] for s in profiled], s=40, facecolors="none", edgecolors=COLORS[1])
+        ax.set_title(name, fontsize=7)
+        ax.tick_params(labelsize=7)
+        if log:
+            ax.set_yscale("log")
+    for ax in axes.flat[len(series):]:
+        ax.set_visible(False)
+    fig.supxlabel("step (after warm-up)", fontsize=8)
+    fig.supylabel("step time, ms (slowest rank)", fontsize=8)
+    fig.suptitle(f"{len(series)} runs, one panel each, one y axis; red circles: profiled steps", fontsize=8)
+    return fig
+
+
+def _batch_group(r: ReportRun) -> str:
+    """What runs that differ in batch alone share: the stack, the problem less its batch, the layout and memory
+    techniques (the micro-batch, a batch field, left out)."""
+    w = r.workload
+    problem = w.problem_dict()
+    problem["train"] = {k: v for k, v in problem["train"].items() if k != "global_batch"}
+    layout = {"parallelism": {k: v for k, v in w.to_dict()["parallelism"].items() if k != "threads_per_rank"},
+              "optimizations": w.to_dict()["optimizations"], "optimizer_impl": w.train.optimizer_impl}
+    return json.dumps([r.summary["adapter"], problem, layout], sort_keys=True, default=str)
+
+
+def throughput_vs_batch(runs: list[ReportRun]):
+    """Samples/s against global batch, per group of runs that differ in batch size alone (one stack, one problem
+    but for its batch, one layout), with Study B's Eq. 2 fitted over each group of three batch sizes or more.
+    None when no group has three."""
+    from llmadapt.analysis.perf.studyb import MOE_ATTENUATION, fit_throughput, sparsity_of, throughput
+    from llmadapt.errors import LlmadaptError
+
+    groups: dict[str, list[tuple[ReportRun, tuple[float, float, float]]]] = {}
+    for r in runs:
+        if r.serving or r.summary.get("status") != "ok" or not r.summary.get("samples_per_s"):
+            continue
+        point = (float(r.workload.train.global_batch), sparsity_of(r.workload.model),
+                 float(r.summary["samples_per_s"]["mean"]))
+        groups.setdefault(_batch_group(r), []).append((r, point))
+    groups = {k: v for k, v in groups.items() if len({p[0] for _, p in v}) >= 3}
+    if not groups:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.6), layout="constrained")
+    for i, members in enumerate(groups.values()):
+        color, points = COLORS[i % 10], [p for _, p in members]
+        first = members[0][0]
+        name = re.sub(r" (mb\d+|#\d+)", "", f"{first.label} {first.workload.model.name}")
+        ax.scatter([b for b, _, _ in points], [q for _, _, q in points], color=color, s=18, marker=MARKERS[i % 8],
+                   label=f"{name} ({len(points)} runs)")
+        try:
+            fit = fit_throughput(points, MOE_ATTENUATION["mixtral"], source="report")
+        except LlmadaptError:
+            continue
+        lo, hi = min(b for b, _, _ in points), max(b for b, _, _ in points)
+        xs = [lo * (hi / lo) ** (k / 40) for k in range(41)]
+        s = points[0][1]
+        ax.plot(xs, [throughput(x, s, fit.coefficients["C4"], fit.coefficients["C2"], fit.fixed["C3"]) for x in xs],
+                color=color, lw=1, ls=LINESTYLES[i % 4], label=f"Eq. 2 fit (MAPE {fit.mape:.1%})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("global batch (samples)")
+    ax.set_ylabel("samples/s")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
+              title="runs that differ in batch alone", title_fontsize=7)
+    return fig
