@@ -1,7 +1,8 @@
 """The self-contained HTML report, opened in a real headless browser (Debian's chromium, driven by Selenium through
 Debian's chromedriver): no console error, no network request, every chart and table row it should have, and a
-sortable table. Made from real runs: dense and MoE training (one profiled), a second batch size, two load points of
-a streaming server."""
+sortable table; and looked at, as a screenshot of a 1400 px window: nothing wider than the window, no figure blank.
+Made from real runs: dense and MoE training (one profiled), three batch sizes, two load points of a streaming
+server. The figures that answer "which configuration" are also checked on made-up runs (no browser)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def runs(tmp_path_factory) -> Path:
     return out
 
 
-EXPECTED_CHARTS = {"loss", "step_time", "memory", "breakdown_modules", "breakdown_operators",
+EXPECTED_CHARTS = {"headline", "loss", "step_time", "memory", "breakdown_modules", "breakdown_operators",
                    "breakdown_module_operators", "expert_load",
                    "evaluation", "eval_expert_load", "latency_cdf", "latency_vs_load", "throughput_vs_batch"}
 
@@ -75,6 +76,9 @@ def test_the_report_holds_the_table_and_every_figure_its_runs_have(runs, tmp_pat
     text, figures, comparison = build(folders)
     assert set(figures) == EXPECTED_CHARTS  # no estimate: this CPU is not in the device catalog
     assert text.count('<figure class="chart"') == len(EXPECTED_CHARTS)
+    absolute, share = visible(figures["breakdown_modules"][1])  # ms per step, and each row's step as 100%
+    assert share.get_xlim() == (0, 100) and absolute.get_xlim()[1] > 0
+    assert "vs first</th>" in text
     for forbidden in ("<link", "src=\"http", "src='http", "@import", "url(http"):
         assert forbidden not in text, forbidden
     path = report([runs], tmp_path / "report.html", figures_dir=tmp_path / "figs")
@@ -109,22 +113,32 @@ def test_bad_report_inputs_are_one_line(tmp_path):
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and not (tmp_path / "r.html").exists()
 
 
-@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
-                    reason="needs Debian's chromium and chromium-driver (.ci/run installs them)")
-def test_the_report_opens_in_headless_chromium_without_errors_or_network(runs, tmp_path):
+def chromium(tmp_path: Path, width: int = 1400, height: int = 900):
+    """Debian's headless chromium through Selenium, its window WIDTH px wide."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
 
-    path = report([runs], tmp_path / "report.html")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'profile'}"):
+                 "--disable-dev-shm-usage", "--hide-scrollbars", f"--window-size={width},{height}",
+                 f"--user-data-dir={tmp_path / 'profile'}"):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+needs_chromium = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
+                                    reason="needs Debian's chromium and chromium-driver (.ci/run installs them)")
+
+
+@needs_chromium
+def test_the_report_opens_in_headless_chromium_without_errors_or_network(runs, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    path = report([runs], tmp_path / "report.html")
+    driver = chromium(tmp_path)
     try:
         driver.get(path.as_uri())
         assert driver.title == "llmadapt report"
@@ -154,3 +168,138 @@ def test_the_report_opens_in_headless_chromium_without_errors_or_network(runs, t
         assert path.as_uri() in urls and not [u for u in urls if u.startswith(("http:", "https:", "ws:", "wss:"))]
     finally:
         driver.quit()
+
+
+@needs_chromium
+def test_the_report_fits_a_1400_px_window_and_every_figure_shows_in_a_screenshot(runs, tmp_path):
+    """Looked at, not only parsed: in a 1400 px window nothing is wider than the window (the page does not scroll
+    sideways, no table is cut off in its wrapper), the headline sits beside the table's 'vs first' column, and
+    screenshots of the page and of every figure, as chromium drew them, are not blank."""
+    import io
+
+    from PIL import Image
+    from selenium.webdriver.common.by import By
+
+    path = report([runs], tmp_path / "report.html")
+    driver = chromium(tmp_path, 1400)
+    try:
+        driver.get(path.as_uri())
+        width = driver.execute_script("return window.innerWidth")
+        assert width == 1400
+        assert driver.execute_script("return document.documentElement.scrollWidth") <= width
+        for table in driver.find_elements(By.CSS_SELECTOR, "table"):
+            assert table.rect["x"] >= 0 and table.rect["x"] + table.rect["width"] <= width, table.get_attribute("id")
+            wrapper = driver.execute_script("return arguments[0].parentElement", table)
+            assert wrapper.get_property("scrollWidth") <= wrapper.get_property("clientWidth"), table.get_attribute("id")
+        heads = [h.text.replace("\n", " ") for h in driver.find_elements(By.CSS_SELECTOR, "#comparison th")]
+        assert heads.index("vs first") == heads.index("step p50 s") + 1, heads
+        assert "vs first" in [h.text for h in driver.find_elements(By.CSS_SELECTOR, "#comparison-serve th")]
+        if not environments_unready("plain"):  # P1 has two rows (torch, plain): a verdict, in both places
+            assert driver.find_elements(By.CSS_SELECTOR, "#verdict-tables li")
+            assert driver.find_elements(By.CSS_SELECTOR, "#headline figcaption li")
+        height = driver.execute_script("return document.documentElement.scrollHeight")
+        driver.set_window_size(1400, height + 200)
+        page = Image.open(io.BytesIO(driver.get_screenshot_as_png())).convert("RGB")
+        page.save(tmp_path / "report-1400.png")
+        assert page.width == 1400 and len(set(page.getdata())) > 500  # tables, text and colour, not a blank page
+        figures = driver.find_elements(By.CSS_SELECTOR, "figure.chart")
+        assert {f.get_attribute("id") for f in figures} == EXPECTED_CHARTS
+        for figure in figures:
+            svg = figure.find_element(By.TAG_NAME, "svg")
+            assert svg.rect["x"] >= 0 and svg.rect["x"] + svg.rect["width"] <= width, figure.get_attribute("id")
+            shot = Image.open(io.BytesIO(svg.screenshot_as_png)).convert("RGB")
+            pixels = list(shot.getdata())
+            inked = sum(1 for p in pixels if min(p) < 200) / len(pixels)
+            assert shot.width > 300 and len(set(pixels)) > 30 and inked > 0.02, (figure.get_attribute("id"),
+                                                                                   len(set(pixels)), inked)
+    finally:
+        driver.quit()
+
+
+# -- the figures that answer "which configuration", on made-up runs ---------------------------------------------
+def made_up(label: str, *overrides: str, problem: str = "P1", losses=None, seconds=None, samples_per_s=100.0):
+    from llmadapt.analysis.figures import ReportRun
+
+    w = train("tiny-llama", *overrides)
+    seconds = seconds or [0.02] * 4
+    records = [{"type": "step", "step": i, "seconds": s, "rank": 0, "warmup": i < 1} for i, s in enumerate(seconds)]
+    summary = {"adapter": "torch", "status": "ok", "losses": losses or [6.0, 5.9, 5.8, 5.7],
+               "samples_per_s": {"mean": samples_per_s}}
+    return ReportRun(label, Path("/nonexistent"), w, summary, records, problem=problem)
+
+
+def visible(fig) -> list:
+    return [ax for ax in fig.axes if ax.get_visible()]
+
+
+def test_loss_curves_say_when_runs_coincide_and_never_mix_problems():
+    from llmadapt.analysis.figures import close
+    from llmadapt.analysis.figures_train import loss_curves
+
+    same = [made_up(f"torch dp{i}", losses=[6.0 + i * 4.8e-8, 5.9, 5.8, 5.7]) for i in range(10)]
+    apart = [made_up("torch", problem="P2", losses=[6.0, 5.9, 5.8, 5.7]),
+             made_up("megatron", problem="P2", losses=[6.0, 5.8, 5.6, 5.4])]
+    fig = loss_curves(same + apart)
+    try:
+        first, second = visible(fig)
+        assert first.get_title(loc="left") == "P1: 10 runs agree within 4.3e-07" and len(first.lines) == 1
+        assert second.get_title(loc="left").startswith("P2: 2 runs differ by up to")
+        assert len(second.lines) == 2 and len({line.get_linestyle() for line in second.lines}) == 2
+    finally:
+        close(fig)
+
+
+def test_step_times_are_small_multiples_for_many_runs_and_one_axis_with_the_legend_outside_for_few():
+    from llmadapt.analysis.figures import close
+    from llmadapt.analysis.figures_train import step_times
+
+    many = step_times([made_up(f"run {i}", seconds=[0.03, 0.02, 0.021, 0.019]) for i in range(10)])
+    few = step_times([made_up(f"run {i}", seconds=[0.03, 0.02, 0.2, 0.019]) for i in range(3)])
+    try:
+        assert len(visible(many)) == 10 and {ax.get_title() for ax in visible(many)} == {f"run {i}" for i in range(10)}
+        (ax,) = visible(few)
+        assert ax.get_yscale() == "log"  # 19 to 200 ms: a factor of ten
+        few.canvas.draw()
+        assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1  # beside the data, not on it
+    finally:
+        close(many)
+        close(few)
+
+
+def test_the_eq2_fit_is_drawn_only_over_runs_that_differ_in_batch_alone():
+    from llmadapt.analysis.figures import close
+    from llmadapt.analysis.figures_train import throughput_vs_batch
+
+    mixed = [made_up("a", "train.global_batch=4"), made_up("b", "train.global_batch=8", "train.seq_len=64"),
+             made_up("c", "train.global_batch=16", "optimizations.recompute=full")]
+    assert throughput_vs_batch(mixed) is None  # three batch sizes, but each also changes something else
+    batch = [made_up("a", f"train.global_batch={b}", samples_per_s=q) for b, q in ((4, 100), (8, 140), (16, 170))]
+    fig = throughput_vs_batch(batch + mixed[1:])
+    try:
+        (ax,) = visible(fig)
+        labels = ax.get_legend_handles_labels()[1]
+        assert len([x for x in labels if x.startswith("Eq. 2 fit")]) == 1 and "a tiny-llama (3 runs)" in labels
+    finally:
+        close(fig)
+
+
+def test_the_headline_sorts_rows_with_their_intervals_and_marks_the_disturbed():
+    from llmadapt.analysis.compare import Row
+    from llmadapt.analysis.figures import close
+    from llmadapt.analysis.figures_train import headline
+    from llmadapt.analysis.uncertainty import bootstrap_median
+
+    def row(label, step, disturbed=()):
+        estimates = {"step_p50_s": bootstrap_median([step, step * 1.1, step * 0.95], "runs"),
+                     "tokens_per_s": bootstrap_median([1 / step, 1.1 / step, 0.9 / step], "runs")}
+        return Row(label=label, adapter="torch", variant="", run_dir=None, status="ok", metrics={},
+                   problem_hash="h", estimates=estimates, disturbed=list(disturbed))
+
+    fig = headline([row("slow", 0.05), row("fast", 0.01), row("noisy", 0.03, ["other processes"])], {"h": "P1"})
+    try:
+        step, tokens = visible(fig)
+        assert [t.get_text() for t in step.get_yticklabels()] == ["fast", "noisy (disturbed)", "slow"]
+        assert len(step.patches) == 3 and step.patches[1].get_hatch() == "///"
+        assert step.collections and tokens.collections  # the 95% intervals, as error bars
+    finally:
+        close(fig)

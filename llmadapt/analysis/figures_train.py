@@ -42,10 +42,23 @@ def _value(row, key: str) -> tuple[float, float, float] | None:
     return (float(value),) * 3 if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def headline(rows: list[Any], problems: dict[str, str]):
+def _plain_log(axis) -> None:
+    """Tick labels of a log axis as plain numbers ('20', '50'), not powers ('2x10^1')."""
+    from matplotlib.ticker import FuncFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else ""))
+
+
+def _number(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def headline(rows: list[Any], problems: dict[str, str], differences: dict[str, str] | None = None):
     """Per problem (a row of two panels each): its rows that ran ok, sorted by the headline figure (step time p50
     for training, TTFT p50 for serving; fastest on top), as bars with the 95% interval as error bars, and the
-    throughput beside it in the same order. Rows whose machine was disturbed are hatched and say so."""
+    throughput beside it in the same order. Rows whose machine was disturbed are hatched and say so.
+    ``differences``: per problem, how it differs from the first (Comparison.difference), for its title."""
     groups = []
     for problem, name in problems.items():
         mine = [r for r in rows if r.problem_hash == problem and r.status == "ok"]
@@ -68,24 +81,24 @@ def headline(rows: list[Any], problems: dict[str, str]):
             medians = [v[0] * scale if v else 0.0 for v in values]
             bars = ax.barh(ys, medians, color=color, alpha=0.75, height=0.6)
             for bar, r in zip(bars, mine):
-                if r.disturbed:
-                    bar.set_hatch("///")
-                    bar.set_facecolor("#dddddd")
-                    bar.set_edgecolor("#777777")
+                if r.disturbed:  # hatched in the panel's colour on white: measured, but not to be trusted
+                    bar.set(hatch="///", facecolor="white", edgecolor=color, alpha=1.0)
             err = [[(v[0] - v[1]) * scale if v else 0 for v in values],
                    [(v[2] - v[0]) * scale if v else 0 for v in values]]
             ax.errorbar(medians, ys, xerr=err, fmt="none", ecolor="#222", elinewidth=1, capsize=3)
             top = max((v[2] * scale for v in values if v), default=1.0)
             for y, v in zip(ys, values):
                 if v:
-                    ax.text(v[2] * scale + top * 0.01, y, f"{v[0] * scale:,.4g}", va="center", fontsize=7)
+                    ax.text(v[2] * scale + top * 0.01, y, _number(v[0] * scale), va="center", fontsize=7)
             ax.set_xlim(0, top * 1.18)
             ax.set_yticks(ys, labels if ax is pair[0] else [""] * len(ys))
             ax.invert_yaxis()
             ax.set_xlabel(axis)
             ax.grid(axis="y", visible=False)
-        pair[0].set_title(f"{name}: sorted by {HEADLINE_PANELS[kind][0][1].split(',')[0]}, 95% intervals",
-                          fontsize=8, loc="left")
+        problem = next(h for h, n in problems.items() if n == name)
+        unlike = (differences or {}).get(problem, "").lstrip(", ")
+        pair[0].set_title(f"{name}: sorted by {HEADLINE_PANELS[kind][0][1].split(',')[0]}, 95% intervals"
+                          + (f" ({unlike[:90]})" if unlike else ""), fontsize=8, loc="left")
     return fig
 
 
@@ -168,6 +181,7 @@ def step_times(runs: list[ReportRun]):
         ax.set_ylabel("step time, ms (slowest rank)")
         if log:
             ax.set_yscale("log")
+            _plain_log(ax.yaxis)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         return fig
     cols = 4 if len(series) <= 16 else 5
@@ -179,9 +193,10 @@ def step_times(runs: list[ReportRun]):
         if profiled:
             ax.scatter(profiled, [ys[xs.index(s)] for s in profiled], s=40, facecolors="none", edgecolors=COLORS[1])
         ax.set_title(name, fontsize=7)
-        ax.tick_params(labelsize=7)
+        ax.tick_params(labelsize=7, which="both")
         if log:
             ax.set_yscale("log")
+            _plain_log(ax.yaxis)
     for ax in axes.flat[len(series):]:
         ax.set_visible(False)
     fig.supxlabel("step (after warm-up)", fontsize=8)
@@ -236,6 +251,9 @@ def throughput_vs_batch(runs: list[ReportRun]):
         ax.plot(xs, [throughput(x, s, fit.coefficients["C4"], fit.coefficients["C2"], fit.fixed["C3"]) for x in xs],
                 color=color, lw=1, ls=LINESTYLES[i % 4], label=f"Eq. 2 fit (MAPE {fit.mape:.1%})")
     ax.set_xscale("log", base=2)
+    batches = sorted({p[0] for members in groups.values() for _, p in members})
+    ax.set_xticks(batches, [f"{b:g}" for b in batches])
+    ax.minorticks_off()
     ax.set_xlabel("global batch (samples)")
     ax.set_ylabel("samples/s")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,

@@ -39,7 +39,7 @@ th { cursor: pointer; background: #f4f4f4; user-select: none; } th.sorted-asc::a
 th.sorted-desc::after { content: " \\25BC"; }
 figure.chart { margin: 1em 0 2em; } figure.chart svg { max-width: 100%; height: auto; }
 figcaption { color: #555; font-size: 0.9em; } figcaption b { color: #222; }
-ul.verdict { margin: 0.3em 0 0.6em; padding-left: 1.3em; } ul.verdict li { margin: 0.15em 0; }
+ul.verdict { margin: 0.3em 0 0.6em; padding-left: 1.3em; font-size: 0.92em; } ul.verdict li { margin: 0.15em 0; }
 .note { color: #555; font-size: 0.85em; overflow-wrap: anywhere; }
 """
 
@@ -150,7 +150,7 @@ def _figures(runs: list[F.ReportRun], comparison: Comparison, log) -> dict[str, 
             breakdowns.append((name(r), b))
     made = {
         "headline": ("Which configuration: each problem's rows sorted by their headline figure, medians with 95% "
-                     "intervals", T.headline(rows, problems)),
+                     "intervals", T.headline(rows, problems, {h: comparison.difference(h) for h in problems})),
         "loss": ("Loss per step, one panel per problem", T.loss_curves(runs)),
         "step_time": ("Step time over steps", T.step_times(runs)),
         "memory": ("Peak memory per configuration",
@@ -220,45 +220,95 @@ def _cell(text: str, value: Any = None) -> str:
     return f'<td data-value="{html.escape(str(data))}">{html.escape(text)}</td>'
 
 
-def _table(table_id: str, rows, columns, problems: dict[str, str]) -> str:
+def _estimate_cell(estimate) -> str:
+    """The median, its interval on a line of its own below (narrower columns than '0.0141 (0.0137-0.0152)')."""
+    median, _, interval = estimate.text().partition(" (")
+    below = f'<span class="ci">{html.escape(interval.rstrip(")"))}</span>' if interval else ""
+    return f'<td data-value="{estimate.median!r}">{html.escape(median)}{below}</td>'
+
+
+def _versus(row, reference, key: str) -> str:
+    """The row's headline figure against its problem's reference row (as the text table's 'vs first'): '+12%'
+    beyond noise, '≈' where the 95% intervals overlap, '?' after a change where either side has one sample,
+    'disturbed' where either side ran on a disturbed machine, '-' for the reference itself."""
+    mine = row.estimates.get(key)
+    theirs = reference.estimates.get(key) if reference is not None else None
+    if reference is None or reference is row or mine is None or theirs is None or not theirs.median:
+        return "-"
+    if row.disturbed or reference.disturbed:
+        return "disturbed"
+    if mine.n >= 2 and theirs.n >= 2 and mine.overlaps(theirs):
+        return "≈"
+    change = f"{mine.median / theirs.median - 1:+.0%}"
+    return change if mine.n >= 2 and theirs.n >= 2 else f"{change}?"
+
+
+def _table(table_id: str, rows, columns, comparison: Comparison, headline: str) -> str:
     from llmadapt.analysis.compare import format_value
 
-    head = "".join(f"<th>{html.escape(t)}</th>" for t in ["problem", "run", "status", *[c for _, c, _ in columns],
-                                                            "runs"])
+    problems = _problem_names(comparison)
+    versus = "vs baseline" if comparison.baseline else "vs first"
+    titles = ["problem", "run", "status", columns[0][1], versus, *[c for _, c, _ in columns[1:]], "runs"]
+    head = "".join(f"<th>{html.escape(t)}</th>" for t in titles)
     body = []
     for r in rows:
-        cells = [_cell(problems[r.problem_hash]), _cell(r.label), _cell(r.status)]
-        for key, _, fmt in columns:
+        cells = [_cell(problems[r.problem_hash]), _cell(r.label + (" (disturbed)" if r.disturbed else "")),
+                 _cell(r.status)]
+        for n, (key, _, fmt) in enumerate(columns):
             estimate = r.estimates.get(key)
             value = r.metrics.get(key)
-            text = estimate.text() if estimate else format_value(value, fmt)
-            cells.append(_cell(text, value if isinstance(value, (int, float)) else text))
+            text = format_value(value, fmt)
+            cells.append(_estimate_cell(estimate) if estimate else
+                         _cell(text, value if isinstance(value, (int, float)) else text))
+            if n == 0:
+                reference = comparison.reference(r.problem_hash) if r.status == "ok" else None
+                change = _versus(r, reference, headline)
+                number = change.rstrip("%?").replace("+", "")
+                cells.append(_cell(change, number if number.lstrip("-").isdigit() else change))
         cells.append(_cell(str(len(r.run_dirs) or 1), len(r.run_dirs) or 1))
         body.append(f"<tr>{''.join(cells)}</tr>")
-    return (f'<table class="sortable" id="{table_id}"><thead><tr>{head}</tr></thead><tbody>\n'
-            + "\n".join(body) + "\n</tbody></table>")
+    return (f'<div class="wide"><table class="sortable" id="{table_id}"><thead><tr>{head}</tr></thead><tbody>\n'
+            + "\n".join(body) + "\n</tbody></table></div>")
+
+
+def _columns(rows, base) -> list:
+    from llmadapt.analysis.compare import EVAL_COLUMNS, EXPERT_COLUMNS, UTILISATION_COLUMNS
+
+    extra = EXPERT_COLUMNS if any("expert_cv" in r.metrics for r in rows) else []
+    extra = extra + [c for c in EVAL_COLUMNS + UTILISATION_COLUMNS if any(r.metrics.get(c[0]) is not None
+                                                                         for r in rows)]
+    return base + extra
 
 
 def _html(title: str, comparison: Comparison, runs: list[F.ReportRun], figs: dict[str, Any]) -> str:
-    from llmadapt.analysis.compare import EXPERT_COLUMNS, SERVE_COLUMNS, TRAIN_COLUMNS
+    from llmadapt.analysis.compare import HEADLINE, SERVE_COLUMNS, TRAIN_COLUMNS
 
-    problems = {h: f"P{i}" for i, h in enumerate(comparison.problems(), 1)}
+    problems = _problem_names(comparison)
     serving = [r for r in comparison.rows if "request_throughput" in r.metrics]
     training = [r for r in comparison.rows if r not in serving]
     tables = []
     if training:
-        columns = TRAIN_COLUMNS + (EXPERT_COLUMNS if any("expert_cv" in r.metrics for r in training) else [])
-        tables.append("<h2>Training</h2>" + _table("comparison", training, columns, problems))
+        tables.append("<h2>Training</h2>" + _table("comparison", training, _columns(training, TRAIN_COLUMNS),
+                                                   comparison, HEADLINE["train"]))
     if serving:
-        tables.append("<h2>Serving</h2>" + _table("comparison-serve", serving, SERVE_COLUMNS, problems))
+        tables.append("<h2>Serving</h2>" + _table("comparison-serve", serving, _columns(serving, SERVE_COLUMNS),
+                                                  comparison, HEADLINE["serve"]))
+    verdicts = _verdicts(comparison, problems)
+    verdict_list = ('<ul class="verdict" id="verdict">' + "".join(f"<li>{html.escape(v)}</li>" for v in verdicts)
+                    + "</ul>") if verdicts else ""
     notes = [f"{problems[h]}: problem {h[:12]}{comparison.difference(h)}" for h in problems]
-    notes += [f"{r.label}: {r.note}" for r in comparison.rows if r.note]
+    notes += [f"{problems[r.problem_hash]} {r.label}: {r.note}" for r in comparison.rows if r.note]
     if any(r.estimates for r in comparison.rows):
-        notes.append("Medians with 95% percentile-bootstrap intervals (2000 resamples) over a row's runs, or over "
-                     "the measured steps of its one run.")
+        against = "the baseline row" if comparison.baseline else "the first row of its problem that ran ok"
+        notes.append("Medians with 95% percentile-bootstrap intervals (2000 resamples; the interval under each "
+                     "median) over a row's runs, or over the measured steps of its one run. "
+                     f"{'vs baseline' if comparison.baseline else 'vs first'}: the headline (step p50; TTFT p50 for "
+                     f"serving) against {against}; '≈' where the intervals overlap (within noise), '?' where "
+                     "either side has a single sample, 'disturbed' where either ran on a disturbed machine.")
     sections = []
     for name, (fig_title, fig) in figs.items():
-        sections.append(f'<figure class="chart" id="{name}"><figcaption>{html.escape(fig_title)}</figcaption>'
+        caption = f"<b>{html.escape(fig_title)}</b>" + (verdict_list if name == "headline" else "")
+        sections.append(f'<figure class="chart" id="{name}"><figcaption>{caption}</figcaption>'
                         f"{F.svg_text(fig)}</figure>")
     machines = sorted({(r.summary.get("device") or {}).get("name") or "-" for r in runs})
     cpu_only = all((r.summary.get("device") or {}).get("kind", "cpu") == "cpu" for r in runs)
@@ -274,6 +324,7 @@ def _html(title: str, comparison: Comparison, runs: list[F.ReportRun], figs: dic
 <h1>{html.escape(title)}</h1>
 <p class="meta">{html.escape(meta)}</p>
 {chr(10).join(tables)}
+{verdict_list.replace('id="verdict"', 'id="verdict-tables"')}
 {''.join(f'<p class="note">{html.escape(n)}</p>' for n in notes)}
 {chr(10).join(sections)}
 <script type="application/json" id="runs">{runs_json}</script>
@@ -284,10 +335,11 @@ def _html(title: str, comparison: Comparison, runs: list[F.ReportRun], figs: dic
 
 def report(sources: Iterable[str | Path], output: str | Path, *, query: str | None = None, root: str | Path = "runs",
            figures_dir: str | Path | None = None, title: str = "llmadapt report",
-           log: Callable[[str], None] | None = None) -> Path:
+           log: Callable[[str], None] | None = None, baseline: str | None = None) -> Path:
     """Write the HTML report of the runs to OUTPUT (and, with ``figures_dir``, each figure as PNG and SVG)."""
     folders = collect(sources, query=query, root=root)
-    text, figs, _ = build(folders, title=title, keep_figures=figures_dir is not None, log=log)
+    text, figs, _ = build(folders, title=title, keep_figures=figures_dir is not None, log=log,
+                          baseline=baseline)
     output = Path(output)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)

@@ -2,18 +2,21 @@
 candidate, each a store query) are matched cell by cell (adapter, layout, workload) and compared metric by metric
 (``analysis.store.METRICS``: step time, throughput, memory, loss; for serving TTFT, TPOT, ITL, E2EL, goodput).
 
-Each metric's samples are its values over a side's runs (repeats); with fewer than three runs a side, step time and
-throughput take the runs' measured steps, pooled (more samples, at the price of treating steps of one run as
-independent: make three or more runs a side when it matters). The Mann-Whitney U test (rank-based, as
-google/benchmark's compare.py uses: one stalled step or run moves it little) says whether the candidate differs
-beyond noise;
-a change is a regression when it is worse (by the metric's direction) by more than the threshold *and* the test
-says so (one-sided p below alpha). A metric with one sample a side (memory, loss of one run each) cannot be tested:
-it counts as a regression when worse beyond the threshold, and says it was not tested.
+Each metric's samples are its values over a side's runs (repeats), one value a run for every metric: like with
+like, so that tokens/s and samples/s of the same runs cannot disagree. Timing figures (step time, throughput,
+latency, MFU, energy) need enough runs a side for the test to reach alpha (4 a side at 0.05: ``decidable``): steps
+of one run are not independent samples (pooled, two identical runs once read as a 29% "improvement" at p 0.025),
+and with fewer runs the verdict is "too few runs".
+The Mann-Whitney U test (rank-based, as google/benchmark's compare.py uses: one stalled run moves it little) says
+whether the candidate differs beyond noise; a change is a regression when it is worse (by the metric's direction)
+by more than the threshold *and* the test says so (one-sided p below alpha). A deterministic figure with one
+sample a side (memory, loss of one run each) cannot be tested: it counts as a regression when worse beyond the
+threshold, and says it was not tested.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -25,9 +28,14 @@ from llmadapt.analysis.table import text_table
 from llmadapt.analysis.uncertainty import mann_whitney_greater
 from llmadapt.errors import LlmadaptError
 
-STEP_METRICS = ("step_p50_s", "step_mean_s", "tokens_per_s")
-RUNS_FOR_A_TEST = 3
-"""Below this many runs a side, step time and throughput are tested on the runs' measured steps, pooled."""
+DETERMINISTIC = ("peak_memory_bytes", "first_loss", "last_loss", "expert_cv")
+"""Figures a rerun repeats (the same problem, the same layout): judged on one run a side. The rest are timings."""
+
+
+def decidable(n1: int, n2: int, alpha: float) -> bool:
+    """Whether runs of this many a side can show a difference at all: the smallest one-sided p the rank test can
+    give (every candidate run beyond every baseline run) is 1 / C(n1 + n2, n1); three a side cannot reach 0.05."""
+    return 1 / math.comb(n1 + n2, n1) < alpha
 
 
 @attrs.frozen
@@ -43,7 +51,8 @@ class Change:
     """One-sided p-value of the candidate being worse; None when untested."""
     samples: tuple[int, int]
     verdict: str
-    """'regression', 'improvement', 'within noise', 'within threshold'."""
+    """'regression', 'improvement', 'within noise', 'within threshold', or 'too few runs' (a timing figure whose
+    runs a side cannot reach p < alpha: not judged)."""
 
 
 @attrs.frozen
@@ -72,7 +81,12 @@ class RegressReport:
                 for c in self.changes]
         lines = text_table(["cell", "metric", "baseline", "candidate", "change", "p (worse)", "n", "verdict"], body)
         lines.append(f"baseline: {self.baseline}; candidate: {self.candidate}; threshold {self.threshold:.0%}, "
-                     f"alpha {self.alpha} (Mann-Whitney U, one-sided; medians shown; n: samples per side)")
+                     f"alpha {self.alpha} (Mann-Whitney U over runs, one-sided; medians shown; n: runs per side)")
+        undecided = sorted({c.metric for c in self.changes if c.verdict == "too few runs"})
+        if undecided:
+            lines.append(f"too few runs to decide {', '.join(undecided)}: the rank test over runs cannot reach "
+                         f"p < {self.alpha} with these counts (4 a side can); a run's steps are not independent "
+                         "samples")
         lines += [f"only on one side: {u}" for u in self.unmatched]
         n = len(self.regressions)
         lines.append(f"{n} regression(s)" + (": " + "; ".join(f"{c.cell} {c.metric} {c.change:+.1%}"
@@ -112,11 +126,11 @@ def regress(baseline: str, candidate: str, *, root: str | Path = "runs", thresho
         raise LlmadaptError("no cell (adapter, layout, workload) has runs in both the baseline and the candidate: "
                             "nothing to compare")
     changes = []
-    steps: dict[str, tuple[list[float], list[int]]] = {}  # a run's measured steps, read once for every metric
     for key, (a_runs, b_runs) in sorted(both.items()):
         names = metrics or [m for m in METRICS if all(m in r.metrics for r in a_runs + b_runs)]
         for name in names:
-            a, b = _samples(a_runs, name, steps), _samples(b_runs, name, steps)
+            a = [r.metrics[name] for r in a_runs if name in r.metrics]
+            b = [r.metrics[name] for r in b_runs if name in r.metrics]
             if not a or not b:
                 continue
             changes.append(_judge(f"{key[1]} {key[2][:8]}", name, a, b, threshold, alpha))
@@ -126,27 +140,13 @@ def regress(baseline: str, candidate: str, *, root: str | Path = "runs", thresho
     return RegressReport(str(Query.parse(baseline)), str(Query.parse(candidate)), threshold, alpha, changes, unmatched)
 
 
-def _samples(runs: list[StoredRun], metric: str, steps: dict[str, tuple[list[float], list[int]]]) -> list[float]:
-    values = [r.metrics[metric] for r in runs if metric in r.metrics]
-    if len(values) < RUNS_FOR_A_TEST and metric in STEP_METRICS:  # few runs: their measured steps, pooled
-        from llmadapt.analysis.compare import step_samples
-
-        pooled: list[float] = []
-        for r in runs:
-            if str(r.folder) not in steps:
-                steps[str(r.folder)] = step_samples(r.folder)
-            seconds, tokens = steps[str(r.folder)]
-            pooled += seconds if metric != "tokens_per_s" else [t / s for t, s in zip(tokens, seconds)]
-        if len(pooled) >= 2:
-            return pooled
-    return values
-
-
 def _judge(cell: str, metric: str, a: list[float], b: list[float], threshold: float, alpha: float) -> Change:
     ma, mb = statistics.median(a), statistics.median(b)
     change = mb / ma - 1 if ma else (0.0 if mb == ma else float("inf"))
     lower_is_better = METRICS.get(metric, ("", "lower"))[1] == "lower"
     worse = change > 0 if lower_is_better else change < 0
+    if metric not in DETERMINISTIC and not decidable(len(a), len(b), alpha):
+        return Change(cell, metric, ma, mb, change, worse, None, (len(a), len(b)), "too few runs")
     if len(a) < 2 and len(b) < 2:  # one value a side: nothing to test it by
         p = None
         beyond = abs(change) > threshold
