@@ -26,9 +26,8 @@ import attrs
 
 from llmadapt.host import state_dir
 from llmadapt.modelfolder import content_hash, shard_layout, write_index
-from llmadapt.spec import ModelSpec
+from llmadapt.spec import CHECKPOINT_RECIPE, ModelSpec
 
-RECIPE_VERSION = 2  # bump when the way checkpoints are built changes (2: written streaming, in shards)
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 INIT_STD = 0.02  # transformers' initializer_range for Llama and Mixtral
 SHARD_BYTES = int(os.environ.get("LLMADAPT_SHARD_BYTES", 1 << 30))
@@ -39,7 +38,7 @@ def checkpoint_key(model: ModelSpec, seed: int) -> str:
     data = attrs.asdict(model)
     for key in ("name", "path", "checksum"):
         data.pop(key)
-    text = json.dumps({"model": data, "seed": seed, "recipe": RECIPE_VERSION}, sort_keys=True)
+    text = json.dumps({"model": data, "seed": seed, "recipe": CHECKPOINT_RECIPE}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 

@@ -384,6 +384,11 @@ class ServeSpec:
     it from memory), and the same point the same stream on every engine."""
 
 
+CHECKPOINT_RECIPE = 2
+"""How llmadapt builds a preset's canonical checkpoint (llmadapt.models); bump whenever the weights it writes for a
+preset and seed change (2: written streaming, in shards). A preset problem's identity includes it: the same preset
+and seed with other weights is another problem (tests/test_docs.py fails when a documented loss stops reproducing)."""
+
 # Fields that change how a workload runs but not the numbers it computes (in exact arithmetic).
 # Runs whose workloads differ only here share a problem hash, so their losses can be compared.
 _LAYOUT_FIELDS = {
@@ -560,8 +565,11 @@ class Workload:
     def problem_dict(self) -> dict[str, Any]:
         """What determines the loss trajectory, the problem hash's input: layout and memory techniques (the
         parallelism section, micro-batch, optimizer implementation, ZeRO, offload, recompute, flash attention),
-        labels and per-adapter settings left out."""
+        labels and per-adapter settings left out; the weights' identity in (a model folder's content checksum, or
+        for a preset the recipe that builds its canonical checkpoint)."""
         data = _without_labels(self.to_dict())
+        if "checksum" not in data["model"]:  # a preset: its weights are the recipe's (a model folder's, its content)
+            data["model"]["checkpoint_recipe"] = CHECKPOINT_RECIPE
         for section, fields in _LAYOUT_FIELDS.items():
             if section not in data:  # left out of the hash altogether (an eval section that evaluates nothing)
                 continue

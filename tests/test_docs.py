@@ -77,3 +77,42 @@ def test_the_adapter_reference_is_rendered_from_the_code(tmp_path):
             assert doc and doc.strip(), f"{name} has no docstring of its own"
             first = " ".join(doc.split("\n\n")[0].split())[:40]
             assert html.escape(first, quote=False).split("`")[0][:20] in page, (name, first)
+
+
+# The losses the docs' transcripts print, rerun: (doc, the text the table follows, the workload, the row's label,
+# its settings). The table prints four decimals: a documented loss reproduces when the rerun rounds to it.
+DOCUMENTED_LOSSES = [
+    ("README.md", "`make demo` creates", "examples/tiny-llama.toml", "torch dp1 mb4", []),
+    ("docs/breakdown.md", "llmadapt compare examples/breakdown.toml", "examples/breakdown.toml", "torch dp1 mb8", []),
+    ("docs/comparisons.md", "llmadapt compare examples/tiny-llama.toml", "examples/tiny-llama.toml", "torch dp2",
+     ["parallelism.dp=2"]),
+    ("docs/comparisons.md", "llmadapt compare examples/tiny-mixtral.toml", "examples/tiny-mixtral.toml", "torch dp2",
+     ["parallelism.dp=2"]),
+]
+
+
+def documented_losses(doc: str, anchor: str, label: str) -> tuple[float, float]:
+    """First and last loss of the row LABEL in the first table after ANCHOR in DOC."""
+    text = (REPO / doc).read_text()
+    start = text.index(anchor)
+    row = re.search(rf"^P\d+\s+{re.escape(label)}\s+ok\s.*$", text[start:], re.MULTILINE)
+    assert row, f"{doc}: no row {label!r} after {anchor!r}"
+    first, last, _parity = row.group(0).split()[-3:]
+    return float(first), float(last)
+
+
+@pytest.mark.skipif(bool(environments_unready("torch")), reason=environments_unready("torch") or "")
+@pytest.mark.parametrize("doc,anchor,workload,label,settings", DOCUMENTED_LOSSES,
+                         ids=[f"{d}:{w}" for d, _, w, _, _ in DOCUMENTED_LOSSES])
+def test_a_documented_loss_still_reproduces(doc, anchor, workload, label, settings, tmp_path):
+    """The same problem hash must mean the same trajectory: when the canonical checkpoint, the data or the model
+    code changes what a documented run computes, this fails until the transcript is regenerated and, for a preset's
+    weights, spec.CHECKPOINT_RECIPE bumped (so that stored runs of the old weights are another problem)."""
+    from llmadapt import run
+
+    expected = documented_losses(doc, anchor, label)
+    w = Workload.from_file(REPO / workload).with_overrides(settings)
+    result = run(w, "torch", out=tmp_path)
+    assert result.ok
+    got = (round(result.summary.losses[0], 4), round(result.summary.losses[-1], 4))
+    assert got == expected, f"{doc} prints {expected} for {label} on {workload}; it now computes {got}"

@@ -50,6 +50,27 @@ def _plain_log(axis) -> None:
     axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else ""))
 
 
+def _unlike(difference: str, room: int = 90) -> str:
+    """' (unlike P1 in train.global_batch (4 vs 8))': Comparison.difference's fields, as many whole as fit."""
+    head, _, fields = difference.lstrip(", ").partition(" in ")
+    if not fields:
+        return ""
+    parts = fields.split(" and ")[0].split("; ")
+    kept = []
+    for part in parts:
+        if len(f"{head} in {'; '.join(kept + [part])}") > room and kept:
+            break
+        kept.append(part)
+    more = len(parts) - len(kept) + (int(fields.split(" and ")[1].split()[0]) if " and " in fields else 0)
+    return f" ({head} in {'; '.join(kept)}" + (f" and {more} more" if more else "") + ")"
+
+
+def _integer_steps(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _number(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
@@ -96,9 +117,8 @@ def headline(rows: list[Any], problems: dict[str, str], differences: dict[str, s
             ax.set_xlabel(axis)
             ax.grid(axis="y", visible=False)
         problem = next(h for h, n in problems.items() if n == name)
-        unlike = (differences or {}).get(problem, "").lstrip(", ")
         pair[0].set_title(f"{name}: sorted by {HEADLINE_PANELS[kind][0][1].split(',')[0]}, 95% intervals"
-                          + (f" ({unlike[:90]})" if unlike else ""), fontsize=8, loc="left")
+                          + _unlike((differences or {}).get(problem, "")), fontsize=8, loc="left")
     return fig
 
 
@@ -146,6 +166,7 @@ def loss_curves(runs: list[ReportRun]):
             ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
         ax.set_xlabel("step")
         ax.set_ylabel("loss (global batch)")
+        _integer_steps(ax)
     for ax in axes.flat[len(by_problem):]:
         ax.set_visible(False)
     return fig
@@ -179,6 +200,7 @@ def step_times(runs: list[ReportRun]):
                            edgecolors=COLORS[i % 20], lw=1.5, label=f"{name}: profiled")
         ax.set_xlabel("step (after warm-up)")
         ax.set_ylabel("step time, ms (slowest rank)")
+        _integer_steps(ax)
         if log:
             ax.set_yscale("log")
             _plain_log(ax.yaxis)
@@ -194,6 +216,7 @@ def step_times(runs: list[ReportRun]):
             ax.scatter(profiled, [ys[xs.index(s)] for s in profiled], s=40, facecolors="none", edgecolors=COLORS[1])
         ax.set_title(name, fontsize=7)
         ax.tick_params(labelsize=7, which="both")
+        _integer_steps(ax)
         if log:
             ax.set_yscale("log")
             _plain_log(ax.yaxis)
