@@ -193,3 +193,15 @@ def test_binary_garbage_in_a_records_file_is_one_line_naming_the_line(run_dir, t
     for args in (["show", copy], ["export", copy, "--format", "json"]):
         line = _one_error_line(cli(*args))
         assert "rank-00000.jsonl:2: not valid JSON" in line
+
+
+def test_the_progress_estimates_time_left_from_the_runs_done():
+    """After the first run, the time left is the runs left at the mean time of a run so far; before, unknown."""
+    from llmadapt.cli.common import _runs_left_column, time_left
+
+    assert time_left(10.0, 0, 4) == "-:--:--" and time_left(None, 1, 4) == "-:--:--"
+    assert time_left(300.0, 1, 4) == "0:15:00"  # three more runs of five minutes
+    assert time_left(4000.0, 2, 3) == "0:33:20" and time_left(10.0, 3, 3) == "0:00:00"
+    from types import SimpleNamespace
+
+    assert _runs_left_column().render(SimpleNamespace(elapsed=60.0, completed=2, total=5)).plain == "0:01:30"
