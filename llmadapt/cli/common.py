@@ -83,7 +83,6 @@ def add_command(subparsers, name: str, func, help: str) -> argparse.ArgumentPars
     return p
 
 
-@contextlib.contextmanager
 def time_left(elapsed: float | None, done: float, total: float | None) -> str:
     """'0:01:23': the runs left at the mean time of a run so far (elapsed over runs done); '-:--:--' before the
     first run ends. (rich's own estimate needs several updates within 30 s: a comparison of minute-long runs
@@ -105,6 +104,7 @@ def _runs_left_column():
     return RunsLeft()
 
 
+@contextlib.contextmanager
 def cells_progress(args) -> Iterator[Callable[[int, int, str], None] | None]:
     """A progress bar of runs done, elapsed and estimated time left, on a terminal's stderr; None (plain lines
     instead) with --json or when stderr is not a terminal."""
