@@ -90,7 +90,7 @@ def test_export_chrome_trace_places_steps_on_wall_clock(run_dir, tmp_path):
 
 def test_export_json_holds_every_record(run_dir):
     data = json.loads(cli("export", run_dir, "--format", "json").stdout)
-    assert {r["type"] for r in data["records"]} == {"header", "metric", "step", "telemetry", "end"}
+    assert {r["type"] for r in data["records"]} == {"header", "metric", "step", "telemetry", "interference", "end"}
     # the worker's own metrics: what building the model cost (the reference adapter marks when it is loaded)
     setup = {r["name"]: r for r in data["records"] if r["type"] == "metric"}
     assert set(setup) == {"setup_seconds", "setup_peak_rss_bytes", "load_seconds", "load_peak_rss_bytes"}

@@ -18,7 +18,7 @@ from llmadapt import Workload
 from llmadapt.analysis.report import machine_line
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.contract.schema import validate
-from llmadapt.contract.stats import interference_summary
+from llmadapt.contract.breakdowns import interference_summary
 from llmadapt.runtime.interference import _gpu, interference, snapshot
 from llmadapt.testing import environments_unready
 

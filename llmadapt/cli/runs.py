@@ -92,7 +92,7 @@ def cmd_compare(args) -> int:
 
         folders = [d for r in comparison.rows for d in r.run_dirs]
         if folders:
-            data["report"] = str(report(folders, args.report))
+            data["report"] = str(report(folders, args.report, baseline=comparison.baseline))
             text += f"\nreport: {data['report']}"
     emit(args, data, text)
     return 0 if all(r.status in ("ok", "unsupported") for r in comparison.rows) else 1

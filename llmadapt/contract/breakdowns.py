@@ -1,5 +1,6 @@
-"""The summary's view of what a run saw inside its steps: the profiled steps' breakdown, MoE expert imbalance
-and the telemetry samples, each aggregated from the records of every rank (called by ``stats.aggregate``).
+"""The summary's view of what a run saw inside its steps: the profiled steps' breakdown, MoE expert imbalance,
+the telemetry samples and the interference beside the measured steps, each aggregated from the records of every
+rank (called by ``stats.aggregate``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from llmadapt.contract.records import (
     ClassTime,
     Collective,
     ExpertImbalance,
+    InterferenceSummary,
     LayerTime,
     TelemetrySummary,
     bandwidths,
@@ -143,3 +145,55 @@ def telemetry_summary(records: list[dict[str, Any]], world: int, interval_s: flo
         joules_per_token=energy_j / measured_tokens if energy_j is not None and measured_tokens else None,
         unavailable=unavailable,
     )
+
+
+SHORTEST_JUDGED_S = 0.5
+"""A window shorter than this is not judged for other processes' CPU: /proc/stat counts in clock ticks (10 ms)."""
+OTHER_CORES_LIMIT = 0.25
+"""Other processes keeping a quarter of a core busy on average disturb a measurement."""
+STEAL_LIMIT = 0.01
+
+
+def interference_summary(found: list[dict[str, Any]]) -> InterferenceSummary | None:
+    """Quiet or disturbed, from every rank's interference record: other processes' CPU (per node, the machine's
+    busy CPU time less its ranks'), steal, and on a GPU other processes and throttled clocks; each cause found is
+    one line with its measure. The ranks' waits for a core are reported beside, not judged: a run with more
+    threads than cores makes them itself. Not judged (quiet None) where no window was long enough to count."""
+    if not found:
+        return None
+    causes: list[str] = []
+    other_cores, judged = None, False
+    nodes: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in found:
+        nodes[r["node"]].append(r)
+    for rs in nodes.values():
+        busy = [r["machine_busy_cpu_s"] for r in rs]
+        own = [r["own_cpu_s"] for r in rs]
+        window = max(r["window_s"] for r in rs)
+        if None in busy or None in own or window <= 0:
+            continue
+        other = max(0.0, max(busy) - sum(own)) / window
+        other_cores = max(other_cores or 0.0, other)
+        judged = judged or window >= SHORTEST_JUDGED_S
+        if window >= SHORTEST_JUDGED_S and other >= OTHER_CORES_LIMIT:
+            causes.append(f"other processes kept {other:.2f} of {rs[0]['cores']} cores busy")
+    delays = [r["run_delay_s"] / (r["window_s"] * max(1, r["threads"] or 1)) for r in found
+              if r["run_delay_s"] is not None and r["window_s"] > 0]
+    delay_share = max(delays) if delays else None
+    steals = [r["steal_s"] / (r["window_s"] * (r["cores"] or 1)) for r in found
+              if r["steal_s"] is not None and r["window_s"] > 0]
+    steal_share = max(steals) if steals else None
+    if steal_share is not None and steal_share >= STEAL_LIMIT:
+        causes.append(f"the hypervisor gave {steal_share:.0%} of the CPU to other guests (steal)")
+    gpu_others = [r["gpu_other_processes"] for r in found if r.get("gpu_other_processes") is not None]
+    if gpu_others and max(gpu_others):
+        causes.append(f"{max(gpu_others)} other process(es) on a rank's GPU")
+    throttled = sorted({reason for r in found for reason in r.get("gpu_throttle_reasons") or []})
+    if throttled:
+        causes.append(f"GPU clocks held down: {', '.join(throttled)}")
+    loads = [r for r in found if r["load_start"] is not None]
+    return InterferenceSummary(
+        quiet=not causes if judged or causes else None, causes=causes, other_cpu_cores=other_cores, run_delay_share=delay_share,
+        steal_share=steal_share, load_start=max((r["load_start"] for r in loads), default=None),
+        load_end=max((r["load_end"] for r in loads), default=None),
+        gpu_other_processes=max(gpu_others) if gpu_others else None, gpu_throttle_reasons=throttled)

@@ -5,7 +5,7 @@ outside idle and its steal (``/proc/stat``), this process's CPU time, the time i
 waiting for a core (each thread's run delay, ``/proc/self/task/*/schedstat``), the load average, and on a GPU
 what NVML says of the device (other processes on it, clock throttle reasons, temperature, power cap). The
 difference is one ``Interference`` record; the summary sets the ranks' side by side
-(``llmadapt.contract.stats.interference_summary``) and says quiet or disturbed, with the measured cause. Two
+(``llmadapt.contract.breakdowns.interference_summary``) and says quiet or disturbed, with the measured cause. Two
 snapshots a run, never one a step: the loop's own cost stays what it was. Linux only; elsewhere the record says
 what it could not read.
 """
@@ -91,6 +91,15 @@ def _run_delay() -> float | None:
         except (OSError, ValueError, IndexError):
             continue  # a thread that ended between listing and reading
     return total / 1e9 if found else None
+
+
+def thread_run_delay() -> float | None:
+    """How long this thread has waited for a core so far (Linux schedstat's run delay); None elsewhere."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _cores() -> int | None:

@@ -21,16 +21,11 @@ from typing import Any, Callable
 
 import attrs
 
-from llmadapt.adapter.breakdown import (
-    LOSS_OPS,
-    MODULE_CLASSES,
-    collective_kind,
-    layer_index,
-    operator_class,
-    split_module,
-)
+from llmadapt.adapter.breakdown import (LOSS_OPS, MODULE_CLASSES, collective_kind, layer_index, operator_class,
+                                        split_module)
 from llmadapt.contract.records import Breakdown, ClassTime, LayerTime
 from llmadapt.contract.rundir import RunDir
+from llmadapt.runtime.interference import thread_run_delay
 from llmadapt.runtime.timeline import STEP_MARK, analyse, intersect, length, subtract, union
 
 _MODULE, _CALL, _LAYER = "llmadapt::module::", "llmadapt::call::", "llmadapt::layer::"
@@ -75,7 +70,7 @@ class StepProfiler:
                 self.sync()
             self._range = record_function(f"{STEP_MARK}{self.step}")
             self._range.__enter__()
-            self._waited = run_queue_seconds()
+            self._waited = thread_run_delay()
         except Exception as exc:  # noqa: BLE001 - profiling is optional to the run
             self.breakdown = self._failed(exc)
             self._close()
@@ -95,7 +90,7 @@ class StepProfiler:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.breakdown is not None:  # profiling never started
             return
-        waited = run_queue_seconds()
+        waited = thread_run_delay()
         self._waited = waited - self._waited if waited is not None and self._waited is not None else None
         if self.cuda:
             import torch
@@ -139,15 +134,6 @@ class StepProfiler:
             timeline["operators"] = [] if self.level == "module" else [
                 attrs.evolve(o, flops=flops.get(o.name)) for o in timeline["operators"]]
         return attrs.evolve(breakdown, trace=trace, descheduled_seconds=self._waited, **timeline)
-
-
-def run_queue_seconds() -> float | None:
-    """How long this thread has waited for a core so far (Linux schedstat's run delay); None elsewhere."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class _Wrapped:
