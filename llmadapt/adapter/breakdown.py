@@ -227,6 +227,8 @@ def operator_class(op_name: str) -> str:
     coll = collective_kind(op_name)
     if coll:
         return coll
+    if op_name in ("detach", "detach_"):  # autograd's view op, recorded without its aten:: prefix
+        return "memory"
     if not op_name.startswith("aten::"):
         if "AccumulateGrad" in op_name:
             return "gradient_accumulation"
