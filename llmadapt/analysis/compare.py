@@ -53,6 +53,8 @@ class Row:
     disturbed: list[str] = attrs.Factory(list)
     """Each of the row's runs that measured its steps on a disturbed machine, with the first cause its summary's
     interference names; empty when every run was quiet or not judged."""
+    judged: bool = True
+    """False where a run's interference was not judged (measured steps too short to count other processes' CPU)."""
 
 
 # (key, heading, format) of the comparison table, per kind
@@ -248,7 +250,12 @@ class Comparison:
             if slower:
                 line += "; slower: " + ", ".join(
                     f"{r.label} {r.estimates[key].median / best.estimates[key].median - 1:+.0%}" for r in slower)
-            out.append(line + f" (medians and 95% intervals over {best.estimates[key].what})")
+            line += f" (medians and 95% intervals over {best.estimates[key].what})"
+            unjudged = [r.label for r in rows if not r.judged]
+            if unjudged:
+                line += (f"; quiet or not, not judged for {', '.join(unjudged)}: measured steps under half a second "
+                         "(train.steps more to judge)")
+            out.append(line)
         return out
 
     def scaling_lines(self, problems: dict[str, str]) -> list[str]:
@@ -600,7 +607,8 @@ def row_of_runs(label: str, adapter: str, variant: str, cell: str, results: list
                status="ok" if ok and len(ok) == len(results) else "failed", metrics=metrics,
                note="; ".join(dict.fromkeys(notes))[:400], problem_hash=first.problem_hash, cell=cell,
                run_dirs=[d for d, _ in results], estimates=estimates, machine=machine,
-               disturbed=list(dict.fromkeys(disturbed)))
+               disturbed=list(dict.fromkeys(disturbed)),
+               judged=all(s.interference is None or s.interference.quiet is not None for s in summaries))
 
 
 def _estimates(ok: list[tuple[str, Any]], kind: str) -> dict[str, Estimate]:
