@@ -44,6 +44,7 @@ def test_quiet_and_each_cause_of_disturbance_with_its_measure():
     waits = interference_summary([record(delay=0.3, threads=2)])  # 0.3 s over 2 s x 2 threads
     assert waits.quiet and waits.run_delay_share == pytest.approx(0.075)
     assert interference_summary([record(steal=0.2)]).causes == ["the hypervisor gave 5% of the CPU to other guests (steal)"]
+    assert interference_summary([record(window=0.2, steal=0.01)]).quiet is None  # one tick of a short window
     gpu = interference_summary([record(others=1, throttle=["hardware thermal", "power cap"])])
     assert gpu.causes == ["1 other process(es) on a rank's GPU", "GPU clocks held down: hardware thermal, power cap"]
     # a window too short for /proc/stat's ticks is not judged on other processes' CPU

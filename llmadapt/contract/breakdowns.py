@@ -151,7 +151,9 @@ SHORTEST_JUDGED_S = 0.5
 """A window shorter than this is not judged for other processes' CPU: /proc/stat counts in clock ticks (10 ms)."""
 OTHER_CORES_LIMIT = 0.25
 """Other processes keeping a quarter of a core busy on average disturb a measurement."""
-STEAL_LIMIT = 0.01
+STEAL_LIMIT = 0.02
+"""A hypervisor taking 2% of the CPU disturbs a measurement (judged, like other processes' CPU, on windows of half
+a second or more, and on five ticks or more: one 10 ms tick of a short window is already a few percent)."""
 
 
 def interference_summary(found: list[dict[str, Any]]) -> InterferenceSummary | None:
@@ -181,7 +183,7 @@ def interference_summary(found: list[dict[str, Any]]) -> InterferenceSummary | N
               if r["run_delay_s"] is not None and r["window_s"] > 0]
     delay_share = max(delays) if delays else None
     steals = [r["steal_s"] / (r["window_s"] * (r["cores"] or 1)) for r in found
-              if r["steal_s"] is not None and r["window_s"] > 0]
+              if r["steal_s"] is not None and r["window_s"] >= SHORTEST_JUDGED_S and r["steal_s"] >= 0.05]
     steal_share = max(steals) if steals else None
     if steal_share is not None and steal_share >= STEAL_LIMIT:
         causes.append(f"the hypervisor gave {steal_share:.0%} of the CPU to other guests (steal)")
