@@ -28,7 +28,7 @@ env-%: setup
 
 demo: setup
 	$(BIN)/llmadapt env create torch
-	$(BIN)/llmadapt compare examples/tiny-llama.toml --adapters torch \
+	$(BIN)/llmadapt compare examples/tiny-llama.toml --adapters torch --set train.steps=40 \
 		--matrix optimizations.recompute=none,full --matrix parallelism.dp=1,2 --report runs/demo-report.html
 
 # Two test files at a time: most of a test's time is spent starting worker processes and
