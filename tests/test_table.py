@@ -80,6 +80,6 @@ def test_the_verdict_names_the_fastest_the_indistinguishable_and_withholds_what_
     assert text.splitlines()[3].split()[6] == "disturbed"
     short = Comparison(rows=[rows[0], attrs.evolve(rows[1], judged=False)]).table()
     assert "P1 verdict: fastest torch dp1; slower: megatron tp2 +50%" in short and \
-        "not judged for torch dp1: measured steps under half a second" in short
+        "quiet not judged for torch dp1: measured steps under half a second" in short
     lone = [rows[0], row("torch dp1", 1.0, 1.0, 1.0, n=1)]
     assert "P1 verdict withheld: a single sample, no interval to judge by: torch dp1" in Comparison(rows=lone).table()

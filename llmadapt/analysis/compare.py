@@ -253,8 +253,9 @@ class Comparison:
             line += f" (medians and 95% intervals over {best.estimates[key].what})"
             unjudged = [r.label for r in rows if not r.judged]
             if unjudged:
-                line += (f"; quiet or not, not judged for {', '.join(unjudged)}: measured steps under half a second "
-                         "(train.steps more to judge)")
+                which = "every row" if len(unjudged) == len(rows) else ", ".join(unjudged)
+                line += (f"; the machine's quiet not judged for {which}: measured steps under half a second "
+                         "(more train.steps to judge)")
             out.append(line)
         return out
 
