@@ -97,8 +97,9 @@ def documented_losses(doc: str, anchor: str, label: str) -> tuple[float, float]:
     start = text.index(anchor)
     row = re.search(rf"^P\d+\s+{re.escape(label)}\s+ok\s.*$", text[start:], re.MULTILINE)
     assert row, f"{doc}: no row {label!r} after {anchor!r}"
-    first, last, _parity = row.group(0).split()[-3:]
-    return float(first), float(last)
+    losses = re.search(r"\s(\d+\.\d{4})\s+(\d+\.\d{4})\s+\d\.\d\de[+-]\d\d", row.group(0))  # before parity delta
+    assert losses, row.group(0)
+    return float(losses[1]), float(losses[2])
 
 
 @pytest.mark.skipif(bool(environments_unready("torch")), reason=environments_unready("torch") or "")
