@@ -187,7 +187,10 @@ def _range_hooks(module, labels: list[str], record_function) -> list[Any]:
             for r in reversed(open_ranges.pop()):
                 r.__exit__(None, None, None)
 
-    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    # always_call: the range closes when the forward raises too. Non-reentrant activation checkpointing stops a
+    # recomputation early by raising through the block's forward; a range left open would span the rest of the
+    # step and count its time twice.
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
 
 
 def _range_class(name: str) -> str | None:

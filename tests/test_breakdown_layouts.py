@@ -1,0 +1,45 @@
+"""Coverage of the breakdown on every layout the training stacks run, beyond the one layout per stack of
+test_breakdown.py: DeepSpeed ZeRO 0-3 with and without optimizer offload and recomputation, Megatron-core's
+pipeline and data parallelism and its distributed optimizer, ColossalAI's ZeRO-3 and hybrid (tensor-parallel)
+plugins, torch with recomputation. Each rank's profiled steps are held to the bound of test_breakdown's
+``assert_attributed``: named module classes hold at least 95% of the step (median of three profiled steps, a
+core's wait taken off), operator 'other' at most 5% of operator time. A framework's machinery that the taxonomy
+missed lands in 'other' on every step, busy machine or not, and fails this. One comparison per stack, each layout
+a real run on gloo."""
+
+from __future__ import annotations
+
+import pytest
+from test_breakdown import THREE, assert_attributed, records_of, workload
+
+from llmadapt.testing import environments_unready
+
+LAYOUTS = {
+    "torch": ["torch:parallelism.dp=2,optimizations.recompute=full"],
+    "deepspeed": [
+        "deepspeed:parallelism.dp=2,optimizations.zero_stage=0",
+        "deepspeed:parallelism.dp=2,optimizations.zero_stage=1",
+        "deepspeed:parallelism.dp=2,optimizations.zero_stage=2,optimizations.offload=optimizer",
+        "deepspeed:parallelism.dp=2,optimizations.zero_stage=2,optimizations.recompute=full",
+        "deepspeed:parallelism.dp=2,optimizations.zero_stage=3,optimizations.offload=optimizer",
+    ],
+    "megatron": ["megatron:parallelism.pp=2", "megatron:parallelism.dp=2,optimizations.zero_stage=1",
+                 "megatron:parallelism.tp=2,optimizations.recompute=full"],
+    "colossalai": ["colossalai:parallelism.dp=2,optimizations.zero_stage=3",
+                   "colossalai:parallelism.tp=2"],
+}
+
+
+@pytest.mark.parametrize("stack", list(LAYOUTS))
+def test_every_layout_of_a_stack_names_where_its_step_goes(stack, tmp_path):
+    from llmadapt import compare
+
+    reason = environments_unready(stack)
+    if reason:
+        pytest.skip(reason)
+    table = compare(workload("tiny-llama", *THREE), cells=LAYOUTS[stack], out=tmp_path)
+    assert [r.status for r in table.rows] == ["ok"] * len(LAYOUTS[stack]), table.table()
+    for row in table.rows:
+        world = int(row.metrics["devices"])
+        for rank in range(world):
+            assert_attributed(records_of(row.run_dir, rank), (row.cell, rank))
