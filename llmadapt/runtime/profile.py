@@ -310,8 +310,9 @@ def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float, s
         contexts.append((e, ctx))
         # An operator reports the sequence number the next autograd node will get, and the node's maker takes
         # it: the last operator (in time) to report a number made that node. (A custom autograd Function, e.g.
-        # Megatron-core's linear layers, reports its number from an event of its own name.)
-        if ctx[2] is None and e.sequence_nr >= 0:
+        # Megatron-core's linear layers, reports its number from an event of its own name.) A module's forward run
+        # again inside backward (recomputation) makes nodes too, which a nested backward then runs.
+        if (ctx[2] is None or ctx[3]) and e.sequence_nr >= 0:
             made[(e.thread, e.sequence_nr)] = (ctx[0], ctx[1])
     # An in-place operator on a view makes more nodes than it reports (CopySlices, AsStrided): a number no
     # operator reported goes to the nearest one below it on its thread, the operator that made those nodes.

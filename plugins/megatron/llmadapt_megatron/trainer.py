@@ -46,11 +46,15 @@ class MegatronTrainer(Trainer):
     def profiled_calls(self):
         # GPTModel computes the (vocab-parallel) loss in its own forward, outside output_layer; Megatron's optimizer
         # is no torch.optim.Optimizer (whose step the core knows), and its DDP keeps gradients in a buffer.
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
         from megatron.core.transformer import attention
 
         calls = [(self.model.module, "compute_language_model_loss", "loss"),
                  (self.optimizer, "step", "optimizer"), (self.model, "zero_grad_buffer", "optimizer"),
-                 (attention, "apply_rotary_pos_emb", "attention.rotary")]  # self_attention applies it
+                 (attention, "apply_rotary_pos_emb", "attention.rotary"),  # self_attention applies it
+                 # the pipeline's sends and receives between stages, and the waits for them (the schedule makes a
+                 # communicator per step: its class's method)
+                 (P2PCommunicator, "_communicate", "communication")]
         if getattr(self.config, "finalize_model_grads_func", None) is not None:
             calls.append((self.config, "finalize_model_grads_func", "gradient"))
         return calls
