@@ -81,5 +81,9 @@ def test_the_verdict_names_the_fastest_the_indistinguishable_and_withholds_what_
     short = Comparison(rows=[rows[0], attrs.evolve(rows[1], judged=False)]).table()
     assert "P1 verdict: fastest torch dp1; slower: megatron tp2 +50%" in short and \
         "quiet not judged for torch dp1: measured steps under half a second" in short
+    # three runs a row: wholly apart one time in ten for identical configurations, so never named slower
+    three = Comparison(rows=[row("megatron tp2", 1.5, 1.4, 1.6, n=3), row("torch dp1", 1.0, 0.95, 1.05, n=3)]).table()
+    assert "P1 verdict: fastest torch dp1; cannot be told apart from it: megatron tp2" in three
+    assert "4 runs a row are needed to tell rows apart over runs, fewer for megatron tp2, torch dp1" in three
     lone = [rows[0], row("torch dp1", 1.0, 1.0, 1.0, n=1)]
     assert "P1 verdict withheld: a single sample, no interval to judge by: torch dp1" in Comparison(rows=lone).table()

@@ -242,7 +242,8 @@ class Comparison:
                 out.append(f"{name} verdict withheld: a single sample, no interval to judge by: {', '.join(lone)}")
                 continue
             best = min(rows, key=lambda r: r.estimates[key].median)
-            ties = [r for r in rows if r is not best and r.estimates[key].overlaps(best.estimates[key])]
+            ties = [r for r in rows if r is not best and (r.estimates[key].overlaps(best.estimates[key])
+                                                          or not _separable(r.estimates[key], best.estimates[key]))]
             slower = [r for r in rows if r is not best and r not in ties]
             line = f"{name} verdict: fastest {best.label}"
             if ties:
@@ -251,6 +252,10 @@ class Comparison:
                 line += "; slower: " + ", ".join(
                     f"{r.label} {r.estimates[key].median / best.estimates[key].median - 1:+.0%}" for r in slower)
             line += f" (medians and 95% intervals over {best.estimates[key].what})"
+            few = [r.label for r in rows if r.estimates[key].what == "runs" and r.estimates[key].n < RUNS_TO_SEPARATE]
+            if few:
+                line += (f"; {RUNS_TO_SEPARATE} runs a row are needed to tell rows apart over runs, fewer for "
+                         f"{', '.join(few)}")
             unjudged = [r.label for r in rows if not r.judged]
             if unjudged:
                 which = "every row" if len(unjudged) == len(rows) else ", ".join(unjudged)
@@ -372,6 +377,17 @@ def _without_layout(label: str) -> str:
     """A row's label less its parallel layout (tpN, ppN, dpN, epN) and micro-batch (mbN): the stack and the
     techniques it ran with, which a scaling group shares."""
     return " ".join(w for w in label.split() if not re.fullmatch(r"(tp|pp|dp|ep|mb)\d+", w))
+
+
+RUNS_TO_SEPARATE = 4
+"""Runs a row needs before the verdict may name it faster or slower over runs: with three a side, two identical
+configurations' runs fall wholly apart one time in ten (2/C(6,3)); with four, one in 35 (2/C(8,4) < 5%)."""
+
+
+def _separable(a: Estimate, b: Estimate) -> bool:
+    """Whether two rows' estimates could show a difference at 95% at all: always over steps (one run each);
+    over runs, four or more a row (``RUNS_TO_SEPARATE``)."""
+    return a.what != "runs" and b.what != "runs" or min(a.n, b.n) >= RUNS_TO_SEPARATE
 
 
 def _efficiency(value: float) -> str:
