@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -61,15 +60,15 @@ def _as_dict(summary) -> dict:
 
 def test_a_snapshot_pair_makes_a_valid_record_with_this_process_counted():
     start = snapshot()
-    end_at = time.monotonic() + 0.2
-    while time.monotonic() < end_at:  # this process's own CPU, not another's
+    cpu = os.times()
+    while sum(os.times()[:2]) - sum(cpu[:2]) < 0.2:  # this process's own CPU (however long a busy machine takes)
         pass
     r = interference(3, start, snapshot(), "here")
     from llmadapt.contract.schema import to_json
 
     data = to_json(r)
     validate(data)
-    assert data["rank"] == 3 and data["window_s"] >= 0.2 and data["own_cpu_s"] >= 0.1
+    assert data["rank"] == 3 and data["window_s"] >= 0.19 and data["own_cpu_s"] >= 0.2
     assert data["run_delay_s"] is not None and data["machine_busy_cpu_s"] >= data["own_cpu_s"] - 0.05
 
 
