@@ -199,7 +199,7 @@ class Comparison:
                 estimate = r.estimates.get(key)
                 cells.append(estimate.text() if estimate else format_value(r.metrics.get(key), fmt))
             if uncertain:
-                cells.insert(4, _versus(r, first, HEADLINE["serve" if serve else "train"]))
+                cells.insert(4, versus(r, first, HEADLINE["serve" if serve else "train"]))
             body.append(cells)
         lines = text_table(head, body)
         c = self.counts()
@@ -394,15 +394,16 @@ def _efficiency(value: float) -> str:
     return f"{value:.0%}" + ("!" if value > 1.1 else "")
 
 
-def _versus(row: Row, first: Row | None, key: str) -> str:
-    """The row's headline figure against the reference row of its problem: '+12%' beyond noise, '≈' within it,
-    'disturbed' (no figure) where either side ran on a disturbed machine."""
+def versus(row: Row, first: Row | None, key: str) -> str:
+    """The row's headline figure against the reference row of its problem: '+12%' beyond noise, '≈' within it
+    (intervals that overlap, or too few runs to tell rows apart), '?' after a change where either side has one
+    sample, 'disturbed' (no figure) where either side ran on a disturbed machine, '-' for the reference itself."""
     mine, theirs = row.estimates.get(key), first.estimates.get(key) if first else None
     if first is None or first is row or mine is None or theirs is None or not theirs.median:
         return "-"
     if row.disturbed or first.disturbed:
         return "disturbed"
-    if mine.n >= 2 and theirs.n >= 2 and mine.overlaps(theirs):
+    if mine.n >= 2 and theirs.n >= 2 and (mine.overlaps(theirs) or not _separable(mine, theirs)):
         return "≈"
     change = f"{(mine.median / theirs.median - 1):+.0%}"
     return change if mine.n >= 2 and theirs.n >= 2 else f"{change}?"

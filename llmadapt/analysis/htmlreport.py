@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 from llmadapt.analysis import figures as F
 from llmadapt.analysis import figures_train as T
-from llmadapt.analysis.compare import Comparison, row_of_runs
+from llmadapt.analysis.compare import Comparison, row_of_runs, versus
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
 from llmadapt.host import VERSION, utc_now
@@ -227,28 +227,12 @@ def _estimate_cell(estimate) -> str:
     return f'<td data-value="{estimate.median!r}">{html.escape(median)}{below}</td>'
 
 
-def _versus(row, reference, key: str) -> str:
-    """The row's headline figure against its problem's reference row (as the text table's 'vs first'): '+12%'
-    beyond noise, '≈' where the 95% intervals overlap, '?' after a change where either side has one sample,
-    'disturbed' where either side ran on a disturbed machine, '-' for the reference itself."""
-    mine = row.estimates.get(key)
-    theirs = reference.estimates.get(key) if reference is not None else None
-    if reference is None or reference is row or mine is None or theirs is None or not theirs.median:
-        return "-"
-    if row.disturbed or reference.disturbed:
-        return "disturbed"
-    if mine.n >= 2 and theirs.n >= 2 and mine.overlaps(theirs):
-        return "≈"
-    change = f"{mine.median / theirs.median - 1:+.0%}"
-    return change if mine.n >= 2 and theirs.n >= 2 else f"{change}?"
-
-
 def _table(table_id: str, rows, columns, comparison: Comparison, headline: str) -> str:
     from llmadapt.analysis.compare import format_value
 
     problems = _problem_names(comparison)
-    versus = "vs baseline" if comparison.baseline else "vs first"
-    titles = ["problem", "run", "status", columns[0][1], versus, *[c for _, c, _ in columns[1:]], "runs"]
+    against = "vs baseline" if comparison.baseline else "vs first"
+    titles = ["problem", "run", "status", columns[0][1], against, *[c for _, c, _ in columns[1:]], "runs"]
     head = "".join(f"<th>{html.escape(t)}</th>" for t in titles)
     body = []
     for r in rows:
@@ -262,7 +246,7 @@ def _table(table_id: str, rows, columns, comparison: Comparison, headline: str) 
                          _cell(text, value if isinstance(value, (int, float)) else text))
             if n == 0:
                 reference = comparison.reference(r.problem_hash) if r.status == "ok" else None
-                change = _versus(r, reference, headline)
+                change = versus(r, reference, headline)
                 number = change.rstrip("%?").replace("+", "")
                 cells.append(_cell(change, number if number.lstrip("-").isdigit() else change))
         cells.append(_cell(str(len(r.run_dirs) or 1), len(r.run_dirs) or 1))
