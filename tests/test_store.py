@@ -126,9 +126,9 @@ def test_import_is_idempotent_and_the_store_rebuilds_itself(root, tmp_path):
 def test_compare_reuses_stored_runs_and_shows_intervals(root):
     """--reuse counts the stored runs of the same workload, adapter version and machine (nothing is run again);
     repeats give medians with bootstrap intervals; stored runs compare without a workload file."""
-    before = sorted(p.name for p in root.iterdir())
+    before = sorted(p.name for p in root.iterdir() if p.is_dir())
     table = compare(workload("base"), ["torch"], repeat=2, reuse=True, out=root)
-    assert sorted(p.name for p in root.iterdir()) == before
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == before
     (row,) = table.rows
     assert len(row.run_dirs) == 2 and row.estimates["step_p50_s"].n == 2 and row.estimates["step_p50_s"].what == "runs"
     estimate = row.estimates["step_p50_s"]
