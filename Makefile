@@ -3,9 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # Adapter packages installed next to the core, and the environments their workers run in.
-PLUGINS := examples/adapter-plain examples/sink-tensorboard plugins/openai plugins/tgi plugins/megatron plugins/deepspeed plugins/vllm plugins/colossalai plugins/llamacpp
+PLUGINS := examples/adapter-plain examples/sink-tensorboard plugins/openai plugins/tgi plugins/megatron plugins/deepspeed plugins/vllm plugins/colossalai plugins/llamacpp plugins/mlflow
 # llamacpp first: it compiles llama.cpp (the longest build), so it starts while the others download.
-ENVS    := llamacpp torch plain megatron deepspeed vllm colossalai hta
+ENVS    := llamacpp torch plain megatron deepspeed vllm colossalai hta mlflow
 
 .PHONY: demo test envs setup reference
 
@@ -16,8 +16,8 @@ $(BIN)/.installed: pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 
 setup: $(BIN)/.installed
 
-# Each adapter's isolated environment (and hta, Holistic Trace Analysis's): a pinned virtualenv in llmadapt's
-# state folder. Built a few
+# Each adapter's isolated environment (and the tools': hta, Holistic Trace Analysis; mlflow, the tracking server
+# tests/test_mlflow.py starts): a pinned virtualenv in llmadapt's state folder. Built a few
 # at a time: pip spends most of its time waiting on downloads and the disk.
 ENV_JOBS ?= 3
 envs: setup
@@ -38,5 +38,11 @@ test: envs
 	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile
 
 # The adapter author's API reference, rendered from the code's docstrings (pdoc): docs/reference/index.html.
+# llmadapt.adapter's own page has every name it exports; its __all__ hides its submodules from pdoc, so the
+# modules it points authors to (both hooks, weights, SSE and MoE helpers) are named here. The guide's Supports
+# table is rendered from the class too.
+REFERENCE_MODULES := llmadapt.adapter llmadapt.adapter.hookspecs llmadapt.adapter.weights llmadapt.adapter.sse \
+	llmadapt.adapter.moe llmadapt.contract llmadapt.spec
 reference: setup
-	$(BIN)/pdoc -o docs/reference llmadapt.adapter llmadapt.contract llmadapt.spec
+	$(BIN)/python docs/supports_table.py
+	$(BIN)/pdoc -o docs/reference $(REFERENCE_MODULES)

@@ -54,8 +54,10 @@ class Check:
         self.results: dict[str, Any] = {"rehearsal": rehearse, "machine": {}, "steps": []}
         self.env = dict(os.environ)
         self.env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-        # The reference adapter runs on this interpreter (it has torch): no environment to build, no network.
+        # The reference adapter and the core's tools (micro-benchmarks) run on this interpreter (it has torch): no
+        # environment to build, no network.
         self.env.setdefault("LLMADAPT_PYTHON_TORCH", sys.executable)
+        self.env.setdefault("LLMADAPT_PYTHON_TOOLS", sys.executable)
         self.runs = out / "runs"
         self.catalog = out / "devices.toml"
         self.found: dict[str, Any] = {}

@@ -14,6 +14,7 @@ sweep, on a real engine.
 
     python benchmarks/load_sweep.py                      # about 3 minutes on 2 cores with hf
     python benchmarks/load_sweep.py --engine vllm --json
+    python benchmarks/load_sweep.py --smoke              # one rate of 4 requests, concurrency up to 2 (CI)
 
 Not a test: it prints figures and asserts nothing about time.
 """
@@ -93,7 +94,14 @@ def main() -> None:
     ap.add_argument("--max", type=int, default=64, help="the real SLA search's highest concurrency")
     ap.add_argument("--no-engine", action="store_true", help="only the simulated probe counts")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the smallest size of the real part: one rate (4 req/s) of 4 requests, the SLA search up to "
+                         "concurrency 2 (flags given explicitly still count; the simulated part is kept whole: it "
+                         "takes a second); shows that the script works; its figures mean little")
     args = ap.parse_args()
+    if args.smoke:  # its sizes become the defaults: flags given explicitly still count
+        ap.set_defaults(rates="4", requests=4, max=2)
+        args = ap.parse_args()
     result = {"simulated": simulated(args.resolution, args.repeats)}
     if not args.no_engine:
         result["real"] = real(args.engine, args.rates, args.requests, args.slo, args.max)

@@ -3,6 +3,7 @@ side by side with `vllm bench serve`'s client when vLLM's environment is built.
 
     python benchmarks/loadgen.py [--rate 200] [--requests 2000] [--concurrency 64] [--rounds 4] [--spin-ms 5]
                                  [--no-vllm] [--json] [--save FILE]
+    python benchmarks/loadgen.py --smoke    # one round of 20 requests; vllm bench in the closed loop only (CI)
 
 One fake server (answers at once: no first-token or inter-token delay) serves every pass. Per round:
 
@@ -96,6 +97,15 @@ def llmadapt_pass(url: str, args, out: Path, mode: str) -> dict:
             "valid": s.valid, "client_cpu_s": cpu}
 
 
+def bench_env(base: dict[str, str]) -> dict[str, str]:
+    """``base`` as every process llmadapt starts in vLLM's environment gets it (process_env): PYTHONPATH naming
+    llmadapt's sources, which that environment does not install, so that ``-m llmadapt_vllm.cli`` imports."""
+    from llmadapt import adapters
+    from llmadapt.launch.environments import process_env
+
+    return process_env(adapters()["vllm"].environment, base)
+
+
 def bench_pass(python: Path, url: str, tokenizer: Path, args, work: Path, mode: str, tag: str) -> dict:
     name = f"vllm-bench-{tag}.json"
     rate = ["--request-rate", "inf", "--max-concurrency", str(args.concurrency)] if mode == "closed" else \
@@ -107,8 +117,8 @@ def bench_pass(python: Path, url: str, tokenizer: Path, args, work: Path, mode: 
            "--random-range-ratio", "0", "--num-prompts", str(args.requests), *rate, "--ignore-eos",
            "--ready-check-timeout-sec", "0", "--num-warmups", "10", "--disable-tqdm",
            "--save-result", "--save-detailed", "--result-dir", str(work), "--result-filename", name]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1"}
+    env = bench_env({**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                     "DO_NOT_TRACK": "1"})
     with open(work / f"vllm-bench-{tag}.log", "wb") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=True, cwd=work)
     r = json.loads((work / name).read_text())
@@ -182,7 +192,14 @@ def main() -> None:
     p.add_argument("--no-vllm", action="store_true", help="llmadapt alone, even when vLLM's environment is built")
     p.add_argument("--json", action="store_true", help="print every figure as JSON instead of the report")
     p.add_argument("--save", type=Path, default=None, help="also write every figure as JSON to this file")
+    p.add_argument("--smoke", action="store_true",
+                   help="the smallest size: one round of 20 requests per pass (unless --rounds or --requests are "
+                        "given), vllm bench in the closed loop only (each of its passes spends ~30 s starting); shows "
+                        "that the script works, in seconds; its figures mean little")
     args = p.parse_args()
+    if args.smoke:  # its sizes become the defaults: flags given explicitly still count
+        p.set_defaults(rounds=1, requests=20)
+        args = p.parse_args()
 
     python, why = (None, "--no-vllm") if args.no_vllm else vllm_python()
     tokenizer = None
@@ -199,7 +216,8 @@ def main() -> None:
     try:
         for rnd in range(1, args.rounds + 1):
             order = clients if rnd % 2 else clients[::-1]
-            steps = [("closed", c) for c in order] + [("open", c) for c in order] + [("open", "timer only")]
+            opened = [c for c in order if not (args.smoke and c == "vllm bench")]
+            steps = [("closed", c) for c in order] + [("open", c) for c in opened] + [("open", "timer only")]
             for mode, client in steps:
                 la, srv0, t0 = load(), cpu_seconds(proc.pid), time.monotonic()
                 print(f"round {rnd}: {mode} loop, {client} (load average {la:.1f}) ...", file=sys.stderr, flush=True)

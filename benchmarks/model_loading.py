@@ -19,6 +19,7 @@ hidden 2048, 16 layers, vocabulary 32000, fp32, 3.8 GB of weights):
 
     python benchmarks/model_loading.py                    # about 15 minutes on 2 cores, 20 GB of memory
     python benchmarks/model_loading.py --layers 2 --hidden 512 --json   # a quick look
+    python benchmarks/model_loading.py --smoke            # hidden 64, one layer, 1 MiB shards, torch only (CI)
 
 Not a test: it prints figures and asserts nothing about time or memory.
 """
@@ -115,7 +116,14 @@ def main() -> None:
     parser.add_argument("--shard-mb", type=int, default=1024, help="shard size of both writers (MiB)")
     parser.add_argument("--stacks", default=",".join(STACKS), help="comma-separated adapters to load with")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest size: hidden 64, one layer, 1 MiB shards, loaded by torch alone (flags "
+                             "given explicitly still count: --stacks torch,megatron adds megatron's cached-slice "
+                             "run); shows that the script works, in seconds; its figures mean little")
     args = parser.parse_args()
+    if args.smoke:  # its sizes become the defaults: flags given explicitly still count
+        parser.set_defaults(hidden=64, layers=1, shard_mb=1, stacks="torch")
+        args = parser.parse_args()
     model = model_spec(args)
     n = params(model)
     results: dict = {"model": model, "parameters": n, "weights_bytes": 4 * n, "shard_bytes": args.shard_mb << 20}

@@ -18,6 +18,7 @@ the same work (on the CPU they agree exactly).
 
     python benchmarks/overhead.py                     # tiny-llama, 30 measured steps, 6 rounds
     python benchmarks/overhead.py --rounds 10 --threads 2 --json
+    python benchmarks/overhead.py --smoke             # one round of 2 steps, no priming (CI's smoke pass)
 
 Not a test: it prints figures and asserts nothing about time.
 """
@@ -54,7 +55,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip the untimed priming pass (imports, checkpoint build, first kernels) before round 1")
     p.add_argument("--keep", metavar="DIR", help="keep llmadapt's run directories in DIR (default: a temporary folder)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true",
+                   help="the smallest size: one round of 2 measured steps, no priming pass (flags given explicitly "
+                        "still count); shows that the script works, in seconds; its figures mean little")
+    args = p.parse_args(argv)
+    if args.smoke:  # its sizes become the defaults: flags given explicitly still count
+        p.set_defaults(rounds=1, steps=2, no_prime=True)
+        args = p.parse_args(argv)
+    return args
 
 
 # -- the two sides ------------------------------------------------------------------------

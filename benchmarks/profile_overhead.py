@@ -5,9 +5,12 @@ Three measurements, each side by side in one process (launcher inline, one rank,
 1. The loop's fixed cost. The reference adapter's ``step`` is replaced by one that spins on the CPU for a set
    time (10 ms, 100 ms, 1 s) and returns what the real one returns (loss, three phases); everything else is
    llmadapt's loop as it runs: the batch built, the device synchronised, the clock read, memory reset and read,
-   the step record written and flushed, telemetry drained. Its cost per step is the loop's wall time (first
-   step's start to last step's end, from the records) over the steps, less the spin; a bare ``for`` loop calling
-   the same spin gives the floor. Telemetry is off here (interval 0) so that (3) can price it alone.
+   the step record written and flushed, telemetry drained. From the records: inside the clock, a step's time
+   less the spin; between steps, the gap from one step's end to the next one's start, less the batch (the
+   ``data`` phase: a bare loop needs its batches too, so it is reported beside the fixed cost, not in it); a
+   bare ``for`` loop calling the same spin gives the floor. Fixed cost = between (less the batch and the
+   floor) + inside. Medians over the steps: a preemption by another process moves a mean by more than the
+   loop costs. Telemetry is off here (interval 0) so that (3) can price it alone.
 2. Profiling: the real tiny-llama step, profiled (levels module and operator) against unprofiled steps of the
    same run (the profiler's cost on the operators it records; its start and stop are outside the clock).
 3. Telemetry: the real tiny-llama step with the sampler off, at its default interval (0.5 s) and at 0.05 s,
@@ -15,6 +18,7 @@ Three measurements, each side by side in one process (launcher inline, one rank,
 
     python benchmarks/profile_overhead.py             # about 3 minutes
     python benchmarks/profile_overhead.py --json
+    python benchmarks/profile_overhead.py --smoke     # each measurement at its smallest: seconds (CI's smoke pass)
 
 Not a test: it prints figures and asserts nothing about time.
 """
@@ -46,8 +50,17 @@ def loop_cost(step_s: float, steps: int, out: Path) -> dict:
     from llmadapt.contract.records import Phase
     from llmadapt.reference.trainer import TorchTrainer
 
-    def fixed_step(self, batch):
+    cpu_marks = []  # this thread's CPU time as each step's work begins and ends
+
+    def work() -> None:
+        """The step's work and the benchmark's own CPU-time marks: the bare loop below runs the same, so the
+        marks (two clock syscalls) are not counted as the loop's cost."""
+        begin = time.thread_time()
         spin(step_s)
+        cpu_marks.append((begin, time.thread_time()))
+
+    def fixed_step(self, batch):
+        work()  # what a step reports (llmadapt's contract) is built inside the clock, so it counts as the loop's
         return StepResult(loss=1.0, phases=[Phase("forward", step_s / 3, "llmadapt"),
                                             Phase("backward", step_s / 2, "llmadapt"),
                                             Phase("optimizer", step_s / 6, "llmadapt")])
@@ -62,28 +75,56 @@ def loop_cost(step_s: float, steps: int, out: Path) -> dict:
         TorchTrainer.step = real_step
     records = [json.loads(line) for line in (result.run_dir / "rank-00000.jsonl").read_text().splitlines()]
     measured = [r for r in records if r["type"] == "step" and not r["warmup"]]
-    wall = (measured[-1]["end_ns"] - measured[0]["start_ns"]) / 1e9
-    inside = statistics.mean(r["seconds"] for r in measured) - step_s  # synchronise and clock reads
-    per_step = wall / len(measured) - step_s  # ... plus everything between steps (the last one's tail aside)
+    # Medians over the steps: a preemption by another process lands on a few steps and would move a mean
+    # by far more than the loop costs (on a busy 2-core machine, a 10 ms step's mean by hundreds of us).
+    marks, llmadapt_marks = [], cpu_marks[:]
+    for _ in range(len(measured)):
+        work()
+        marks.append(time.perf_counter())
+    cpu_marks[:] = llmadapt_marks
+    bare = statistics.median(b - a - step_s for a, b in zip(marks, marks[1:]))  # the bare loop's own, per step
+    # Inside the clock, beyond what the bare loop pays around the same work: the call, the StepResult the step
+    # returns, synchronising and the clock reads.
+    inside = statistics.median(r["seconds"] for r in measured) - step_s - bare
+    gaps = [(b["start_ns"] - a["end_ns"]) / 1e9 for a, b in zip(measured, measured[1:])]  # between two steps
     # The batch is built between steps too (the data phase): a bare loop needs its batches as well, so it is
     # reported beside the fixed cost, not in it.
-    data = statistics.mean(p["seconds"] for r in measured for p in r["phases"] if p["name"] == "data")
-    start = time.perf_counter()
-    for _ in range(len(measured)):
-        spin(step_s)
-    bare = (time.perf_counter() - start) / len(measured) - step_s
-    fixed = per_step - data - bare
-    return {"step_s": step_s, "steps": len(measured), "loop_us": per_step * 1e6, "data_us": data * 1e6,
-            "inside_clock_us": inside * 1e6, "bare_us": bare * 1e6, "fixed_us": fixed * 1e6,
-            "fixed_percent": 100 * fixed / step_s}
+    data = [next(p["seconds"] for p in b["phases"] if p["name"] == "data") for b in measured[1:]]
+    between = statistics.median(gaps)
+    fixed = statistics.median(g - d for g, d in zip(gaps, data)) + inside
+    # The same in CPU time, which another process's load does not stretch: this thread's CPU from one step's
+    # work ending to the next one's beginning (the loop around it), less the CPU a batch takes built alone.
+    cpu_loop = statistics.median(b[0] - a[1] for a, b in zip(cpu_marks[1:], cpu_marks[2:]))
+    from llmadapt.runtime.data import TokenData
+
+    data_source, batch_cpu = TokenData(workload, None), []
+    for i in range(len(measured)):
+        begin = time.thread_time()
+        data_source.step_batch(i, 0, 1)
+        batch_cpu.append(time.thread_time() - begin)
+    cpu_fixed = cpu_loop - statistics.median(batch_cpu)
+    return {"step_s": step_s, "steps": len(measured), "cpu_fixed_us": cpu_fixed * 1e6,
+            "cpu_batch_us": statistics.median(batch_cpu) * 1e6, "between_us": between * 1e6,
+            "data_us": statistics.median(data) * 1e6, "inside_clock_us": inside * 1e6, "bare_us": bare * 1e6,
+            "fixed_us": fixed * 1e6, "fixed_percent": 100 * fixed / step_s}
 
 
-def profiled_cost(level: str, out: Path) -> dict:
+# The real step's shape for (2) and (3); --smoke makes every run its smallest (the figures then mean little).
+SHAPE = ["train.seq_len=128", "train.global_batch=16", "train.warmup_steps=3"]
+PROFILED = ["train.steps=12", "profile.steps=[5,8,11]"]
+TELEMETRY_STEPS = 40
+LOOPS = [(0.010, 200), (0.100, 40), (1.0, 6)]  # (spin per step, steps)
+SMOKE_SHAPE = ["train.seq_len=16", "train.global_batch=2", "train.micro_batch=1", "train.warmup_steps=1"]
+SMOKE_PROFILED = ["train.steps=3", "profile.steps=[2]"]
+SMOKE_TELEMETRY_STEPS = 3
+SMOKE_LOOPS = [(0.010, 5)]
+
+
+def profiled_cost(level: str, out: Path, shape: list[str] = SHAPE, profiled: list[str] = PROFILED) -> dict:
     import llmadapt
 
     workload = llmadapt.Workload.from_file(WORKLOAD).with_overrides(
-        ["train.seq_len=128", "train.global_batch=16", "train.warmup_steps=3", "train.steps=12",
-         "profile.steps=[5,8,11]", f"profile.level={level}", "telemetry.interval_s=0"])
+        [*shape, *profiled, f"profile.level={level}", "telemetry.interval_s=0"])
     result = llmadapt.run(workload, "torch", launcher="inline", out=out)
     steps = [json.loads(line) for line in (result.run_dir / "rank-00000.jsonl").read_text().splitlines()]
     steps = [r for r in steps if r["type"] == "step" and not r["warmup"]]
@@ -92,7 +133,7 @@ def profiled_cost(level: str, out: Path) -> dict:
     return {"level": level, "profiled_step_s": profiled, "plain_step_s": plain, "ratio": profiled / plain}
 
 
-def telemetry_cost(rounds: int, out: Path) -> dict:
+def telemetry_cost(rounds: int, out: Path, shape: list[str] = SHAPE, steps: int = TELEMETRY_STEPS) -> dict:
     import llmadapt
     from llmadapt.runtime.telemetry import Sampler
 
@@ -104,8 +145,7 @@ def telemetry_cost(rounds: int, out: Path) -> dict:
 
     def median_step(interval: float) -> float:
         workload = llmadapt.Workload.from_file(WORKLOAD).with_overrides(
-            ["train.seq_len=128", "train.global_batch=16", "train.warmup_steps=3", "train.steps=40",
-             f"telemetry.interval_s={interval}"])
+            [*shape, f"train.steps={steps}", f"telemetry.interval_s={interval}"])
         result = llmadapt.run(workload, "torch", launcher="inline", out=out)
         return result.summary.step_time_s.p50
 
@@ -128,28 +168,41 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=4, help="telemetry: runs of each interval, alternated (default 4)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--smoke", action="store_true",
+                   help="the smallest size: the loop's cost at 10 ms for 5 steps, profiling and telemetry on a "
+                        "seq-16 step for 3 steps, one telemetry round (unless --rounds is given); shows that the "
+                        "script works, in seconds; its figures mean little")
     args = p.parse_args(argv)
+    if args.smoke:  # its sizes become the defaults: flags given explicitly still count
+        p.set_defaults(rounds=1)
+        args = p.parse_args(argv)
+    shape, profiled, loop_sizes, telemetry_steps = ((SMOKE_SHAPE, SMOKE_PROFILED, SMOKE_LOOPS, SMOKE_TELEMETRY_STEPS)
+                                                    if args.smoke else (SHAPE, PROFILED, LOOPS, TELEMETRY_STEPS))
 
     import torch
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        loops = [loop_cost(0.010, 200, out), loop_cost(0.100, 40, out), loop_cost(1.0, 6, out)]
-        profiles = [profiled_cost(level, out) for level in ("module", "operator")]
-        telemetry = telemetry_cost(args.rounds, out)
+        loops = [loop_cost(step_s, steps, out) for step_s, steps in loop_sizes]
+        profiles = [profiled_cost(level, out, shape, profiled) for level in ("module", "operator")]
+        telemetry = telemetry_cost(args.rounds, out, shape, telemetry_steps)
     report = {"loop": loops, "profile": profiles, "telemetry": telemetry}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print("the loop's cost per step, telemetry off (fixed = between and around steps, less the batch and the "
-          "bare loop's own)")
-    print(f"{'step':>8} {'steps':>6} {'loop us':>8} {'batch us':>9} {'bare us':>8} {'fixed us':>9} "
-          f"{'in clock us':>12} {'fixed/step':>11}")
+    print("the loop's cost per step, telemetry off (medians over the steps; fixed = between steps less the batch "
+          "and the bare loop's own, plus inside the clock)")
+    print(f"{'step':>8} {'steps':>6} {'between us':>11} {'batch us':>9} {'bare us':>8} {'in clock us':>12} "
+          f"{'fixed us':>9} {'fixed/step':>11} {'fixed CPU us':>13} {'batch CPU us':>13}")
     for r in loops:
-        print(f"{r['step_s'] * 1e3:>6.0f}ms {r['steps']:>6} {r['loop_us']:>8.0f} {r['data_us']:>9.0f} "
-              f"{r['bare_us']:>8.1f} {r['fixed_us']:>9.0f} {r['inside_clock_us']:>12.1f} {r['fixed_percent']:>10.2f}%")
-    print("\nprofiling (tiny-llama, seq 128, batch 16): profiled step / unprofiled step, medians of one run")
+        print(f"{r['step_s'] * 1e3:>6.0f}ms {r['steps']:>6} {r['between_us']:>11.0f} {r['data_us']:>9.0f} "
+              f"{r['bare_us']:>8.1f} {r['inside_clock_us']:>12.1f} {r['fixed_us']:>9.0f} {r['fixed_percent']:>10.2f}% "
+              f"{r['cpu_fixed_us']:>13.0f} {r['cpu_batch_us']:>13.0f}")
+    print("fixed CPU: this thread's CPU time around the step, less a batch's, by CPU clock (not stretched by other "
+          "processes' load)")
+    size = "seq 16, batch 2 (smoke)" if args.smoke else "seq 128, batch 16"
+    print(f"\nprofiling (tiny-llama, {size}): profiled step / unprofiled step, medians of one run")
     for r in profiles:
         print(f"  level {r['level']:<9} {r['profiled_step_s'] * 1e3:8.1f} ms / {r['plain_step_s'] * 1e3:6.1f} ms "
               f"= {r['ratio']:.2f}")

@@ -10,6 +10,7 @@ for as long as the measured series lasts (its runs are not counted). Each measur
 
     python benchmarks/repeat.py torch deepspeed megatron colossalai --times 50 --load
     python benchmarks/repeat.py torch-moe megatron-moe --times 20 --load --json
+    python benchmarks/repeat.py torch --smoke         # one run (CI's smoke pass)
 
 Configurations (the standard tiny workloads of llmadapt.testing, two ranks each): see CONFIGS.
 Not a test: it prints counts and asserts nothing.
@@ -103,7 +104,13 @@ def main() -> None:
     parser.add_argument("--load", action="store_true", help="run the same configuration beside, in a loop")
     parser.add_argument("--out", help="folder for the run folders (default: a temporary one)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest size: one measured run per configuration (unless --times is given); shows "
+                             "that the script works; its counts mean little")
     args = parser.parse_args()
+    if args.smoke:  # its sizes become the defaults: flags given explicitly still count
+        parser.set_defaults(times=1)
+        args = parser.parse_args()
     if args.times < 1:
         parser.error("--times must be at least 1")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="llmadapt-repeat-"))

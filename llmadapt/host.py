@@ -3,17 +3,18 @@ the node's name, a free port. Imports nothing of llmadapt but errors."""
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
-import random
-import socket
 from pathlib import Path
+
+# datetime, random and socket are imported where used: every command imports this module, `llmadapt --help` too.
 
 VERSION = "0.1.0"
 """This release of llmadapt (``llmadapt.__version__``)."""
 
 
 def state_dir() -> Path:
+    """The state folder (environments, checkpoints, caches): ``$LLMADAPT_HOME``, else ``$XDG_CACHE_HOME/llmadapt``, else
+    ``~/.cache/llmadapt``."""
     if os.environ.get("LLMADAPT_HOME"):
         return Path(os.environ["LLMADAPT_HOME"])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -21,7 +22,9 @@ def state_dir() -> Path:
 
 
 def utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat()
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).isoformat()
 
 
 def software_versions(packages: tuple[str, ...]) -> dict[str, str]:
@@ -40,6 +43,8 @@ def software_versions(packages: tuple[str, ...]) -> dict[str, str]:
 
 def local_hostname_is_loopback() -> tuple[str, str] | None:
     """(hostname, address) when this host's name resolves to a loopback address, the multi-node trap."""
+    import socket
+
     name = socket.gethostname()
     try:
         addr = socket.gethostbyname(name)
@@ -50,6 +55,8 @@ def local_hostname_is_loopback() -> tuple[str, str] | None:
 
 def node_name() -> str:
     """The node's name as the scheduler knows it (Slurm's node name where set), else the hostname."""
+    import socket
+
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
@@ -61,6 +68,9 @@ def free_port() -> int:
     before our engine binds it, and our health check would then be answered by a stranger. A random port
     below the ephemeral range is not reissued that way.
     """
+    import random
+    import socket
+
     low = _ephemeral_low()
     rng = random.SystemRandom()
     for _ in range(200):

@@ -25,7 +25,7 @@ from pathlib import Path
 import attrs
 
 from llmadapt.host import state_dir
-from llmadapt.modelfolder import content_hash, shard_layout, write_index
+from llmadapt.modelfolder import content_hash, shard_layout, tensor_plan, write_index
 from llmadapt.spec import CHECKPOINT_RECIPE, ModelSpec
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -35,6 +35,8 @@ SHARD_BYTES = int(os.environ.get("LLMADAPT_SHARD_BYTES", 1 << 30))
 
 
 def checkpoint_key(model: ModelSpec, seed: int) -> str:
+    """The canonical checkpoint's folder name under the state folder's ``checkpoints``: a hash of what builds it (the
+    model's shapes, the seed, the recipe), so equal models share one checkpoint."""
     data = attrs.asdict(model)
     for key in ("name", "path", "checksum"):
         data.pop(key)
@@ -130,33 +132,6 @@ def canonical_checkpoint(model: ModelSpec, seed: int, cache: Path | None = None)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def tensor_plan(model: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor of the checkpoint, in file order, with its shape: Hugging Face's published Llama and
-    Mixtral layouts (Mixtral's experts as ``block_sparse_moe.experts.E.w1/w2/w3``, which every loader reads)."""
-    h, i, v, d = model.hidden_size, model.intermediate_size, model.vocab_size, model.head_dim
-    plan = [("model.embed_tokens.weight", (v, h))]
-    for n in range(model.num_layers):
-        p = f"model.layers.{n}"
-        plan += [(f"{p}.input_layernorm.weight", (h,)),
-                 (f"{p}.self_attn.q_proj.weight", (model.num_heads * d, h)),
-                 (f"{p}.self_attn.k_proj.weight", (model.num_kv_heads * d, h)),
-                 (f"{p}.self_attn.v_proj.weight", (model.num_kv_heads * d, h)),
-                 (f"{p}.self_attn.o_proj.weight", (h, model.num_heads * d)),
-                 (f"{p}.post_attention_layernorm.weight", (h,))]
-        if model.is_moe:
-            plan.append((f"{p}.block_sparse_moe.gate.weight", (model.num_experts, h)))
-            for e in range(model.num_experts):
-                q = f"{p}.block_sparse_moe.experts.{e}"
-                plan += [(f"{q}.w1.weight", (i, h)), (f"{q}.w2.weight", (h, i)), (f"{q}.w3.weight", (i, h))]
-        else:
-            plan += [(f"{p}.mlp.gate_proj.weight", (i, h)), (f"{p}.mlp.up_proj.weight", (i, h)),
-                     (f"{p}.mlp.down_proj.weight", (h, i))]
-    plan.append(("model.norm.weight", (h,)))
-    if not model.tie_embeddings:
-        plan.append(("lm_head.weight", (v, h)))
-    return plan
 
 
 def init_tensor(name: str, shape: tuple[int, ...], seed: int, pad_token_id: int | None):

@@ -2,13 +2,15 @@
 so it does not share the generator's event loop or clock).
 
     python tests/fake_openai.py PORT [--cycle ok,429,...] [--first-ms 30] [--token-ms 5] [--exit-after N]
-        [--require-key KEY] [--echo-auth] [--models ok|html|text|list|noid|starting]
+        [--require-key KEY] [--echo-auth] [--models ok|html|text|list|noid|starting] [--log FILE]
 
 Modes, applied round-robin in arrival order (``--cycle``). The protocol's own: ok (one SSE chunk per
 token, then a usage chunk and [DONE]), 429, 500 (the API's error object), inband (HTTP 200 with an error
 event), keepalive (ok with ':' comment lines between chunks). Misbehaviours, each a fault a real server,
 proxy or network can show: malformed (a non-JSON data line), hang (headers, then silence), stall (no
-headers at all, silence), cut (two chunks, then the connection is closed mid-stream), badusage
+headers at all, silence), cut (two chunks, then the connection is closed mid-stream), truncated (two chunks,
+then the response ends cleanly, as a proxy or an engine that stops early ends it: a well-formed HTTP and SSE
+stream with no finish reason, no usage and no [DONE]), badusage
 (usage.completion_tokens as text, "8"), badfinish (finish_reason as a number), badtext (a choice's text,
 or a chat delta's content, as a number), notext (every chunk's text empty, the usage counting the tokens: what
 an engine that streams text sends for tokens that make no whole UTF-8 character), empty (no chunk, usage 0),
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import time
 
 from aiohttp import web
 
@@ -40,6 +43,8 @@ def main() -> None:
     p.add_argument("--require-key", default="")
     p.add_argument("--echo-auth", action="store_true")
     p.add_argument("--models", default="ok", choices=("ok", "html", "text", "list", "noid", "starting"))
+    p.add_argument("--log", default="", help="append each request's JSON body, with its arrival time "
+                   "(time.monotonic_ns, the system-wide clock), as a line of this file")
     args = p.parse_args()
     modes = args.cycle.split(",")
     state = {"n": 0}
@@ -72,6 +77,9 @@ def main() -> None:
             return web.json_response(error("Incorrect API key provided", "invalid_request_error", request),
                                      status=401)
         body = await request.json()
+        if args.log:
+            with open(args.log, "a") as f:
+                f.write(json.dumps({"t_ns": time.monotonic_ns(), "path": request.path, "body": body}) + "\n")
         mode = modes[state["n"] % len(modes)]
         state["n"] += 1
         state["auth"] = request.headers.get("Authorization", "")
@@ -107,6 +115,9 @@ def main() -> None:
                 await resp.write(b": keep-alive\n\n")
             if mode == "cut" and i == 2:
                 request.transport.close()  # the connection drops mid-stream: no more chunks, no [DONE]
+                return resp
+            if mode == "truncated" and i == 2:
+                await resp.write_eof()  # the stream ends properly (chunked encoding's last chunk), early
                 return resp
             if mode == "empty":
                 break

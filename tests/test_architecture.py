@@ -5,9 +5,13 @@
   nothing inside llmadapt imports the package root.
 - Names starting with an underscore do not cross modules.
 - A module over 400 lines says why in its docstring.
+- Adapters (plugins/, examples/' packages, llmadapt/reference) import llmadapt.adapter and nothing else of llmadapt.
+- A run folder's file names are written in contract/rundir.py (RunDir) only: a literal one elsewhere (the core or an
+  adapter) fails.
 """
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -73,23 +77,100 @@ def test_a_long_module_says_why():
     assert unexplained == []
 
 
-def test_the_old_module_paths_still_give_the_same_objects():
-    """Adapters written against 0.1 keep importing from the flat paths for one release."""
+def test_the_old_module_paths_still_give_the_same_objects(monkeypatch):
+    """Adapters written against 0.1 keep importing from the flat paths for one release, warned with the new path;
+    the old modules live in llmadapt/compat/, not at the top level."""
     import importlib
 
     import llmadapt.adapter as adapter
+    from llmadapt.compat import OLD_PATHS
 
     old = {"llmadapt.interfaces": ["Trainer", "FineTuner", "Server", "StepResult", "AdapterInfo", "Supports"],
            "llmadapt.serving": ["ServeContext", "PlannedRequest", "Chunk", "RequestFailed", "engine_popen_options"],
-           "llmadapt.data": ["StepBatch", "MicroBatch"], "llmadapt.runtime": ["WorkerContext"],
-           "llmadapt.hookspecs": ["hookimpl"]}
+           "llmadapt.data": ["StepBatch", "MicroBatch"], "llmadapt.hookspecs": ["hookimpl"]}
     for module, names in old.items():
+        monkeypatch.delitem(sys.modules, module, raising=False)  # imported afresh, so that it warns here
+        with pytest.warns(DeprecationWarning, match=rf"{module} is deprecated.*: use llmadapt\.adapter"):
+            loaded = importlib.import_module(module)
         for name in names:
-            assert getattr(importlib.import_module(module), name) is getattr(adapter, name), f"{module}.{name}"
+            assert getattr(loaded, name) is getattr(adapter, name), f"{module}.{name}"
+    assert importlib.import_module("llmadapt.runtime").WorkerContext is adapter.WorkerContext
+    monkeypatch.delitem(sys.modules, "llmadapt.sse", raising=False)
+    with pytest.warns(DeprecationWarning, match=r"llmadapt\.sse is deprecated.*: use llmadapt\.adapter\.sse$"):
+        from llmadapt.sse import OpenAICompatibleServer as old_server
     from llmadapt.adapter.sse import OpenAICompatibleServer
-    from llmadapt.sse import OpenAICompatibleServer as old_server
 
     assert old_server is OpenAICompatibleServer
+    assert not [name for name in OLD_PATHS if (PACKAGE / f"{name}.py").exists()]
+
+
+@pytest.mark.parametrize("old, new", [("llmadapt.worker", "llmadapt.runtime.worker"),
+                                      ("llmadapt.microbench", "llmadapt.runtime.microbench")])
+def test_an_old_worker_module_still_runs_and_says_its_new_name(old, new):
+    """Batch scripts written before 0.2 run `python -m llmadapt.worker RUN_DIR`: the same main, and a warning
+    the default filters show."""
+    done = subprocess.run([sys.executable, "-m", old], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"python -m {old} is deprecated" in done.stderr and f"use python -m {new}" in done.stderr
+    assert f"usage: python -m {new} RUN_DIR" in done.stderr
+
+
+# Adapters and record sinks: the installable packages under plugins/ and examples/ (a folder with a pyproject.toml)
+# and the reference adapter. examples/ also holds users' scripts, which use the user's API (`import llmadapt`).
+def adapter_sources() -> list[Path]:
+    roots = [PACKAGE / "reference", *(p.parent for p in sorted(ROOT.glob("plugins/*/pyproject.toml"))),
+             *(p.parent for p in sorted(ROOT.glob("examples/*/pyproject.toml")))]
+    return sorted(p for root in roots for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+# Imports outside llmadapt.adapter that an adapter package may make, each with its reason.
+OUTSIDE_THE_SURFACE_ALLOWED = {
+    # a record sink runs in the orchestrator; it stores the text `llmadapt show` prints for the run
+    ("plugins/mlflow/llmadapt_mlflow/sink.py", "llmadapt.analysis.report"),
+}
+
+
+def outside_the_adapter_surface(source: str) -> list[tuple[int, str]]:
+    """(line, module) of each import of llmadapt that is not llmadapt.adapter or one of its modules, function-level
+    ones included."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [(node.lineno, n) for n in names if (n == "llmadapt" or n.startswith("llmadapt."))
+                  and not (n == "llmadapt.adapter" or n.startswith("llmadapt.adapter."))]
+    return found
+
+
+def test_adapters_import_only_the_adapter_surface():
+    """Everything an adapter needs is exported by llmadapt.adapter, so the built-in adapters, the example and the
+    reference adapter import nothing else of llmadapt (the core can change behind that surface)."""
+    sources = adapter_sources()
+    assert PACKAGE / "reference" / "plugin.py" in sources and any("adapter-plain" in p.parts for p in sources)
+    found = []
+    for path in sources:
+        where = str(path.relative_to(ROOT))
+        found += [f"{where}:{line} {module}" for line, module in outside_the_adapter_surface(path.read_text())
+                  if (where, module) not in OUTSIDE_THE_SURFACE_ALLOWED]
+    assert found == [], "import these from llmadapt.adapter: " + ", ".join(found)
+
+
+@pytest.mark.parametrize("planted, caught", [
+    ("from llmadapt.contract import Phase", True),
+    ("from llmadapt import AdapterInfo", True),
+    ("import llmadapt", True),
+    ("def f():\n    from llmadapt.host import state_dir", True),
+    ("import llmadapt.launch.environments as environments", True),
+    ("from llmadapt.adapter import Phase, hookimpl", False),
+    ("from llmadapt.adapter.sse import OpenAICompatibleServer", False),
+    ("import llmadapt_megatron.trainer\nfrom .plugin import ENGINE_FLAGS", False),
+])
+def test_an_import_outside_the_adapter_surface_is_caught(planted, caught):
+    assert bool(outside_the_adapter_surface(planted)) is caught
 
 
 def test_no_import_cycles():
@@ -124,3 +205,60 @@ def test_no_import_cycles():
         if node not in state:
             visit(node)
     assert cycles == []
+
+
+# What a path join names below a run folder: ranks' files, node folders, profiler traces.
+_JOINED_RUN_NAME = re.compile(r"^/?(rank-|node-|profile\b|step-)")
+
+
+def _literal(node: ast.AST) -> str | None:
+    """A string literal's text; an f-string's with {} for each value."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+    return None
+
+
+def literal_run_folder_names(source: str) -> list[str]:
+    """'LINE: TEXT' for each literal that names a run folder's file: a string that is one of RunDir's file names
+    (or a path ending in one), or the right side of a ``/`` join that names a rank file, a node folder or the
+    profile folder. A message that mentions a name ("no launch.json") is not a path and passes."""
+    from llmadapt.contract.rundir import RunDir
+
+    files = {v for k, v in vars(RunDir).items() if k.isupper() and isinstance(v, str) and "." in v}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        text = _literal(node)
+        if text is not None and (text in files or ("/" in text and text.rsplit("/", 1)[1] in files)):
+            found.append(f"{node.lineno}: {text}")
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            right = _literal(node.right)
+            if right is not None and _JOINED_RUN_NAME.match(right):
+                found.append(f"{node.lineno}: {right}")
+    return found
+
+
+def test_run_folder_names_are_written_in_rundir_only():
+    """Every path into a run folder goes through RunDir, so that its layout is changed in one place: the core's
+    and the adapters' (which write the engine's files)."""
+    rundir = PACKAGE / "contract" / "rundir.py"
+    sources = sorted({*modules(), *adapter_sources()} - {rundir})
+    assert any("llmadapt_vllm" in p.parts for p in sources)
+    found = [f"{path.relative_to(ROOT)}:{hit}" for path in sources
+             for hit in literal_run_folder_names(path.read_text())]
+    assert found == [], "name these through llmadapt.contract.rundir.RunDir: " + ", ".join(found)
+
+
+@pytest.mark.parametrize("planted, caught", [
+    ('run_dir / "engine.json"', True),
+    ('Path(d) / f"rank-{rank:05d}.jsonl"', True),
+    ('folder / f"node-{k}"', True),
+    ('Path(run_dir) / "profile" / f"step-{s}"', True),
+    ('open(f"{run_dir}/worker.log")', True),
+    ('settings = {"script": "job.sbatch"}', True),
+    ('message = f"{d} is not a run directory (no launch.json)"', False),
+    ('spec = {"profile": None}', False),
+])
+def test_a_planted_run_folder_name_is_caught(planted, caught):
+    assert bool(literal_run_folder_names(planted)) is caught

@@ -15,6 +15,7 @@ from llmadapt import Workload
 from llmadapt.analysis.cells import Cell, layout_label, plan, same_threads
 from llmadapt.analysis.parity import PARITY_ATOL, PARITY_RTOL, parity, parity_of_runs
 from llmadapt.contract.jsonl import read_jsonl
+from llmadapt.contract.launch import LaunchRequest
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, TraceMismatchError, UnsupportedError
 from llmadapt.spec import problem_difference
@@ -183,7 +184,7 @@ def test_parity_of_finished_runs_of_different_problems_names_the_fields(tmp_path
         w = small().with_overrides([f"train.lr={lr}"])
         folder = RunDir(tmp_path / f"run{i}")
         folder.path.mkdir()
-        folder.write_launch({"workload": w.to_dict()})
+        folder.write_launch(LaunchRequest(run_id=f"run{i}", launcher="inline", workload=w.to_dict()))
         folder.write_summary({"problem_hash": w.problem_hash, "losses": [6.0, 5.9]})
         folders.append(folder.path)
     with pytest.raises(TraceMismatchError, match=r"ran different problems \(train.lr \(0.003 vs 0.01\)\)"):
@@ -205,7 +206,7 @@ def test_a_grid_shows_and_skips_what_an_adapter_cannot_run(tmp_path):
     skipped = data["rows"][3]
     assert skipped["run_dir"] is None and "adapter 'plain' cannot run optimizations.recompute='full'" in skipped["note"]
     assert data["counts"] == {"cells": 4, "ok": 3, "failed": 0, "unsupported": 1}
-    assert len(list((tmp_path / "runs").iterdir())) == 3  # the unsupported cell never started
+    assert len([p for p in (tmp_path / "runs").iterdir() if p.is_dir()]) == 3  # the unsupported cell never started
     assert "not supported, not run (1 of 4 cells):" in out.stderr  # said before the first run
     assert out.stderr.index("not supported, not run") < out.stderr.index("[1/3]")
     assert all(r["metrics"]["parity_delta"] <= PARITY_ATOL + PARITY_RTOL * 7 for r in data["rows"][:3])
@@ -232,7 +233,7 @@ def test_three_stacks_each_in_its_own_layout_in_one_comparison(tmp_path):
                                              ["P1", "colossalai", "dp2", "zero2", "mb1"]]
     assert body[3].startswith("3 cells: 3 ok, 0 failed, 0 not supported")
     runs = {}
-    for folder in (tmp_path / "runs").iterdir():
+    for folder in (p for p in (tmp_path / "runs").iterdir() if p.is_dir()):  # besides compare-*.json
         h = read_jsonl(folder / "rank-00000.jsonl")[0]
         runs[h["adapter"]] = (folder, h)
     assert runs["megatron"][1]["workload"]["parallelism"]["tp"] == 2

@@ -205,3 +205,123 @@ def test_the_progress_estimates_time_left_from_the_runs_done():
     from types import SimpleNamespace
 
     assert _runs_left_column().render(SimpleNamespace(elapsed=60.0, completed=2, total=5)).plain == "0:01:30"
+
+
+def test_help_imports_no_command_layer():
+    """`llmadapt --help` builds the parser only: neither analysis, launch nor runtime is imported (nor the
+    contract's records), so the help prints fast."""
+    code = ("import sys\nfrom llmadapt.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('llmadapt'))), file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = out.stderr.split()
+    assert "llmadapt.cli.main" in loaded and "usage: llmadapt" in out.stdout
+    heavy = [m for m in loaded if m.split(".")[1:2] in (["analysis"], ["launch"], ["runtime"])
+             or m == "llmadapt.contract.records"]
+    assert heavy == []
+
+
+def test_the_lazy_package_still_reaches_its_submodules_as_attributes():
+    """`import llmadapt; llmadapt.spec.Workload` worked when the package imported its modules eagerly, and scripts
+    rely on it (benchmarks/loadgen.py did): a submodule is imported on first attribute access; a name that is
+    neither a public name nor a submodule is an AttributeError."""
+    code = ("import llmadapt\nassert llmadapt.spec.ServeSpec().send_spin_ms >= 0\nassert llmadapt.runtime.__name__\n"
+            "try:\n    llmadapt.no_such_thing\nexcept AttributeError:\n    print('refused')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "refused", out.stderr
+
+
+@pytest.mark.parametrize(("args", "guess"), [
+    (["compre", "x.toml"], "invalid choice: 'compre' (did you mean 'compare'?) (choose from"),
+    (["env", "lst"], "invalid choice: 'lst' (did you mean 'list'?)"),
+    (["run", EXAMPLE, "--adapter", "trch"], "error: unknown adapter 'trch' (did you mean 'torch'?); registered"),
+    (["run", EXAMPLE, "--set", "train.stesp=3"], "unknown field (did you mean 'steps'?); known here:"),
+    (["run", EXAMPLE, "--set", "model.preset=tiny-lama"], "unknown preset (did you mean 'tiny-llama'?); known presets:"),
+])
+def test_a_typo_gets_did_you_mean(tmp_path, args, guess):
+    """A mistyped command, adapter, field or preset: the one-line error names the close valid name."""
+    out = cli(*args, "--out", tmp_path / "runs") if args[0] == "run" else cli(*args)
+    assert out.returncode == 2 and guess in out.stderr.strip().splitlines()[-1], out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_mistyped_field_in_a_file_gets_did_you_mean(tmp_path):
+    path = tmp_path / "w.toml"
+    path.write_text('[model]\npreset = "tiny-llama"\n[train]\nsteeps = 2\n')
+    out = cli("run", path, "--out", tmp_path / "runs")
+    assert out.returncode == 2 and "unknown field (did you mean 'steps'?)" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(("workload", "adapter"), [("serve-tiny.toml", "hf"), ("tiny-llama.toml", "torch")])
+def test_run_without_adapter_takes_the_kinds_default(monkeypatch, capsys, tmp_path, workload, adapter):
+    """`llmadapt run` without --adapter: hf for a serve workload (the documented default for serving), torch
+    for training."""
+    import importlib
+
+    from llmadapt.cli import main
+    from llmadapt.errors import LlmadaptError
+
+    def run(workload, name, **options):
+        raise LlmadaptError(f"would run on {name}")
+
+    monkeypatch.setattr(importlib.import_module("llmadapt.launch.run"), "run", run)
+    with pytest.raises(SystemExit):
+        main(["run", str(ROOT / "examples" / workload), "--out", str(tmp_path)])
+    assert capsys.readouterr().err.strip() == f"error: would run on {adapter}"
+
+
+def test_env_list_says_building_while_another_process_builds(tmp_path, monkeypatch):
+    """An environment whose build lock another process holds (``env create`` builds under it) is listed as
+    'building', not 'missing'; released, it is 'missing' again."""
+    import fcntl
+    import os
+
+    from llmadapt.launch.environments import HTA_ENVIRONMENT, env_dir
+
+    monkeypatch.setenv("LLMADAPT_HOME", str(tmp_path))
+    target = env_dir(HTA_ENVIRONMENT)
+    target.parent.mkdir(parents=True, exist_ok=True)
+
+    def listed() -> str:
+        out = subprocess.run([sys.executable, "-m", "llmadapt.cli", "env", "list", "--json"], capture_output=True,
+                             text=True, check=True, env={**os.environ, "LLMADAPT_HOME": str(tmp_path)})
+        return {r["environment"]: r["status"] for r in json.loads(out.stdout)}[HTA_ENVIRONMENT.name]
+
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        assert listed() == "building"
+    assert listed() == "missing"
+
+
+def test_show_of_a_serving_run_has_its_own_header():
+    """A serving run's summary names its engine, with no `device -` or `steps 0 completed` lines."""
+    from llmadapt.analysis.report import render_summary
+
+    serving = {"completed": 2, "failed": 0, "failures_by_cause": {}, "duration_s": 1.0, "request_throughput": 2.0,
+               "output_throughput": 20.0, "request_goodput": None, "ttft_ms": None, "tpot_ms": None, "itl_ms": None,
+               "e2el_ms": None, "output_length_forced": True, "validity": "valid", "tokens_per_chunk": 1.0}
+    summary = {"run_id": "r1", "status": "ok", "role": "serve", "adapter": "hf", "framework": "transformers-serve",
+               "framework_version": "5.19.0", "launcher": "subprocess", "world_size": 1, "workload_hash": "a" * 64,
+               "problem_hash": "b" * 64, "device": None, "steps_completed": 0, "measured_steps": 0,
+               "step_time_s": None, "tokens_per_s": None, "serving": serving}
+    lines = render_summary(summary).splitlines()
+    assert lines[1] == "engine     hf (transformers-serve 5.19.0), launcher subprocess"
+    assert not any(line.startswith(("device", "steps", "adapter")) for line in lines)
+    assert any(line.startswith("requests   2 completed") for line in lines)
+
+
+def test_help_ends_with_examples():
+    out = cli("--help")
+    assert out.returncode == 0 and "\nexamples:\n  llmadapt adapters" in out.stdout
+    assert "llmadapt compare examples/tiny-llama.toml --adapters torch" in out.stdout
+
+
+@pytest.mark.parametrize("name", ["report.html", "figures/a.png", "schema.json", "trace.json", "runs.parquet"])
+def test_the_documented_commands_outputs_are_ignored(name):
+    """What the README's commands write in the checkout (report -o report.html, --figures figures/, schema >
+    schema.json, export -o trace.json, runs --parquet runs.parquet) is ignored by git."""
+    import shutil
+
+    if not shutil.which("git") or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    out = subprocess.run(["git", "check-ignore", "-q", name], cwd=ROOT, check=False)
+    assert out.returncode == 0, f"{name} is not ignored"

@@ -59,24 +59,47 @@ def test_runnable_blocks_run_as_written(body, tmp_path):
 
 
 def test_the_adapter_reference_is_rendered_from_the_code(tmp_path):
-    """`make reference` renders llmadapt.adapter with pdoc: every name an adapter author is given has its
-    entry, with its docstring, so the reference cannot drift from the code."""
+    """`make reference` renders the modules the Makefile names with pdoc: every name llmadapt.adapter gives an
+    adapter author has its entry, with its docstring, and so do both hooks, so the reference cannot drift from
+    the code."""
     import html
     import inspect
 
     pdoc = pytest.importorskip("pdoc", reason="pdoc is in the dev extra (pip install -e '.[dev]')")
     import llmadapt.adapter as api
+    from llmadapt.adapter import hookspecs
 
-    pdoc.pdoc("llmadapt.adapter", output_directory=tmp_path)
-    page = (tmp_path / "llmadapt" / "adapter.html").read_text()
-    for name in api.__all__:
-        assert f'id="{name}"' in page, name
-        obj = getattr(api, name)
+    listed = re.search(r"^REFERENCE_MODULES := (.*?[^\\])$", (REPO / "Makefile").read_text(), re.M | re.S)
+    pdoc.pdoc(*listed.group(1).replace("\\\n", " ").split(), output_directory=tmp_path)
+
+    def documented(page: Path, name: str, obj) -> None:
+        text = page.read_text()
+        assert f'id="{name}"' in text, (page.name, name)
         if inspect.isclass(obj) or inspect.isfunction(obj):
             doc = obj.__doc__
             assert doc and doc.strip(), f"{name} has no docstring of its own"
             first = " ".join(doc.split("\n\n")[0].split())[:40]
-            assert html.escape(first, quote=False).split("`")[0][:20] in page, (name, first)
+            assert html.escape(first, quote=False).split("`")[0][:20] in text, (name, first)
+
+    for name in api.__all__:
+        documented(tmp_path / "llmadapt" / "adapter.html", name, getattr(api, name))
+    hooks = [name for name in vars(hookspecs) if name.startswith("llmadapt_")]
+    assert sorted(hooks) == ["llmadapt_record_sink", "llmadapt_register_adapters"]
+    for name in hooks:
+        documented(tmp_path / "llmadapt" / "adapter" / "hookspecs.html", name, getattr(hookspecs, name))
+    for module in ("weights", "sse", "moe"):  # the modules the package's docstring sends authors to
+        assert (tmp_path / "llmadapt" / "adapter" / f"{module}.html").is_file(), module
+
+
+def test_the_supports_table_is_the_class():
+    """docs/writing-an-adapter.md's Supports table is docs/supports_table.py's rendering of the class: a field
+    added, renamed or redocumented without rerunning it fails here."""
+    import runpy
+
+    script = runpy.run_path(str(REPO / "docs" / "supports_table.py"))
+    text = (REPO / "docs" / "writing-an-adapter.md").read_text()
+    assert script["updated"](text) == text, "the Supports table differs from the class: run python docs/supports_table.py"
+    assert "| `engine_quantization` | `tuple[str, ...]` | `()` |" in text
 
 
 # The losses the docs' transcripts print, rerun: (doc, the text the table follows, the workload, the row's label,

@@ -182,3 +182,60 @@ def test_a_download_that_fails_is_tried_again_and_a_recipe_error_is_not(tmp_path
         checked_run(["sh", "-c", f"echo x >> {count}; echo 'ERROR: ResolutionImpossible'; exit 1"], "pip install",
                retries=2)
     assert count.read_text().count("x") == 1
+
+
+def test_a_failed_build_step_is_one_line_with_pips_last_error_and_exit_code_3():
+    """A step that fails (here a real subprocess printing as pip does) ends with EnvironmentNotReadyError: the
+    table's exit code 3 (environment), one line naming the step and pip's last error, not its whole output."""
+    import sys
+
+    from llmadapt.errors import ExitCode, exit_code_of
+
+    script = "print('Collecting x'); print('ERROR: No matching distribution found for x==9'); print(''); exit(1)"
+    with pytest.raises(EnvironmentNotReadyError) as caught:
+        environments._run_checked([sys.executable, "-c", script], "installing x", None, None)
+    assert str(caught.value) == "installing x failed (exit 1): ERROR: No matching distribution found for x==9"
+    assert exit_code_of(caught.value) == ExitCode.ENVIRONMENT == 3
+
+
+def test_an_environment_of_the_same_recipe_under_another_name_is_the_same_build(monkeypatch, state):
+    """The core's tools environment and an adapter's of the same requirements (the reference's `torch`): whichever
+    is built serves both, nothing is installed twice; each keeps its own name and override variable."""
+    monkeypatch.setattr(environments, "checked_run", lambda *a, **k: pytest.fail("nothing should be installed"))
+    monkeypatch.delenv("LLMADAPT_PYTHON_TOOLS", raising=False)
+    tools, adapter = spec(name="tools"), spec(name="adapter")
+    target = built(adapter)
+    assert environments.env_dir(tools) == target and environments.status(tools) == "ready"
+    assert environments.python_for(tools) == target / "bin" / "python"
+    assert environments.create(tools, log=lambda line: None) == target / "bin" / "python"
+    assert environments.older_builds(tools) == [] and environments.prune(tools) == []
+    assert target.is_dir()
+    # Another recipe, or a build not finished (no marker yet), is not the same build.
+    assert environments.status(spec(name="tools", requirements=("torch==2.12.0",))) == "missing"
+    (target / environments.MARKER).unlink()
+    assert environments.status(tools) == "missing" and environments.env_dir(tools).name.startswith("tools-")
+    built(adapter)
+    monkeypatch.setenv("LLMADAPT_PYTHON_TOOLS", "/opt/tools/bin/python")  # each name keeps its own override
+    assert str(environments.python_for(tools)) == "/opt/tools/bin/python"
+    assert environments.python_for(adapter) == target / "bin" / "python"
+
+
+def test_the_core_builds_checkpoints_in_its_tools_environment(monkeypatch):
+    """An adapter whose environment cannot write the canonical checkpoint gets it from the core's tools environment,
+    which no adapter's name stands for."""
+    from llmadapt.adapter.declaration import TOOLS_ENVIRONMENT
+    from llmadapt.launch import prepare
+    from llmadapt.spec import Workload
+
+    asked = []
+
+    def python_for(spec):
+        asked.append(spec.name)
+        raise EnvironmentNotReadyError(f"environment {spec.name!r} has not been built")
+
+    monkeypatch.setattr(prepare, "python_for", python_for)
+    w = Workload.from_dict({"kind": "train", "name": "t", "model": {"preset": "tiny-llama"}})
+    with pytest.raises(EnvironmentNotReadyError, match="'tools'"):
+        prepare.ensure_checkpoint(w, spec(name="colossalai", builds_checkpoint=False))
+    assert asked == ["tools"] and TOOLS_ENVIRONMENT.name == "tools"
+    assert "torch" not in {s.name for s in environments.TOOL_ENVIRONMENTS}

@@ -67,8 +67,6 @@ def test_the_shipped_task_is_what_its_generator_writes():
     (["eval.examples=336"], "eval.examples", "holds out too many of data.path's 336 examples"),
     (["eval.examples=4", "eval.path=/no/such.jsonl"], "eval.path", "no such file"),
     (["eval.examples=4", "eval.batch=0"], "eval.batch", ""),
-    (["kind=finetune", "lora.rank=4", "lora.target_modules=[q_proj]", "optimizations.quantization=nf4"],
-     "eval.examples", "quantized base weights cannot be saved"),
 ])
 def test_bad_evaluation_settings_are_one_line_before_launch(overrides, field, message, tmp_path):
     with pytest.raises(WorkloadError, match=field) as caught:

@@ -6,6 +6,7 @@ alone. After each test no process whose command line names the run folder may be
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 
 from llmadapt import run
@@ -129,12 +131,89 @@ def test_a_killed_orchestrator_leaves_no_orphans_and_its_folder_can_be_shown(tmp
     assert "incomplete run" in shown.stdout and "steps      " in shown.stdout
 
 
+SERVE = EXAMPLE.parent / "serve-tiny.toml"
+OFFLINE = ["--set", "serve.mode=offline", "--set", "serve.requests=2000", "--set", "serve.warmup_requests=1",
+           "--set", "serve.output_len.dist=uniform", "--set", "serve.output_len.low=64",
+           "--set", "serve.output_len.high=192"]
+"""An offline run of the reference adapter (transformers' generate) still generating when it is ended: a few
+thousand requests, long outputs, one generate call per output length."""
+
+
+def offline_engine_started(out: Path, proc: subprocess.Popen) -> Path:
+    """The offline run's folder once its worker wrote the header (its engine loaded, about to generate)."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        dirs = [p for p in out.iterdir() if p.is_dir()] if out.is_dir() else []
+        rank = dirs[0] / "rank-00000.jsonl" if dirs else None
+        if rank and rank.is_file() and any(r["type"] == "header" for r in read_jsonl(rank, check=False)):
+            return dirs[0]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError(f"no offline header within {HANG_GUARD_S} s: {proc.communicate()}")
+
+
+def test_a_signalled_offline_run_stops_its_worker_with_a_record(tmp_path):
+    """SIGTERM to the orchestrator of an offline run: it stops the worker, which writes why (killed, exit 143)
+    before it exits; the summary says the run was interrupted, and nothing is left running."""
+    if environments_unready("hf"):
+        pytest.skip(environments_unready("hf"))
+    proc = cli("run", str(SERVE), "--adapter", "hf", *OFFLINE, "--out", str(tmp_path))
+    run_dir = offline_engine_started(tmp_path, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    returncode, _, err = finish(proc)
+    assert returncode == 143, err[-2000:]
+    assert wait_until_gone(run_dir, 30) == []
+    (failure,) = [r for r in read_jsonl(run_dir / "rank-00000.jsonl") if r["type"] == "failure"]
+    assert (failure["cause"], failure["exit_code"]) == ("killed", 143), failure
+    assert failure["message"].startswith("stopped by signal SIGTERM"), failure
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert ("interrupted", None) in {(f["cause"], f["rank"]) for f in summary["failures"]}
+
+
+def test_a_killed_orchestrator_leaves_no_offline_worker(tmp_path):
+    """SIGKILL of the orchestrator of an offline run: its worker notices (the orphan watch), writes why and exits."""
+    if environments_unready("hf"):
+        pytest.skip(environments_unready("hf"))
+    proc = cli("run", str(SERVE), "--adapter", "hf", *OFFLINE, "--out", str(tmp_path))
+    run_dir = offline_engine_started(tmp_path, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    # Within its grace period (llmadapt.runtime.lifecycle.ORPHAN_GRACE_S) at the latest.
+    assert wait_until_gone(run_dir, 30) == []
+    (failure,) = [r for r in read_jsonl(run_dir / "rank-00000.jsonl") if r["type"] == "failure"]
+    assert failure["cause"] == "killed" and "orchestrator" in failure["message"], failure
+    assert not (run_dir / "summary.json").exists()
+
+
 def test_a_rank_killed_by_a_signal_is_named_with_the_signal(tmp_path):
     w = standard_workloads()["train-dp2"]
     result = run(w, "torch", out=tmp_path, fault={"kind": "kill", "step": 2, "rank": 1}, timeout=180)
     assert not result.ok and result.summary.steps_completed == 2
     (mine,) = [f for f in result.summary.failures if f.rank == 1]
     assert mine.cause == "killed" and "SIGKILL" in mine.message and mine.exit_code == -9
+    assert leftovers(result.run_dir) == []
+
+
+def test_a_killed_rank_is_the_first_failure_told_then_its_peers(tmp_path):
+    """Rank 1 of 2 SIGKILLed at step 5: its death, with its pid and step, is the first failure on the console (the
+    progress events) and in the summary; rank 0's failure (a gloo error, or its stop) comes after it."""
+    from llmadapt.analysis.report import render_summary
+
+    w = standard_workloads()["train-dp2"].with_overrides(["train.steps=8"])
+    told: list[dict] = []
+    result = run(w, "torch", out=tmp_path, fault={"kind": "kill", "step": 5, "rank": 1}, timeout=180,
+                 progress=told.append)
+    assert not result.ok and result.summary.steps_completed == 5
+    lines = [f"rank {r['rank']}: {r['message']}" for r in told if r.get("type") == "failure"]
+    assert len(lines) >= 2, lines
+    assert re.match(r"rank 1: rank 1 \(pid \d+\) was killed by SIGKILL at step 5\b", lines[0]), lines
+    assert lines[1].startswith("rank 0: "), lines
+    first, second = result.summary.failures[:2]
+    assert (first.rank, first.cause, first.step) == (1, "killed", 5) and second.rank == 0
+    shown = [x for x in render_summary(attrs.asdict(result.summary)).splitlines() if x.startswith("failure")]
+    assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL at step 5", shown[0]), shown
     assert leftovers(result.run_dir) == []
 
 
@@ -186,7 +265,7 @@ def test_a_full_disk_is_one_line_and_keeps_what_was_written(tmp_path):
         (disk / "filler").write_bytes(b"\0" * (1024 * 1024 - 48 * 1024))  # leaves about 48 KiB
         proc = cli("run", str(EXAMPLE), "--adapter", "torch", *LONG, "--out", str(out))
         code, _, err = finish(proc)
-        assert code != 0
+        assert code == 4, err[-2000:]  # an I/O error (errors.ExitCode.IO), not bad input (2)
         assert "Traceback" not in err
         (line,) = [x for x in err.splitlines() if x.startswith("error:")]
         assert "No space left on device" in line
@@ -199,6 +278,28 @@ def test_a_full_disk_is_one_line_and_keeps_what_was_written(tmp_path):
         assert leftovers(run_dir) == []
     finally:
         subprocess.run(["umount", "-l", str(disk)])
+
+
+def test_a_summary_the_disk_refuses_is_an_io_error_not_bad_input(tmp_path):
+    """No room for summary.json (/dev/full answers every write with ENOSPC): the machine's failure, exit code 4."""
+    from llmadapt.errors import exit_code_of
+    from llmadapt.launch.summary import summarise
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    w = standard_workloads()["train"].with_overrides(["train.steps=1", "train.warmup_steps=0"])
+    result = run(w, "torch", out=tmp_path, timeout=180)
+    summary = result.run_dir / "summary.json"
+    summary.unlink()
+    summary.symlink_to("/dev/full")
+    with pytest.raises(Exception, match="could not write .*summary.json: No space left on device") as caught:
+        summarise(result.run_dir)
+    assert getattr(caught.value, "exit_code", None) == 4 and exit_code_of(caught.value) == 4
+    (tmp_path / "file").touch()
+    proc = subprocess.run([sys.executable, "-m", "llmadapt.cli", "run", str(EXAMPLE), "--out", str(tmp_path / "file"),
+                           "--set", "train.steps=1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]  # --out naming a file is bad input
+    assert "cannot write the run directory" in proc.stderr
 
 
 def test_an_oom_fault_without_a_memory_cap_is_refused_before_anything_starts(tmp_path):

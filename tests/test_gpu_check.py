@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from llmadapt.launch.environments import REFERENCE_ENVIRONMENT, EnvironmentNotReadyError, python_for
+from llmadapt.launch.environments import TOOLS_ENVIRONMENT, EnvironmentNotReadyError, python_for
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_TRACE = ROOT.parent / "shared" / "data" / "kineto-gpu" / "a100-2rank-nccl.json.gz"
@@ -22,7 +22,7 @@ def test_the_gpu_check_rehearses_every_step_on_cpu(tmp_path):
     from llmadapt.contract.catalog import user_catalog_path
 
     try:
-        python = python_for(REFERENCE_ENVIRONMENT)
+        python = python_for(TOOLS_ENVIRONMENT)
     except EnvironmentNotReadyError as exc:
         pytest.skip(str(exc))
     user_catalog = user_catalog_path().read_text() if user_catalog_path().is_file() else None

@@ -15,6 +15,7 @@ Tolerances, and why:
 
 import json
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -186,6 +187,22 @@ def test_a_serving_run_records_every_token_and_reuses_its_gguf_file(env, checkpo
     assert again.ok
     reused = json.loads((Path(again.run_dir) / "gguf.json").read_text())
     assert reused["converted_now"] is False and reused["path"] == gguf["path"]
+
+
+def test_a_serving_example_runs_from_any_folder_with_a_relative_out(env, checkpoint, tmp_path):
+    """The README's serving example with a relative --out, from another working folder: the engine starts in the run
+    folder, so every path the adapter hands it is absolute (a relative settings path failed every such run)."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "serve-compare.toml"
+    small = ["serve.requests=2", "serve.warmup_requests=0", "serve.arrival.process=closed",
+             "serve.arrival.concurrency=1", "serve.output_len.mean=4"]
+    out = subprocess.run([sys.executable, "-m", "llmadapt.cli", "run", str(example), "--adapter", "llamacpp",
+                          "--out", "runs", *(a for s in small for a in ("--set", s))], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "ok"
+    engine = json.loads((run_dir / "engine.json").read_text())
+    assert all(Path(p).is_absolute() for p in engine["command"][2:] if p.endswith(".json"))
 
 
 def _post(url: str, body: dict) -> dict:

@@ -167,6 +167,120 @@ def test_nothing_passing_says_so(monkeypatch, tmp_path):
     assert r.capacity is None and "no load" in r.note and min(p.load for p in r.probes) >= 0.5
 
 
+def test_a_search_whose_first_probe_is_invalid_says_why_and_what_to_change(monkeypatch, tmp_path):
+    """A first probe whose load generator fell behind measured the client, not the engine: the search stops there
+    and its note says so and what to change, instead of halving into "no load tried meets the objectives"."""
+    _simulate(monkeypatch, lambda load, repeat: 100)
+    behind = "invalid: the client's event loop stalled (loop lag p99 40.0 ms, max 90 ms > 10 ms)"
+    monkeypatch.setattr(loadsweep, "point_figures", lambda r: {
+        "status": "ok", "failed": 0, "valid": False, "validity": behind, "ttft_p99_ms": 100, "run_dir": ""})
+    r = _search(tmp_path, kind="concurrency", maximum=8.0)
+    assert r.capacity is None and len(r.probes) == 1
+    assert r.note.startswith("no capacity found because the first probe (concurrency 1) is invalid, not failed: "
+                             "the load generator fell behind (" + behind + ")")
+    assert "serve.send_spin_ms=0" in r.note and "docs/serving.md" in r.note
+
+
+def _cmd_load_sweep(monkeypatch, tmp_path, figures: list[dict], capsys) -> tuple[int, str]:
+    """`load-sweep` over simulated points with these figures: (exit code, what it printed)."""
+    import argparse
+
+    from llmadapt.cli import serving as cli_serving
+
+    loads = [loadsweep.Load("rate", float(2**i)) for i in range(len(figures))]
+    points = [loadsweep.SweepPoint(load, 0, {"status": "ok", "failed": 0, "valid": True, **f})
+              for load, f in zip(loads, figures)]
+    monkeypatch.setattr(cli_serving, "_engines", lambda args: [(_Info(), Workload(kind="serve"))])
+    monkeypatch.setattr(loadsweep, "load_sweep", lambda *a, **k: (tmp_path, points))
+    args = argparse.Namespace(rates=",".join(str(2**i) for i in range(len(figures))), concurrencies=None, repeat=1,
+                              out=tmp_path, timeout=None, json=False)
+    code = cli_serving.cmd_load_sweep(args)
+    return code, capsys.readouterr().out
+
+
+def test_a_sweep_reports_each_point_and_fails_only_without_a_valid_one(monkeypatch, tmp_path, capsys):
+    """Points with failed or truncated requests are results, reported in their row (exit 0); a point that failed or
+    whose client fell behind has none (exit 1); every point behind says what that means and what to do."""
+    code, out = _cmd_load_sweep(monkeypatch, tmp_path, [{}, {"status": "degraded", "failed": 2, "truncated": 1}],
+                                capsys)
+    assert code == 0 and "2 failed (1 truncated)" in out and "no valid result" not in out
+    behind = {"valid": False, "validity": "invalid: the generator fell behind its schedule"}
+    code, out = _cmd_load_sweep(monkeypatch, tmp_path, [behind, behind], capsys)
+    assert code == 1
+    assert "every point: client behind (exit 1): this machine could not run the load generator on time" in out
+    assert "2 of 2 points have no valid result (exit 1)" in out
+    code, out = _cmd_load_sweep(monkeypatch, tmp_path, [{}, {"status": "failed"}], capsys)
+    assert code == 1 and "FAILED" in out and "1 of 2 points have no valid result (exit 1)" in out
+
+
+MANAGED = """
+import subprocess, sys, time, socket
+from urllib.parse import urlsplit
+from llmadapt.contract.rundir import RunDir
+from llmadapt_openai.server import OpenAIServer
+import llmadapt.launch.serve
+
+def start(self):  # a managed engine (the fake), with its pid file, as the real adapters write it
+    port = urlsplit(self.ctx.base_url).port
+    self.proc = subprocess.Popen([sys.executable, FAKE, str(port), "--first-ms", "20", "--token-ms", "5"],
+                                 start_new_session=True)
+    RunDir(self.ctx.run_dir).engine_pid.write_text(str(self.proc.pid))
+    while self.proc.poll() is None:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+        except OSError:
+            time.sleep(0.05)
+
+def stop(self):
+    self.proc.terminate()
+    self.proc.wait()
+
+OpenAIServer.start, OpenAIServer.stop = start, stop
+OpenAIServer.alive = lambda self: self.proc.poll() is None
+llmadapt.launch.serve.check_reachable = lambda workload: None  # serve.url's server is started by the run, after
+from llmadapt.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_sigterm_mid_sweep_leaves_a_readable_partial_result_and_no_pid_file(tmp_path):
+    """load-sweep.json is written as each point ends: SIGTERM mid-sweep leaves the points that ended, marked as
+    interrupted, and the engine's pid file goes with the engine."""
+    import os
+    import signal
+    import time
+
+    from llmadapt.host import free_port
+    from llmadapt.testing import interruptible
+
+    pytest.importorskip("llmadapt_openai")
+    script = tmp_path / "managed.py"
+    script.write_text(f"FAKE = {str(Path(__file__).parent / 'fake_openai.py')!r}\n" + MANAGED)
+    w = Workload.from_dict({"kind": "serve", "model": {"preset": "tiny-llama"}, "serve": {
+        "url": f"http://127.0.0.1:{free_port()}", "requests": 6, "warmup_requests": 0, "input_len": {"mean": 8},
+        "output_len": {"mean": 4}, "request_timeout_s": 10.0, "scrape_interval_s": 0.2}})
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(w.to_dict()))
+    proc = subprocess.Popen([sys.executable, str(script), "load-sweep", str(path), "--adapters", "openai",
+                             "--concurrencies", "1,2,3,4,5,6,7,8", "--out", str(tmp_path / "runs")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interruptible)
+    sweep = None
+    for _ in range(1200):  # until two points have ended (a hang guard, not a timing)
+        sweep = next((tmp_path / "runs").glob("*-load-sweep-*/load-sweep.json"), None)
+        if sweep and len(json.loads(sweep.read_text())["points"]) >= 2:
+            break
+        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, err.decode()[-2000:]
+    data = json.loads(sweep.read_text())
+    assert data["state"] == "interrupted" and "SIGTERM" in data["note"]
+    assert len(data["points"]) >= 2 and all(p["status"] == "ok" for p in data["points"])
+    assert not (sweep.parent / "engine.pid").exists()
+    assert not os.path.exists(sweep.parent / "load-sweep.tmp")
+
+
 # -- for real -------------------------------------------------------------------------------------------------------
 def _ready(adapter: str) -> None:
     if adapter not in adapters():
@@ -212,6 +326,10 @@ def _check_search(out: Path, stdout: str, adapter: str) -> dict:
     assert history["probes"] == r["probes"] and r["probes"][0]["load"] == 1
     for p in r["probes"]:
         assert Path(p["figures"]["run_dir"]).is_dir() and p["passed"] == (p["margin"] >= 0)
+    if r["capacity"] is None and "the first probe (" in (r.get("note") or ""):
+        # a machine too busy to deliver even the first load: the search says so, and why, instead of a capacity
+        assert len(r["probes"]) == 1 and "fell behind" in r["note"], r["note"]
+        return r
     if r["capacity"] is not None:
         at = [p for p in r["probes"] if p["load"] == r["capacity"]]
         assert len(at) == 2 and all(p["passed"] for p in at)  # --repeats 2

@@ -138,6 +138,107 @@ def test_a_bad_folder_is_one_line_naming_what_is_wrong(folder, tmp_path, how, me
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
+def _shard_of(folder: Path, tensor: str) -> Path:
+    return folder / json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][tensor]
+
+
+def _edit_header(shard: Path, change) -> None:
+    """A safetensors header changed in place, its length kept (padded with spaces, as safetensors pads it); the
+    tensor bytes untouched."""
+    data = shard.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    change(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= length
+    shard.write_bytes(data[:8] + text.ljust(length) + data[8 + length:])
+
+
+DOWN = "model.layers.0.mlp.down_proj.weight"  # [hidden, intermediate] = [64, 128]
+
+
+def _damage(folder: Path, tmp_path: Path, how: str) -> tuple[Path, list[str]]:
+    """A copy of the folder damaged in a way the loaders would find only in rank 0 (or never), and what the
+    pre-launch line must name: the file, the tensor, what was expected and what was found."""
+    bad = Path(shutil.copytree(folder, tmp_path / how))
+    config = json.loads((bad / "config.json").read_text())
+    shard = _shard_of(bad, DOWN)
+    if how == "truncated":  # the header intact, the data cut in half
+        shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+        return bad, [f"{shard.name} is truncated", DOWN, f"{shard.stat().st_size} bytes"]
+    if how == "bytes-after":
+        shard.write_bytes(shard.read_bytes() + b"\0" * 24)
+        return bad, [f"{shard.name} has 24 bytes after its last tensor"]
+    if how == "swapped-shape":  # the same number of bytes, the dimensions the other way round
+        _edit_header(shard, lambda header: header[DOWN].update(shape=[128, 64]))
+        return bad, [f"{shard.name}: {DOWN} has shape [128, 64], config.json expects [64, 128]",
+                     "(hidden_size, intermediate_size)"]
+    if how == "wrong-size":  # a shape whose bytes are not the range the header gives the tensor
+        _edit_header(shard, lambda header: header[DOWN].update(shape=[64, 64]))
+        return bad, [f"{shard.name}: tensor {DOWN} is F32 [64, 64], 16384 bytes, but its data_offsets hold 32768"]
+    if how == "integer-dtype":
+        _edit_header(shard, lambda header: header[DOWN].update(dtype="I32"))
+        return bad, [f"{shard.name}: {DOWN} has dtype I32, expected a floating-point one", "config.json says float32"]
+    if how == "hidden-size":  # config.json's hidden_size disagrees with the weights
+        (bad / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
+        embed = _shard_of(bad, "model.embed_tokens.weight").name
+        return bad, [f"{embed}: model.embed_tokens.weight has shape [512, 64], config.json expects [512, 128] "
+                     "(vocab_size, hidden_size)"]
+    if how == "intermediate-size":
+        (bad / "config.json").write_text(json.dumps({**config, "intermediate_size": 256}))
+        gate = _shard_of(bad, "model.layers.0.mlp.gate_proj.weight").name
+        return bad, [f"{gate}: model.layers.0.mlp.gate_proj.weight has shape [128, 64], config.json expects [256, 64]"]
+    if how == "hidden-size-text":
+        (bad / "config.json").write_text(json.dumps({**config, "hidden_size": "64"}))
+        return bad, ["config.json's hidden_size is '64': a whole number >= 1 is needed"]
+    if how == "no-lm-head":
+        index = json.loads((bad / "model.safetensors.index.json").read_text())
+        head = bad / index["weight_map"].pop("lm_head.weight")
+        _edit_header(head, lambda header: header.update({"lm_HEAD.weight": header.pop("lm_head.weight")}))
+        (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+        return bad, ["the weights have no lm_head.weight (config.json says tie_word_embeddings false)"]
+    if how == "index-elsewhere":
+        index = json.loads((bad / "model.safetensors.index.json").read_text())
+        other = next(f for f in index["weight_map"].values() if f != shard.name)
+        index["weight_map"][DOWN] = other
+        (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+        return bad, [f"model.safetensors.index.json puts {DOWN} in {other}, but {shard.name} holds it"]
+    if how == "tokenizer-not-json":
+        (bad / "tokenizer.json").write_text("{ this is not JSON")
+        return bad, ["tokenizer.json cannot be read as JSON"]
+    if how == "tokenizer-config-not-json":
+        (bad / "tokenizer_config.json").write_text((bad / "tokenizer_config.json").read_text()[:-20])
+        return bad, ["tokenizer_config.json cannot be read as JSON"]
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["truncated", "bytes-after", "swapped-shape", "wrong-size", "integer-dtype",
+                                 "hidden-size", "intermediate-size", "hidden-size-text", "no-lm-head",
+                                 "index-elsewhere", "tokenizer-not-json", "tokenizer-config-not-json"])
+def test_damage_the_loaders_would_meet_in_rank_0_is_one_line_before_launch(folder, tmp_path, how):
+    """From the headers, the file sizes and the config alone (no tensor byte is read): each line names the file,
+    the tensor, what config.json or the header expects and what was found."""
+    path, names = _damage(folder, tmp_path, how)
+    with pytest.raises(WorkloadError, match="model.path") as caught:
+        Workload.from_dict({"model": {"path": str(path)}})
+    message = str(caught.value)
+    assert str(path) in message and "\n" not in message
+    for name in names:
+        assert name in message, message
+
+
+def test_a_truncated_shard_stops_the_command_before_launch(folder, tmp_path):
+    """The weights file cut short behind an intact header: one line naming the file and the tensor, exit 2,
+    no run folder (it used to pass this check and fail in rank 0 with a SafetensorError)."""
+    path, names = _damage(folder, tmp_path, "truncated")
+    out = subprocess.run([sys.executable, "-m", "llmadapt.cli", "run", str(EXAMPLES / "tiny-llama.toml"), "--adapter",
+                          "torch", "--set", f"model.path={path}", "--out", str(tmp_path / "runs")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert all(name in out.stderr for name in names), out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_paths_that_are_not_folders_and_fields_that_disagree(folder, tmp_path):
     for path, message in (("meta-llama/Llama-3.1-8B", "looks like a Hugging Face hub name"),
                           (str(tmp_path / "nothing"), "no such folder"),
@@ -321,9 +422,6 @@ def test_saving_is_checked_before_launch(folder, tmp_path):
     assert not (tmp_path / "runs").exists()
     with pytest.raises(WorkloadError, match="for train and finetune workloads"):
         Workload.from_dict({"kind": "serve", "save": {"path": str(tmp_path / "x")}})
-    with pytest.raises(WorkloadError, match="quantized base weights cannot be saved"):
-        Workload.from_dict({"kind": "finetune", "lora": {"rank": 4, "target_modules": ["q_proj"]},
-                            "optimizations": {"quantization": "nf4"}, "save": {"path": str(tmp_path / "x")}})
 
 
 @pytest.mark.parametrize("adapter", ["torch", "deepspeed"])

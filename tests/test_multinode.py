@@ -220,10 +220,11 @@ def test_workers_find_their_place_from_torchrun_then_slurm():
 
 def test_node_0_refuses_a_node_running_another_workload(tmp_path):
     """A node started with a different workload is refused with the reason, and node 0 sees it as a failure."""
+    from llmadapt.contract.launch import LaunchRequest
     from llmadapt.launch.collect import AgentLink, Collector
 
     collector = Collector(("127.0.0.1", 0))
-    collector.start(tmp_path, {"run_id": "r", "workload_hash": "aaa"}, nnodes=2)
+    collector.start(tmp_path, LaunchRequest(run_id="r", launcher="torchrun", workload_hash="aaa"), nnodes=2)
     try:
         with pytest.raises(LlmadaptError, match=r"^node 0 refused this node: node 1's workload differs from node 0's"):
             AgentLink(("127.0.0.1", collector.port), {"node_rank": 1, "node": "x", "nnodes": 2,

@@ -148,10 +148,10 @@ def test_a_source_checkout_that_is_not_installed_finds_its_own_adapters(tmp_path
     adapter's environment, as on a machine with no network): its adapters come from its pyproject files."""
     import shutil
 
-    from llmadapt.launch.environments import REFERENCE_ENVIRONMENT, EnvironmentNotReadyError, python_for
+    from llmadapt.launch.environments import TOOLS_ENVIRONMENT, EnvironmentNotReadyError, python_for
 
     try:
-        python = python_for(REFERENCE_ENVIRONMENT)
+        python = python_for(TOOLS_ENVIRONMENT)
     except EnvironmentNotReadyError as exc:
         pytest.skip(str(exc))
     root = __import__("pathlib").Path(__file__).resolve().parents[1]

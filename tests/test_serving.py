@@ -258,16 +258,62 @@ def test_failures_are_counted_by_cause_never_crash(tmp_path, fake_server, mark):
     assert marked(run_mark) == []
 
 
+def test_a_stream_without_its_end_marker_is_truncated_and_out_of_goodput(tmp_path, fake_server, mark):
+    """A stream that ends cleanly but early (no finish reason, no usage, no [DONE]: a proxy or an engine that stopped
+    it) is a truncated request, not a response: recorded as such, counted out of goodput, and the run is degraded
+    unless serve.max_failed_share allows that share."""
+    url, _ = fake_server("--cycle", "ok,truncated")
+    run_mark = mark()
+    w = serve_workload(url, requests=6, warmup_requests=1, arrival={"process": "closed", "concurrency": 1},
+                       slo={"ttft_ms": 60_000.0})
+    result = run(w, "openai", out=tmp_path / "strict")
+    records = sorted(requests_of(result), key=lambda r: r["index"])
+    truncated = [r for r in records if r["status"] != "ok"]
+    assert [r["index"] for r in truncated] == [1, 3, 5]  # the fake's cycle: ok (warm-up), truncated, ok, ...
+    for r in truncated:
+        assert (r["status"], r["error_cause"]) == ("truncated", "truncated") and len(r["chunk_ns"]) == 2
+        assert r["error"] == "truncated: the stream ended without a finish reason or data: [DONE]"
+    s = result.summary
+    assert s.serving.failures_by_cause == {"truncated": 3} and (s.serving.completed, s.serving.failed) == (3, 3)
+    assert s.serving.request_goodput * s.serving.duration_s == pytest.approx(3)  # only the complete responses
+    assert s.status == "degraded" and not result.ok
+    assert s.warnings == ["3 of 6 requests truncated: 50% > serve.max_failed_share 0 (the run is degraded)"]
+    lenient = run(w.with_overrides(["serve.max_failed_share=0.5"]), "openai", out=tmp_path / "lenient")
+    assert lenient.summary.status == "ok" and lenient.summary.serving.failed == 3
+    assert lenient.summary.warnings == ["3 of 6 requests truncated: 50% <= serve.max_failed_share 0.5"]
+    assert marked(run_mark) == []
+
+
+def test_a_run_with_failed_requests_says_how_many_last_and_exits_1(tmp_path, fake_server, mark):
+    """`llmadapt run` with 4 of 6 requests failed (two of them truncated): its last line says so, exit 1."""
+    url, _ = fake_server("--cycle", "ok,500,truncated")
+    run_mark = mark()
+    w = serve_workload(url, requests=6, warmup_requests=1, arrival={"process": "closed", "concurrency": 1})
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(w.to_dict()))
+    proc = subprocess.run([sys.executable, "-m", "llmadapt.cli", "run", str(path), "--adapter", "openai", "--out",
+                           str(tmp_path / "runs")], env={**os.environ, MARK: run_mark}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == ("degraded   4 of 6 requests failed (2 of them truncated) (exit 1; "
+                                                    "serve.max_failed_share sets how many may fail)")
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "degraded"
+    assert marked(run_mark) == []
+
+
 def test_tokens_without_text_are_a_response_and_nothing_is_a_failure(tmp_path, fake_server):
     """A tiny random model's tokens may make no whole UTF-8 character: an engine that streams text sends none, and
     its usage counts them. That is a response whose tokens all reached the client with its last event; a stream
-    with no content and no tokens is a failed request."""
+    with no content, no tokens and no finish reason is a failed (truncated) request."""
     url, _ = fake_server("--cycle", "notext,empty,ok")
     w = serve_workload(url, requests=5, warmup_requests=1, arrival={"process": "closed", "concurrency": 1})
     records = sorted(requests_of(run(w, "openai", out=tmp_path)), key=lambda r: r["index"])
     for r, mode in zip(records, ["notext", "empty", "ok"] * 2):
         if mode == "empty":
-            assert r["status"] == "error" and r["error"] == "the stream ended without any content"
+            # no chunk, so no finish reason either: [DONE] alone ends no response
+            assert r["status"] == "truncated" and r["error"] == ("truncated: the stream ended (data: [DONE]) without "
+                                                                 "a finish reason")
             continue
         assert r["status"] == "ok" and r["output_tokens"] == 8
         if mode == "notext":
@@ -434,6 +480,8 @@ def stop(self):
     self.proc.wait()
 
 OpenAIServer.start, OpenAIServer.stop = start, stop
+import llmadapt.launch.serve
+llmadapt.launch.serve.check_reachable = lambda workload: None  # serve.url's server is started by the run, after
 OpenAIServer.alive = lambda self: self.proc.poll() is None
 if sys.argv[1] == "api":  # embedded: llmadapt.run from a program, no CLI and none of its signal handling
     import llmadapt
@@ -565,6 +613,7 @@ def test_engine_that_fails_to_start_is_a_failed_run_with_a_summary(tmp_path, mon
         raise RuntimeError("no such engine")
 
     monkeypatch.setattr(OpenAIServer, "start", broken)
+    monkeypatch.setattr("llmadapt.launch.serve.check_reachable", lambda workload: None)  # as if it were managed
     result = run(serve_workload("http://127.0.0.1:9"), "openai", out=tmp_path)
     assert result.summary.status == "failed"
     assert "the engine failed to start: RuntimeError: no such engine" in result.summary.failures[0].message
@@ -588,20 +637,28 @@ def test_a_server_that_is_not_openai_compatible_fails_at_once(tmp_path, fake_ser
     assert marked(run_mark) == []
 
 
-def test_nothing_listening_fails_at_once(tmp_path, mark):
+def test_nothing_listening_is_bad_input_before_any_run_folder(tmp_path, mark):
     """Attached to an address where nothing listens: one line saying so, after a few seconds of retries, not the
-    start-up timeout (the run's timeout and the subprocess's are only hang guards), from Python and the CLI."""
+    start-up timeout (the subprocess's timeout is only a hang guard), before any run folder exists; from the CLI,
+    exit 2 (bad input) and the error once."""
+    from llmadapt.errors import LlmadaptError
+
     url = f"http://127.0.0.1:{free_port()}"
     run_mark = mark()
-    result = run(serve_workload(url), "openai", out=tmp_path / "api", timeout=120)
-    assert result.summary.status == "failed" and not requests_of(result)
-    (failure,) = result.summary.failures
-    assert failure.message.startswith(f"nothing answers at {url}: connection refused (retried for 5 s")
-    code, output, run_dir = cli(tmp_path, serve_workload(url), mark=run_mark, timeout=120)
-    assert code == 1, output[-2000:]
-    assert f"nothing answers at {url}: connection refused" in output  # the one line, on the terminal
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert [f["message"] for f in summary["failures"]] == [failure.message]
+    started = time.monotonic()
+    with pytest.raises(LlmadaptError, match=f"nothing answers at {url}: connection refused \\(retried for 5 s"):
+        run(serve_workload(url), "openai", out=tmp_path / "api", timeout=120)
+    assert time.monotonic() - started < 30 and not (tmp_path / "api").exists()
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(serve_workload(url).to_dict()))
+    proc = subprocess.run([sys.executable, "-m", "llmadapt.cli", "run", str(path), "--adapter", "openai", "--out",
+                           str(tmp_path / "runs")], env={**os.environ, MARK: run_mark}, capture_output=True,
+                          text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-2000:]
+    assert output.count(f"nothing answers at {url}: connection refused") == 1, output
+    assert output.strip().count("\n") == 0  # one line
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
     assert marked(run_mark) == []
 
 
@@ -635,3 +692,19 @@ def test_engine_metrics_are_read_as_the_exposition_format_defines_them():
         "tgi_queue_size": 2.0,
     }
     assert parse_prometheus("<html>not metrics</html>", ("vllm:",)) == {}
+
+
+def test_an_attached_serving_run_records_its_window_but_cannot_judge_other_processes(fake_server, tmp_path):
+    """Attached by URL, the engine's CPU is not this run's to read: other processes' CPU is left unjudged (it may
+    be the engine itself), and show says why."""
+    from llmadapt.analysis.report import render_summary
+
+    url, _ = fake_server()
+    result = run(serve_workload(url), "openai", out=tmp_path)
+    assert result.ok, result.summary.failures
+    (window,) = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "interference"]
+    assert window["machine_busy_cpu_s"] is None and window["own_cpu_s"] > 0 and window["window_s"] > 0
+    i = result.summary.interference
+    assert i.quiet is None and i.other_cpu_cores is None
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert "machine    not judged: the engine's CPU is not known (attached by URL)" in render_summary(summary)

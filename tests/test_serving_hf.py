@@ -54,6 +54,12 @@ def test_hf_server_serves_the_canonical_model(tmp_path, monkeypatch):
     assert all(r["server_input_tokens"] == r["input_tokens"] for r in requests)
     assert all(1 <= r["output_tokens"] <= 6 for r in requests)
     assert engine_pids(mark) == []
+    # what ran beside the run: the engine (its own process group) counted as the run's own CPU, not as another
+    # process's, so the machine's quiet is judged; the engine's work is far more CPU than the client's
+    (window,) = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "interference"]
+    client = s.client_cpu_s
+    assert window["machine_busy_cpu_s"] is not None and window["own_cpu_s"] > client > 0, (window, client)
+    assert result.summary.interference is not None
 
 
 def test_engine_killed_mid_run_is_reported(tmp_path):

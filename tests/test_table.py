@@ -1,6 +1,6 @@
 """The one table renderer: text stays text, numbers line up on the right, missing values are '-'."""
 
-from llmadapt.analysis.table import text_table
+from llmadapt.texttable import text_table
 
 
 def test_a_table_keeps_labels_as_written_and_right_aligns_numbers():
@@ -87,3 +87,57 @@ def test_the_verdict_names_the_fastest_the_indistinguishable_and_withholds_what_
     assert "4 runs a row are needed to tell rows apart over runs, fewer for megatron tp2, torch dp1" in three
     lone = [rows[0], row("torch dp1", 1.0, 1.0, 1.0, n=1)]
     assert "P1 verdict withheld: a single sample, no interval to judge by: torch dp1" in Comparison(rows=lone).table()
+
+
+def test_rows_over_runs_are_told_apart_by_a_rank_test_on_the_runs():
+    """Repeated rows: a two-sided Mann-Whitney test on the runs' values (p < 0.05) tells rows apart, which finds a
+    difference that overlapping bootstrap intervals would hide (five runs a row, one pair crossing), and keeps
+    interleaved runs together; never with fewer than four runs a row."""
+    from llmadapt.analysis.compare import Comparison, Row
+    from llmadapt.analysis.uncertainty import bootstrap_median
+
+    def row(label, runs):
+        e = bootstrap_median(runs, "runs")
+        return Row(label=label, adapter=label.split()[0], variant="", run_dir=None, status="ok", problem_hash="p",
+                   metrics={"step_p50_s": e.median}, cell=label.split()[0], estimates={"step_p50_s": e})
+
+    fast, slow = row("torch dp1", [1.0, 1.01, 1.02, 1.03, 1.06]), row("deepspeed dp2", [1.05, 1.07, 1.08, 1.09, 1.10])
+    assert fast.estimates["step_p50_s"].overlaps(slow.estimates["step_p50_s"])  # intervals alone: a tie
+    text = Comparison(rows=[fast, slow]).table()
+    assert ("P1 verdict: fastest torch dp1; slower: deepspeed dp2 +6% (medians and 95% intervals over runs; told "
+            "apart by a two-sided Mann-Whitney test over the runs, p < 0.05)") in text
+    mixed = row("deepspeed dp2", [1.005, 1.015, 1.025, 1.035, 1.05])  # interleaved with torch's runs
+    assert "cannot be told apart from it: deepspeed dp2" in Comparison(rows=[fast, mixed]).table()
+    few = [row("torch dp1", [1.0, 1.01, 1.02]), row("deepspeed dp2", [2.0, 2.01, 2.02])]  # apart, but three a row
+    assert "cannot be told apart from it: deepspeed dp2" in Comparison(rows=few).table()
+
+
+def test_the_ascii_layout_is_richs():
+    """Plain ASCII tables are laid out without rich (its import is most of `llmadapt adapters`' time): the lines are
+    the ones rich prints, on tables of every shape the commands make (numbers, '-', empty cells, one column, no rows);
+    other cells (a tab, a space at an end, non-ASCII) still go through rich."""
+    import random
+    import string
+
+    from llmadapt import texttable
+
+    rng = random.Random(0)
+    letters = string.ascii_letters + string.digits + " -.,%+[]=:/_()'*#"
+
+    def cell():
+        return rng.choice([None, "-", "", f"{rng.uniform(-1e4, 1e4):.{rng.randint(0, 4)}f}", f"{rng.random():.2e}",
+                           str(rng.randint(0, 10**6)), " padded ", "a\tb", "≈",
+                           "".join(rng.choice(letters) for _ in range(rng.randint(1, 20)))])
+
+    plain = 0
+    for _ in range(400):
+        width = rng.randint(1, 6)
+        head = ["".join(rng.choice(letters) for _ in range(rng.randint(0, 10))) for _ in range(width)]
+        rows = [[cell() for _ in range(width)] for _ in range(rng.randint(0, 6))]
+        body = [["-" if c is None else str(c) for c in row] for row in rows]
+        right = [bool(body) and all(texttable._NUMBER.match(r[i]) for r in body) and any(r[i] != "-" for r in body)
+                 for i in range(width)]
+        assert texttable.text_table(head, rows) == texttable._rich_lines(head, body, right), (head, rows)
+        plain += all(texttable._PRINTABLE_ASCII.fullmatch(c) for c in head + sum(body, [])) and all(
+            any(column) for column in zip(head, *body))
+    assert 50 < plain < 400  # both ways were taken

@@ -505,14 +505,16 @@ def test_tgi_end_to_end(tmp_path, fake_tgi):
 
 
 def test_tgi_failures_by_cause(tmp_path, fake_tgi):
-    """In-band errors (HTTP 200) are failed requests with their TGI error type; a truncated stream is malformed."""
+    """In-band errors (HTTP 200) are failed requests with their TGI error type; a stream that ends before TGI's last
+    event is truncated."""
     modes = "ok,eos,stop,keepalive,overloaded,validation,generation,incomplete,drop"
     url = fake_tgi("--cycle", modes)
     # one request at a time: the fake meets them in plan order, whatever the machine's load
     w = serve_workload(url, requests=18, warmup_requests=0, arrival={"process": "closed", "concurrency": 1})
     result = run(w, "tgi", out=tmp_path)
     s = result.summary.serving
-    assert s.failures_by_cause == {"in_band": 8, "malformed": 2} and s.completed == 8
+    assert s.failures_by_cause == {"in_band": 8, "truncated": 2} and s.completed == 8
+    assert result.summary.status == "degraded"  # 10 of 18 failed
     by_mode = dict(zip(modes.split(",") * 2, records(result)))
     assert by_mode["eos"]["finish_reason"] == "eos_token" and by_mode["eos"]["chunk_tokens"] == [1] * 4
     assert by_mode["eos"]["output_tokens"] == 4 and by_mode["stop"]["finish_reason"] == "stop_sequence"
@@ -520,7 +522,8 @@ def test_tgi_failures_by_cause(tmp_path, fake_tgi):
     for mode, kind in (("overloaded", "overloaded"), ("validation", "validation"), ("generation", "generation"),
                        ("incomplete", "incomplete_generation")):
         assert by_mode[mode]["error_cause"] == "in_band" and f"TGI {kind} error" in by_mode[mode]["error"], mode
-    assert by_mode["drop"]["error_cause"] == "malformed"
+    assert (by_mode["drop"]["status"], by_mode["drop"]["error_cause"]) == ("truncated", "truncated")
+    assert "before TGI's last event" in by_mode["drop"]["error"]
     last = records(result, "server_sample")[-1]["values"]
     assert last['tgi_request_failure{err="overloaded"}'] == 2 and last['tgi_request_failure{err="generation"}'] == 2
 
@@ -554,12 +557,15 @@ def test_tgi_openai_end_to_end(tmp_path, fake_tgi, api):
 
 
 def test_tgi_openai_in_band_errors(tmp_path, fake_tgi):
-    """In-band errors on the /v1 routes are failed requests; an EOS ending keeps TGI's own reason name."""
-    url = fake_tgi("--cycle", "ok,overloaded,generation,eos")
-    w = serve_workload(url, requests=8, warmup_requests=0, arrival={"process": "closed", "concurrency": 1})
+    """In-band errors on the /v1 routes are failed requests; an EOS ending keeps TGI's own reason name; a stream
+    that stops early and then sends [DONE] (no chunk with a finish reason) is truncated, not a response."""
+    url = fake_tgi("--cycle", "ok,overloaded,generation,eos,drop")
+    w = serve_workload(url, requests=10, warmup_requests=0, arrival={"process": "closed", "concurrency": 1})
     result = run(w, "tgi-openai", out=tmp_path)
     s = result.summary.serving
-    assert s.failures_by_cause == {"in_band": 4} and s.completed == 4
+    assert s.failures_by_cause == {"in_band": 4, "truncated": 2} and s.completed == 4
+    drop = records(result)[4]
+    assert drop["status"] == "truncated" and drop["chunk_ns"] and "without a finish reason" in drop["error"]
     eos = records(result)[3]
     # the /v1/completions stream's last chunk names the reason TGI's way, and keeps the EOS text
     assert eos["finish_reason"] == "eos_token" and eos["output_tokens"] == eos["chunk_tokens"].count(1) == 4

@@ -193,3 +193,40 @@ def test_attached_to_a_running_server(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_benchmarks_start_vllm_bench_like_every_process_in_the_environment(tmp_path, monkeypatch):
+    """benchmarks/loadgen.py starts `python -m llmadapt_vllm.cli bench serve` in vLLM's environment with the
+    PYTHONPATH every worker gets (process_env): that environment does not install llmadapt's packages, so without
+    it the module is not found. Where the environment is built, the command's module imports with that env."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from llmadapt.testing import environments_unready
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("loadgen_benchmark", root / "benchmarks" / "loadgen.py")
+    loadgen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loadgen)
+    seen = {}
+
+    def fake_run(cmd, env=None, **kwargs):
+        seen["cmd"], seen["env"] = cmd, env
+        (tmp_path / "vllm-bench-t.json").write_text(json.dumps({"completed": 1, "duration": 1.0,
+                                                               "request_throughput": 1.0}))
+
+    monkeypatch.setattr(loadgen.subprocess, "run", fake_run)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    args = type("Args", (), {"concurrency": 1, "rate": 1.0, "input_len": 4, "output_len": 2, "requests": 1})()
+    loadgen.bench_pass(Path(sys.executable), "http://127.0.0.1:1", tmp_path, args, tmp_path, "closed", "t")
+    monkeypatch.undo()  # subprocess.run is everyone's
+    paths = seen["env"].get("PYTHONPATH", "").split(":")
+    assert any(p.endswith("plugins/vllm") for p in paths), seen["env"].get("PYTHONPATH")
+    if not environments_unready("vllm"):
+        from llmadapt.launch.environments import python_for
+
+        python = python_for(adapters()["vllm"].environment)
+        done = subprocess.run([str(python), "-c", f"import {seen['cmd'][2]}"], env=seen["env"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import attrs
 
-from llmadapt.contract.records import Phase
+from llmadapt.contract.records import Phase, Span
 from llmadapt.spec import Workload
 
 
@@ -41,13 +41,28 @@ class WorkerContext:
             torch.cuda.synchronize(self.device)
 
     @contextmanager
-    def phase(self, name: str, into: list[Phase], source: str = "llmadapt") -> Iterator[None]:
-        """Time a part of a step (device-synchronised at both ends) and append it to ``into``."""
+    def phase(self, name: str, into: list[Phase], source: str = "llmadapt", *, spans: list[Span] | None = None,
+              span: str | None = None, span_source: str | None = None) -> Iterator[None]:
+        """Time a part of a step on the monotonic clock, device-synchronised at both ends.
+
+        The seconds go to ``into``: added to the phase of this name and source already there (a part timed once
+        per micro-batch is one phase of the step), else appended as a new one. Given ``spans``, the same interval
+        is appended there as a Span named ``span`` (default: ``name``) from ``span_source`` (default:
+        ``source``), for the step's timeline."""
         self.synchronize()
-        start = time.perf_counter()
+        start = time.monotonic_ns()
         yield
         self.synchronize()
-        into.append(Phase(name=name, seconds=time.perf_counter() - start, source=source))
+        end = time.monotonic_ns()
+        seconds = (end - start) / 1e9
+        for i, known in enumerate(into):
+            if known.name == name and known.source == source:
+                into[i] = Phase(name=name, seconds=known.seconds + seconds, source=source)
+                break
+        else:
+            into.append(Phase(name=name, seconds=seconds, source=source))
+        if spans is not None:
+            spans.append(Span(span or name, start, end, span_source or source))
 
 
 IGNORE = -100
@@ -235,7 +250,13 @@ def stop_engine(proc, grace_s: float) -> None:
 
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes in a process group, from /proc (Linux)."""
-    out = []
+    return [pid for pid, fields in group_stats(pgid).items() if fields[0] != "Z"]
+
+
+def group_stats(pgid: int) -> dict[int, list[str]]:
+    """The processes of a process group (zombies included), each with its /proc stat fields after the command
+    name: state ppid pgrp ... utime stime cutime cstime (Linux)."""
+    out = {}
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
@@ -243,7 +264,7 @@ def group_members(pgid: int) -> list[int]:
             stat = (p / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()  # state ppid pgrp ...
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(p.name))
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            out[int(p.name)] = fields
     return out

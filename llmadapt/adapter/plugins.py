@@ -20,7 +20,7 @@ import pluggy
 
 import llmadapt.adapter.hookspecs as hookspecs
 from llmadapt.adapter.declaration import AdapterInfo
-from llmadapt.errors import LlmadaptError, UnknownAdapterError, UnsupportedError
+from llmadapt.errors import LlmadaptError, UnknownAdapterError, UnsupportedError, did_you_mean
 
 GROUP = "llmadapt"
 
@@ -118,7 +118,7 @@ def get_adapter(name: str, pm: pluggy.PluginManager | None = None) -> AdapterInf
     found = adapters(pm)
     if name not in found:
         known = ", ".join(found) or "none (is llmadapt installed with pip?)"
-        raise UnknownAdapterError(f"unknown adapter {name!r}; registered adapters: {known}")
+        raise UnknownAdapterError(f"unknown adapter {name!r}{did_you_mean(name, found)}; registered adapters: {known}")
     return found[name]
 
 

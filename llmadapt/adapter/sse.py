@@ -121,6 +121,29 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+class Ending:
+    """The end marker of an OpenAI-style stream: a choice's finish reason (then ``data: [DONE]``, which not every
+    OpenAI-compatible server sends: transformers serve does not). A stream that ends without a finish reason (a proxy
+    or an engine that closed it early, cleanly) may be cut short: the request is 'truncated' (RequestFailed cause),
+    never a completed response. ``done_required``: the engine's protocol always ends with [DONE] (TGI), so a
+    stream without it is truncated too."""
+
+    def __init__(self, done_required: bool = False) -> None:
+        self.finish: str | None = None
+        self.done_required = done_required
+
+    def seen(self, chunk: Chunk) -> Chunk:
+        self.finish = chunk.finish_reason or self.finish
+        return chunk
+
+    def done(self, marker: bool = True) -> None:
+        if not self.finish:
+            raise RequestFailed("truncated", "truncated: the stream ended " + ("(data: [DONE]) " if marker else "")
+                                + "without a finish reason" + ("" if marker else " or data: [DONE]"))
+        if not marker and self.done_required:
+            raise RequestFailed("truncated", "truncated: the stream ended without data: [DONE]")
+
+
 class OpenAICompatibleServer(Server):
     """Streams the OpenAI API. ``model_name`` is what the engine calls the model; the API key, if any,
     comes from the environment variable named by ``api_key_env`` and never enters a record or a log."""
@@ -128,6 +151,8 @@ class OpenAICompatibleServer(Server):
     api_key_env = "OPENAI_API_KEY"
     metrics_prefixes: tuple[str, ...] = ()
     supports_ignore_eos = False
+    done_required = False
+    """The engine's streams always end with ``data: [DONE]`` (TGI's do): one that ends without it is truncated."""
 
     @property
     def forces_output_length(self) -> bool:
@@ -183,13 +208,20 @@ class OpenAICompatibleServer(Server):
         async with session.post(self.ctx.base_url + path, json=body, headers=self.headers()) as response:
             if response.status != 200:
                 raise http_failure(response.status, await response.text())
+            ended = Ending(self.done_required)
             async for data in sse_events(response):
                 if data.strip() == "[DONE]":
+                    ended.done()
                     return
                 event = json_event(data)
                 if "error" in event:
-                    raise RequestFailed("in_band", f"error event: {str(event['error'])[:300]}")
-                yield self.parse_event(event)
+                    raise self.in_band_error(event)
+                yield ended.seen(self.parse_event(event))
+            ended.done(marker=False)
+
+    def in_band_error(self, event: dict[str, Any]) -> RequestFailed:
+        """The failure an error event in the stream (``{"error": ...}``) stands for."""
+        return RequestFailed("in_band", f"error event: {str(event['error'])[:300]}")
 
     def parse_event(self, event: dict[str, Any]) -> Chunk:
         """One chunk of /v1/completions or /v1/chat/completions; fields of the wrong type fail it as malformed."""

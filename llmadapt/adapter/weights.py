@@ -3,6 +3,9 @@
 `CheckpointWeights` maps tensor names to tensors across a folder's safetensors shards (the index's
 ``weight_map``, or the one ``model.safetensors``), reading a tensor's bytes from its shard only on access. Adapters that convert or slice weights per rank (Megatron-core's tensor- and
 pipeline-parallel shards) read through it instead of loading the whole state dict.
+
+A checkpoint folder's files, for adapters that read them: ``INDEX`` and ``WEIGHTS`` (the file names), ``shards``,
+``read_header`` (a safetensors header) and ``content_hash`` (llmadapt.modelfolder's, re-exported here).
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from llmadapt.modelfolder import INDEX, WEIGHTS, read_header, shard_layout, write_index
+from llmadapt.modelfolder import INDEX, WEIGHTS, content_hash, read_header, shard_layout, shards, write_index
 
 _DTYPES: dict[str, Any] = {}  # safetensors' dtype names -> torch dtypes, filled on first use (torch is heavy)
 
 
 class CheckpointWeights(Mapping):
+    """A checkpoint folder's tensors by name, each read from its safetensors shard when asked for."""
+
     def __init__(self, folder: str | Path, file: str = WEIGHTS) -> None:
         """``file``: the one safetensors file to read when the folder has no index."""
         self.folder = Path(folder)
@@ -64,30 +69,71 @@ class CheckpointWeights(Mapping):
 def save_hf_model(model, folder: str | Path, *, write: bool, adapter_only: bool = False) -> None:
     """A transformers model, peft-wrapped or not, as a Hugging Face folder (config.json and safetensors shards
     in the published layout, as ``save_pretrained`` writes them): LoRA merged into the base weights, so any
-    engine serves the result; or with ``adapter_only``, a peft model's adapter alone, as peft writes it. The model
-    itself is left as it was (evaluation saves in the middle of training). ``write``: this rank writes (rank 0);
-    the others only take part in what the gather needs."""
+    engine serves the result; or with ``adapter_only``, a peft model's adapter alone, as peft writes it. A base
+    quantized by bitsandbytes (QLoRA) is saved dequantized to the dtype it was loaded in (every weight then holds
+    exactly the value the quantized layer computed with), its config without the quantization settings: the
+    folder loads as a plain model. The model itself is left as it was (evaluation saves in the middle of
+    training). ``write``: this rank writes (rank 0); the others only take part in what the gather needs."""
     if adapter_only and hasattr(model, "get_base_model"):
         if write:
             model.save_pretrained(str(folder), safe_serialization=True)
         return
-    if not hasattr(model, "get_base_model"):  # not a peft model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    quantized = _quantized_modules(base)
+    if not quantized and base is model:  # a plain model
         if write:
             model.save_pretrained(str(folder), safe_serialization=True, max_shard_size="1GB")
         return
-    base = model.get_base_model()
-    merged = merged_lora_state_dict(base)
-    if write:
+    merged = merged_lora_state_dict(base, quantized)
+    if not write:
+        return
+    if not quantized:
         base.save_pretrained(str(folder), state_dict=merged, safe_serialization=True, max_shard_size="1GB")
+        return
+    import torch
+
+    config = base.config.to_dict()
+    config.pop("quantization_config", None)
+    dtype = getattr(base.config, "dtype", None) or getattr(base.config, "torch_dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    if config.get("tie_word_embeddings"):
+        merged.pop("lm_head.weight", None)  # tied: the embedding holds it, as save_pretrained writes it
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(str(folder))
+    write_safetensors(folder, {k: v.to(dtype) if v.is_floating_point() else v for k, v in merged.items()})
 
 
-def merged_lora_state_dict(base) -> dict:
+def _quantized_modules(base) -> dict[str, Any]:
+    """The modules whose weight bitsandbytes holds quantized (4-bit Params4bit, 8-bit Int8Params), by name."""
+    return {name: m for name, m in base.named_modules()
+            if type(getattr(m, "weight", None)).__name__ in ("Params4bit", "Int8Params")}
+
+
+def merged_lora_state_dict(base, quantized: dict[str, Any] | None = None) -> dict:
     """A peft model's base (``get_base_model()``) as the plain model's state dict, each LoRA layer's update
-    (``get_delta_weight``: B A times its scale) added to a copy of its base weight; LoRA's own tensors left out."""
+    (``get_delta_weight``: B A times its scale) added to a copy of its base weight; LoRA's own tensors left out.
+    ``quantized`` (``_quantized_modules``): those modules' weights dequantized (peft's own dequantization) and
+    their quantization state (absmax, quant_map, SCB, ...) left out."""
+    quantized = quantized or {}
     out = {}
     for name, tensor in base.state_dict().items():
         if ".lora_" in name:
             continue
+        owner, _, leaf = name.rpartition(".")
+        module = quantized.get(owner)
+        if module is None and any(name.startswith(f"{q}.weight.") for q in quantized):
+            continue  # a quantized weight's state (Params4bit's quant_state entries)
+        if module is not None:
+            if leaf not in ("weight", "bias"):
+                continue  # Int8Params' SCB, weight_format
+            if leaf == "weight":
+                from peft.utils.integrations import dequantize_module_weight
+
+                tensor = dequantize_module_weight(module)
         if ".base_layer." in name:
             owner, _, leaf = name.rpartition(".base_layer.")
             if leaf == "weight":

@@ -8,7 +8,7 @@ from typing import Any
 
 def render_breakdown(b: dict[str, Any]) -> list[str]:
     """The profiled steps: timeline, module classes, operator classes, layers, collectives."""
-    from llmadapt.analysis.table import text_table
+    from llmadapt.texttable import text_table
 
     def ms(seconds: float) -> str:
         return f"{seconds * 1e3:.2f}"
@@ -54,7 +54,7 @@ def render_breakdown(b: dict[str, Any]) -> list[str]:
 def module_operator_lines(b: dict[str, Any], width: int = 6) -> list[str]:
     """Module class x operator class, ms per profiled step: which operators each module spends its time on (the
     operator classes with most time as columns, the rest summed as 'rest')."""
-    from llmadapt.analysis.table import text_table
+    from llmadapt.texttable import text_table
 
     cells = b.get("module_operators") or []
     if not cells:

@@ -11,6 +11,7 @@ import json
 import random
 import re
 import statistics
+import sys
 
 from pathlib import Path
 from typing import Any, Callable
@@ -19,13 +20,13 @@ import attrs
 
 from llmadapt.analysis.cells import Cell, as_cells, matrix_settings, plan, same_threads
 from llmadapt.analysis.parity import loss_parity
-from llmadapt.analysis.table import text_table
-from llmadapt.analysis.uncertainty import Estimate, bootstrap_median
+from llmadapt.analysis.uncertainty import Estimate, bootstrap_median, mann_whitney_greater
 from llmadapt.errors import LlmadaptError
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json
 from llmadapt.launch.run import RunResult, run
 from llmadapt.spec import Workload, problem_difference
+from llmadapt.texttable import text_table
 
 
 # -- compare ----------------------------------------------------------------------------------
@@ -162,6 +163,13 @@ class Comparison:
     """The stopping rule's share: rounds were added until every headline interval was narrower than this."""
     unsettled: list[str] = attrs.Factory(list)
     """Rows whose interval never got that narrow before the last round."""
+    partial: bool = False
+    """Some planned runs have not run (the comparison was interrupted, or is still going): the rows are those
+    with a run so far, ``pending`` names the others."""
+    pending: list[str] = attrs.Factory(list)
+    """Cells with runs still to make (``partial``), one entry per run missing."""
+    saved: str | None = None
+    """The file the comparison was written to (``compare``: OUT/compare-....json), rewritten as each run ends."""
 
     def reference(self, problem: str) -> Row | None:
         """The row of ``problem`` the others are set against: the baseline's where it is in the problem, else
@@ -176,7 +184,10 @@ class Comparison:
     def counts(self) -> dict[str, int]:
         out = {"cells": len(self.rows), "ok": 0, "failed": 0, "unsupported": 0}
         for r in self.rows:
-            out[r.status if r.status in out else "failed"] += 1
+            if r.status in ("diverged", "degraded"):
+                out[r.status] = out.get(r.status, 0) + 1
+            else:
+                out[r.status if r.status in out else "failed"] += 1
         return out
 
     def table(self) -> str:
@@ -203,7 +214,8 @@ class Comparison:
             body.append(cells)
         lines = text_table(head, body)
         c = self.counts()
-        lines.append(f"{c['cells']} cells: {c['ok']} ok, {c['failed']} failed, {c['unsupported']} not supported "
+        others = "".join(f", {c[k]} {k}" for k in ("diverged", "degraded") if c.get(k))
+        lines.append(f"{c['cells']} cells: {c['ok']} ok{others}, {c['failed']} failed, {c['unsupported']} not supported "
                      "(not run)" + ("; parity delta: max |loss delta| against the first row of its problem"
                                     if not serve else ""))
         if uncertain:
@@ -219,6 +231,8 @@ class Comparison:
         lines += [f"{r.label}: {r.note}" for r in self.rows if r.note]
         if not serve:
             lines += self.scaling_lines(problems)
+        if self.partial:
+            lines.append(f"partial: {len(self.pending)} run(s) not made: {', '.join(dict.fromkeys(self.pending))}")
         return "\n".join(lines)
 
     def verdict_lines(self, problems: dict[str, str], key: str) -> list[str]:
@@ -242,8 +256,7 @@ class Comparison:
                 out.append(f"{name} verdict withheld: a single sample, no interval to judge by: {', '.join(lone)}")
                 continue
             best = min(rows, key=lambda r: r.estimates[key].median)
-            ties = [r for r in rows if r is not best and (r.estimates[key].overlaps(best.estimates[key])
-                                                          or not _separable(r.estimates[key], best.estimates[key]))]
+            ties = [r for r in rows if r is not best and not _told_apart(r.estimates[key], best.estimates[key])]
             slower = [r for r in rows if r is not best and r not in ties]
             line = f"{name} verdict: fastest {best.label}"
             if ties:
@@ -251,7 +264,10 @@ class Comparison:
             if slower:
                 line += "; slower: " + ", ".join(
                     f"{r.label} {r.estimates[key].median / best.estimates[key].median - 1:+.0%}" for r in slower)
-            line += f" (medians and 95% intervals over {best.estimates[key].what})"
+            over_runs = all(r.estimates[key].what == "runs" and r.estimates[key].samples for r in rows)
+            line += (" (medians and 95% intervals over runs; told apart by a two-sided Mann-Whitney test over the "
+                     f"runs, p < {ALPHA})" if over_runs else
+                     f" (medians and 95% intervals over {best.estimates[key].what})")
             few = [r.label for r in rows if r.estimates[key].what == "runs" and r.estimates[key].n < RUNS_TO_SEPARATE]
             if few:
                 line += (f"; {RUNS_TO_SEPARATE} runs a row are needed to tell rows apart over runs, fewer for "
@@ -365,7 +381,15 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         return {"rows": [attrs.asdict(r) for r in self.rows], "counts": self.counts(), "baseline": self.baseline,
-                "seed": self.seed, "settle": self.settle, "unsettled": self.unsettled}
+                "seed": self.seed, "settle": self.settle, "unsettled": self.unsettled, "partial": self.partial,
+                "pending": self.pending, "saved": self.saved}
+
+    def to_frame(self, records: str = "rows"):
+        """A pandas DataFrame: a row per row of the table (``rows``), or the ``steps``, ``requests``,
+        ``breakdown`` or ``telemetry`` of every run of every row, labelled by its row (``analysis.frames``)."""
+        from llmadapt.analysis.frames import comparison_rows, frame
+
+        return comparison_rows(self) if records == "rows" else frame(records, self)
 
 
 # The figure a row is set against its problem's first row by, per kind.
@@ -384,10 +408,22 @@ RUNS_TO_SEPARATE = 4
 configurations' runs fall wholly apart one time in ten (2/C(6,3)); with four, one in 35 (2/C(8,4) < 5%)."""
 
 
-def _separable(a: Estimate, b: Estimate) -> bool:
-    """Whether two rows' estimates could show a difference at 95% at all: always over steps (one run each);
-    over runs, four or more a row (``RUNS_TO_SEPARATE``)."""
-    return a.what != "runs" and b.what != "runs" or min(a.n, b.n) >= RUNS_TO_SEPARATE
+ALPHA = 0.05
+
+
+def _told_apart(a: Estimate, b: Estimate) -> bool:
+    """Whether two rows differ beyond noise. Over runs (both rows repeated): the two-sided Mann-Whitney test on the
+    runs' values at ``ALPHA`` (with four runs a row it needs every run of one below every run of the other; with
+    five, one pair may cross), and never with fewer than ``RUNS_TO_SEPARATE`` runs a row. Over the steps of one run
+    each: the 95% intervals do not overlap."""
+    if a.what == "runs" and b.what == "runs" and a.samples and b.samples:
+        if min(a.n, b.n) < RUNS_TO_SEPARATE:
+            return False
+        low = min(mann_whitney_greater(a.samples, b.samples), mann_whitney_greater(b.samples, a.samples))
+        return 2 * low < ALPHA
+    if "runs" in (a.what, b.what) and min(a.n, b.n) < RUNS_TO_SEPARATE:
+        return False
+    return not a.overlaps(b)
 
 
 def _efficiency(value: float) -> str:
@@ -396,14 +432,14 @@ def _efficiency(value: float) -> str:
 
 def versus(row: Row, first: Row | None, key: str) -> str:
     """The row's headline figure against the reference row of its problem: '+12%' beyond noise, '≈' within it
-    (intervals that overlap, or too few runs to tell rows apart), '?' after a change where either side has one
+    (not told apart: ``_told_apart``), '?' after a change where either side has one
     sample, 'disturbed' (no figure) where either side ran on a disturbed machine, '-' for the reference itself."""
     mine, theirs = row.estimates.get(key), first.estimates.get(key) if first else None
     if first is None or first is row or mine is None or theirs is None or not theirs.median:
         return "-"
     if row.disturbed or first.disturbed:
         return "disturbed"
-    if mine.n >= 2 and theirs.n >= 2 and (mine.overlaps(theirs) or not _separable(mine, theirs)):
+    if mine.n >= 2 and theirs.n >= 2 and not _told_apart(mine, theirs):
         return "≈"
     change = f"{(mine.median / theirs.median - 1):+.0%}"
     return change if mine.n >= 2 and theirs.n >= 2 else f"{change}?"
@@ -534,38 +570,103 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
         log(f"in rounds: every cell once per round, in an order shuffled with seed {seed}")
     total = sum(max(0, repeat - len(results[i])) for i, _ in to_run)
     done = 0
-    for round_index in range(rounds):
-        if round_index >= repeat and not _unsettled(to_run, results, settle, workload.kind):
-            break
-        order = [(i, p) for i, p in to_run if len(results[i]) <= round_index]
-        if shuffled:
-            rng.shuffle(order)
-        if round_index >= repeat:
-            total += len(order)
-        for i, p in order:
-            done += 1
-            if log:
-                log(f"[{done}/{total}] {p.title}" + (f" (round {round_index + 1})" if shuffled else ""))
-            if on_cell:
-                on_cell(done - 1, total, p.title)
-            result: RunResult = run(p.workload, p.cell.adapter, **run_options)
-            results[i].append((str(result.run_dir), to_json(result.summary)))
+    table = ComparisonFile(out, workload, log)
+    finish = dict(planned=planned, to_run=to_run, results=results, baseline=baseline,
+                  seed=seed if shuffled else None, settle=settle)
+    try:
+        for round_index in range(rounds):
+            if round_index >= repeat and not _unsettled(to_run, results, settle, workload.kind):
+                break
+            order = [(i, p) for i, p in to_run if len(results[i]) <= round_index]
+            if shuffled:
+                rng.shuffle(order)
+            if round_index >= repeat:
+                total += len(order)
+            for i, p in order:
+                done += 1
+                if log:
+                    log(f"[{done}/{total}] {p.title}" + (f" (round {round_index + 1})" if shuffled else ""))
+                if on_cell:
+                    on_cell(done - 1, total, p.title)
+                result: RunResult = run(p.workload, p.cell.adapter, **run_options)
+                results[i].append((str(result.run_dir), to_json(result.summary)))
+                # the table so far, on disk as each run ends: an interruption leaves it
+                table.write(_assemble(**finish, pending=_pending(to_run, results, repeat), partial=True))
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM (llmadapt.errors.Terminated): the runs made so far
+        table.interrupted(_assemble(**finish, pending=_pending(to_run, results, repeat), partial=True), exc)
+        raise
     if on_cell and total:
         on_cell(done, total, "")
+    unsettled = [p.title for p in _unsettled(to_run, results, settle, workload.kind)] if settle else []
+    comparison = attrs.evolve(_assemble(**finish), unsettled=unsettled)
+    return table.write(comparison) if (done or reused) else comparison
+
+
+def _pending(to_run, results, repeat: int) -> list[str]:
+    """The runs still to make to reach ``repeat`` per cell (more rounds to settle are not counted)."""
+    return [p.title for i, p in to_run for _ in range(repeat - len(results[i]))]
+
+
+def _assemble(planned, to_run, results, baseline, seed, settle, pending: list[str] | None = None,
+              partial: bool = False) -> Comparison:
+    """The comparison of the runs in ``results``: a row per cell with a run (so far, when ``partial``; the runs
+    still to make in ``pending``), unsupported cells as rows of their own."""
     rows: dict[int, Row] = {}
     baselines: dict[str, list[float | None]] = {}
     for i, p in to_run:  # in the cells' order: a problem's first row is its parity reference
-        rows[i] = row_of_runs(p.title, p.cell.adapter, p.variant, str(p.cell), results[i], baselines)
+        if results[i]:
+            rows[i] = row_of_runs(p.title, p.cell.adapter, p.variant, str(p.cell), results[i], baselines)
     for i, p in enumerate(planned):
         if p.unsupported:
             rows[i] = Row(label=p.title, adapter=p.cell.adapter, variant=p.variant, run_dir=None, status="unsupported",
                           metrics={}, note=p.unsupported, problem_hash=p.workload.problem_hash, cell=str(p.cell))
     problems = list(dict.fromkeys(p.workload.problem_hash for p in planned))
     order = sorted(rows, key=lambda i: (problems.index(planned[i].workload.problem_hash), i))
-    unsettled = [p.title for p in _unsettled(to_run, results, settle, workload.kind)] if settle else []
-    return Comparison(rows=[rows[i] for i in order], baseline=baseline, seed=seed if shuffled else None,
-                      settle=settle, unsettled=unsettled,
-                      workloads={p.workload.problem_hash: p.workload for p in reversed(planned)})
+    return Comparison(rows=[rows[i] for i in order], baseline=baseline, seed=seed, settle=settle,
+                      workloads={p.workload.problem_hash: p.workload for p in reversed(planned)},
+                      partial=partial, pending=pending or [])
+
+
+class ComparisonFile:
+    """Where ``compare`` keeps its table: OUT/compare-TIME-HASH-XXXX.json, rewritten (atomically) as each run
+    ends, so that an interrupted comparison leaves the rows it finished (``"partial": true``, the runs not made
+    under ``pending``); ``--reuse`` picks the finished runs up again from the store."""
+
+    def __init__(self, out: Path, workload: Workload, log: Callable[[str], None] | None) -> None:
+        from llmadapt.contract.launch import new_run_id
+
+        self.path = out / f"compare-{new_run_id(workload.content_hash[:8])}.json"
+        self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.failed = False
+
+    def write(self, comparison: Comparison, **extra: Any) -> Comparison:
+        """Write the comparison (its rows, counts and text table); returns it with ``saved`` set when written. A
+        disk that refuses it is said once; the runs themselves are in their folders."""
+        import os
+
+        data = {**comparison.to_dict(), **extra, "table": comparison.table()}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({**data, "saved": str(self.path)}, indent=1, default=str) + "\n")
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            if not self.failed:
+                self.log(f"warning: could not write the comparison's table {self.path}: {exc.strerror or exc}")
+            self.failed = True
+            tmp.unlink(missing_ok=True)
+            return comparison
+        return attrs.evolve(comparison, saved=str(self.path))
+
+    def interrupted(self, comparison: Comparison, exc: BaseException) -> None:
+        """The comparison as far as it got, written when a stop signal ends it, and where it is said."""
+        from llmadapt.launch.supervise import interrupt_text
+
+        made = sum(len(r.run_dirs) for r in comparison.rows)
+        saved = self.write(comparison, interrupted=interrupt_text(exc)).saved
+        if saved:
+            self.log(f"{interrupt_text(exc)}: the partial comparison ({made} run(s), {len(comparison.pending)} not "
+                     f"made) is in {saved}; run the same compare with --reuse to make only the runs missing")
 
 
 def _unsettled(to_run, results, settle: float | None, kind: str) -> list:
@@ -597,7 +698,9 @@ def row_of_runs(label: str, adapter: str, variant: str, cell: str, results: list
     headline figures as medians with their intervals, every failure and warning in the note."""
     summaries = [from_json_summary(s) for _, s in results]
     first = summaries[0]
-    ok = [(d, s) for (d, _), s in zip(results, summaries) if s.status == "ok"]
+    # A degraded serving run measured (some requests failed or were cut short): its figures stand in its row,
+    # which says 'degraded'; the verdict judges 'ok' rows only.
+    ok = [(d, s) for (d, _), s in zip(results, summaries) if s.status in ("ok", "degraded")]
     base = baselines.setdefault(first.problem_hash, first.losses) if first.losses else baselines.get(first.problem_hash)
     notes = []
     for s in summaries:
@@ -622,11 +725,21 @@ def row_of_runs(label: str, adapter: str, variant: str, cell: str, results: list
     disturbed = [f"{label} run {n}: {s.interference.causes[0]}" if len(results) > 1 else s.interference.causes[0]
                  for n, s in enumerate(summaries, 1) if s.interference is not None and s.interference.causes]
     return Row(label=label, adapter=adapter, variant=variant, run_dir=results[0][0],
-               status="ok" if ok and len(ok) == len(results) else "failed", metrics=metrics,
+               status=_row_status([s.status for s in summaries]), metrics=metrics,
                note="; ".join(dict.fromkeys(notes))[:400], problem_hash=first.problem_hash, cell=cell,
                run_dirs=[d for d, _ in results], estimates=estimates, machine=machine,
                disturbed=list(dict.fromkeys(disturbed)),
                judged=all(s.interference is None or s.interference.quiet is not None for s in summaries))
+
+
+def _row_status(statuses: list[str]) -> str:
+    """A row's status from its runs': 'ok' when every run is; else 'diverged' when one is (a NaN loss says more
+    than a failure), 'degraded' when every run measured and some are, else 'failed'."""
+    if all(s == "ok" for s in statuses):
+        return "ok"
+    if "diverged" in statuses:
+        return "diverged"
+    return "degraded" if all(s in ("ok", "degraded") for s in statuses) else "failed"
 
 
 def _estimates(ok: list[tuple[str, Any]], kind: str) -> dict[str, Estimate]:
@@ -654,7 +767,7 @@ def step_samples(run_dir: Path) -> tuple[list[float], list[int]]:
         launch = RunDir(run_dir).read_launch()
     except (OSError, ValueError, LlmadaptError):
         return [], []
-    w = Workload.from_dict(launch["workload"])
+    w = Workload.from_dict(launch.workload)
     by_step: dict[int, list[dict[str, Any]]] = {}
     for r in records:
         if r["type"] == "step" and not r["warmup"] and not (r.get("profiled") and not w.profile.in_statistics):

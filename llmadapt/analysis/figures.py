@@ -194,8 +194,9 @@ def _heatmaps(panels: list[tuple[str, list[list[int]]]]):
 
 
 def evaluation_curves(runs: list[ReportRun]):
-    """Held-out loss, and exact match (solid; per-token accuracy, dashed, for synthetic data without answers),
-    against the steps trained, per run with evaluations."""
+    """Held-out loss, and accuracy: exact match (solid; per-token accuracy, dashed, for synthetic data without
+    answers) and choice accuracy (dotted, multiple-choice sets such as HellaSwag), against the steps trained, per
+    run with evaluations: study B's accuracy per epoch when eval.every is an epoch's steps."""
     evaluated = [(r, r.summary["evaluations"]) for r in runs if r.summary.get("evaluations")]
     if not evaluated:
         return None
@@ -209,12 +210,15 @@ def evaluation_curves(runs: list[ReportRun]):
         exact = points[0].get("exact_match") is not None
         right.plot(steps, [e["exact_match" if exact else "token_accuracy"] for e in points],
                    ls="-" if exact else "--", **style)
+        if any(e.get("choice_accuracy") is not None for e in points):
+            choice = [(s, e["choice_accuracy"]) for s, e in zip(steps, points) if e.get("choice_accuracy") is not None]
+            right.plot([s for s, _ in choice], [a for _, a in choice], ls=":", **{**style, "label": None})
     if min(losses) > 0 and max(losses) / min(losses) > 20:
         left.set_yscale("log")
     left.set_xlabel("steps trained")
     left.set_ylabel("held-out loss (nats per token)")
     right.set_xlabel("steps trained")
-    right.set_ylabel("exact match (dashed: per token)")
+    right.set_ylabel("exact match (dashed: per token;\ndotted: choice accuracy)")
     right.set_ylim(-0.02, 1.02)
     legend(right)
     return fig

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
 
 NO_KERNELS = ("no GPU kernels in these traces: HTA's temporal breakdown, overlap and kernel breakdown read GPU "
@@ -27,15 +28,13 @@ NO_KERNELS = ("no GPU kernels in these traces: HTA's temporal breakdown, overlap
 
 def profiled_steps(run_dir: str | Path) -> list[int]:
     """The steps whose traces the run kept (level full)."""
-    folder = Path(run_dir) / "profile"
+    folder = RunDir(run_dir).profile_dir
     steps = [int(p.name.removeprefix("step-")) for p in folder.glob("step-*") if p.name[5:].isdigit()]
     return sorted(steps)
 
 
 def hta_analysis(run_dir: str | Path, step: int | None = None, *, timeout: float = 600) -> dict[str, Any]:
     """HTA's reading of one profiled step's traces (default: the first the run kept)."""
-    from llmadapt.contract.rundir import RunDir
-
     if not RunDir(run_dir).launch_file.is_file():
         raise LlmadaptError(f"{run_dir} is not a run directory (no launch.json)")
     steps = profiled_steps(run_dir)
@@ -45,7 +44,7 @@ def hta_analysis(run_dir: str | Path, step: int | None = None, *, timeout: float
         step = steps[0]
     elif step not in steps:
         raise LlmadaptError(f"{run_dir}: no traces of step {step}; traced steps: {', '.join(map(str, steps))}")
-    (result,) = _run_hta([Path(run_dir) / "profile" / f"step-{step}"], timeout)
+    (result,) = _run_hta([RunDir(run_dir).profile_step(step)], timeout)
     return {"step": step, **result}
 
 

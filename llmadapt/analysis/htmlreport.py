@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -19,7 +20,7 @@ from llmadapt.analysis import figures as F
 from llmadapt.analysis import figures_train as T
 from llmadapt.analysis.compare import Comparison, row_of_runs, versus
 from llmadapt.contract.rundir import RunDir
-from llmadapt.errors import LlmadaptError
+from llmadapt.errors import LlmadaptError, StorageError
 from llmadapt.host import VERSION, utc_now
 from llmadapt.spec import Workload
 
@@ -91,7 +92,7 @@ def _load(folder: Path) -> tuple[dict[str, Any], Workload, list[dict[str, Any]]]
 
     try:
         summary = read_summary(folder)
-        workload = Workload.from_dict(RunDir(folder).read_launch()["workload"])
+        workload = Workload.from_dict(RunDir(folder).read_launch().workload)
         records = load_records(folder)
     except LlmadaptError as exc:
         raise LlmadaptError(f"{folder}: damaged run folder ({exc})") from None
@@ -320,7 +321,9 @@ def _html(title: str, comparison: Comparison, runs: list[F.ReportRun], figs: dic
 def report(sources: Iterable[str | Path], output: str | Path, *, query: str | None = None, root: str | Path = "runs",
            figures_dir: str | Path | None = None, title: str = "llmadapt report",
            log: Callable[[str], None] | None = None, baseline: str | None = None) -> Path:
-    """Write the HTML report of the runs to OUTPUT (and, with ``figures_dir``, each figure as PNG and SVG)."""
+    """Write the HTML report of the runs to OUTPUT (and, with ``figures_dir``, each figure as PNG and SVG). Where
+    they cannot be written is found before anything is drawn: one line naming the path."""
+    check_output(output, figures_dir)
     folders = collect(sources, query=query, root=root)
     text, figs, _ = build(folders, title=title, keep_figures=figures_dir is not None, log=log,
                           baseline=baseline)
@@ -333,9 +336,37 @@ def report(sources: Iterable[str | Path], output: str | Path, *, query: str | No
             for name, (_, fig) in figs.items():
                 F.save(fig, Path(figures_dir) / name)
     except OSError as exc:
-        raise LlmadaptError(f"cannot write the report: {exc.strerror or exc}") from None
+        raise LlmadaptError(f"cannot write the report {exc.filename or output}: {exc.strerror or exc}") from None
     finally:
         if figures_dir is not None:
             for _, fig in figs.values():
                 F.close(fig)
     return output
+
+
+
+def check_output(output: str | Path, figures_dir: str | Path | None = None) -> None:
+    """Refuse, before minutes of drawing, a report that cannot be written, in one line naming the path: a folder
+    given as the file, a path under a file, a folder this user may not write in. (Missing folders are made.)"""
+    output = Path(output)
+    if output.is_dir():
+        raise LlmadaptError(f"report -o {output}: is a folder, expected a file (name the HTML file to write, e.g. "
+                            f"{output / 'report.html'})")
+    _writable_folder(output.parent, f"report -o {output}")
+    if output.exists() and not os.access(output, os.W_OK):
+        raise StorageError(f"report -o {output}: not writable (permission denied)")
+    if figures_dir is not None:
+        figures = Path(figures_dir)
+        if figures.exists() and not figures.is_dir():
+            raise LlmadaptError(f"--figures {figures}: is a file, expected a folder")
+        _writable_folder(figures, f"--figures {figures}")
+
+
+def _writable_folder(folder: Path, what: str) -> None:
+    """The folder, or the nearest of its parents that exists (the rest is made), is a folder this user may
+    write in."""
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        raise LlmadaptError(f"{what}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise StorageError(f"{what}: cannot write in {existing} (permission denied)")

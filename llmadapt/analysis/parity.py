@@ -155,13 +155,15 @@ def parity_of_stored(query: str, *, root: str | Path = "runs", rtol: float = PAR
     if len(found) != 2:
         raise LlmadaptError(f"parity --runs needs exactly two stored runs; {query or '(all runs)'} matches "
                             f"{len(found)} in {root}" + (": " + ", ".join(r.run_id for r in found[:4]) if found else ""))
-    return parity_of_runs(found[0].folder, found[1].folder, rtol=rtol, atol=atol)
+    report = parity_of_runs(found[0].folder, found[1].folder, rtol=rtol, atol=atol)
+    # the runs named in the result line: their ids and layouts (a stored run has no cell label of its own)
+    return attrs.evolve(report, names=tuple(f"run {r.run_id} ({r.layout})" for r in found))
 
 
 def _differing_fields(*run_dirs: str | Path) -> str:
     """'train.lr (0.001 vs 0.01)' from the runs' launch records; '' where a record cannot be read."""
     try:
-        a, b = (Workload.from_dict(RunDir(r).read_launch()["workload"]) for r in run_dirs)
+        a, b = (Workload.from_dict(RunDir(r).read_launch().workload) for r in run_dirs)
     except Exception:  # an old or damaged folder: the hashes alone say it
         return ""
     return "; ".join(problem_difference(a, b)[:4])
@@ -195,7 +197,9 @@ def parity(workload: Workload | str | Path, adapters: list[str] | None = None, *
     for r in results:
         if not r.ok:
             f = r.summary.failures[0] if r.summary.failures else None
-            raise LlmadaptError(f"parity: the {r.summary.adapter} run failed ({f.cause}: {f.message}) - see {r.run_dir}"
-                                if f else f"parity: the {r.summary.adapter} run failed - see {r.run_dir}")
+            what = f"parity: the {r.summary.adapter} run {r.summary.status}"  # 'failed' or 'diverged'
+            raise LlmadaptError(f"{what} ({f.cause}: {f.message}) - see {r.run_dir}" if f else
+                                f"{what}{' (' + r.summary.warnings[0] + ')' if r.summary.warnings else ''} - see "
+                                f"{r.run_dir}")
     report = loss_parity(results[0].losses, results[1].losses, rtol=rtol, atol=atol)
     return attrs.evolve(report, names=names)

@@ -24,9 +24,9 @@ from typing import Any
 import attrs
 
 from llmadapt.analysis.store import METRICS, Query, RunStore, StoredRun
-from llmadapt.analysis.table import text_table
 from llmadapt.analysis.uncertainty import mann_whitney_greater
 from llmadapt.errors import LlmadaptError
+from llmadapt.texttable import text_table
 
 DETERMINISTIC = ("peak_memory_bytes", "first_loss", "last_loss", "expert_cv")
 """Figures a rerun repeats (the same problem, the same layout): judged on one run a side. The rest are timings."""

@@ -59,14 +59,22 @@ def show(run_dir: str | Path) -> dict[str, Any]:
 
 def render_summary(s: dict[str, Any]) -> str:
     st, tok = s.get("step_time_s"), s.get("tokens_per_s")
-    lines = [
-        f"run        {s['run_id']}  [{s['status']}]",
-        f"adapter    {s['adapter']} ({s['framework']} {s['framework_version']}), launcher {s['launcher']}, "
-        f"world size {s['world_size']}",
-        f"workload   {s['workload_hash'][:12]} (problem {s['problem_hash'][:12]})",
-        f"device     {s['device']['kind']}: {s['device']['name']}" if s.get("device") else "device     -",
-        f"steps      {s['steps_completed']} completed, {s['measured_steps']} measured",
-    ]
+    device = f"device     {s['device']['kind']}: {s['device']['name']}" if s.get("device") else "device     -"
+    if s.get("role") == "serve" or (s.get("serving") and not s.get("steps_completed")):
+        # a serving run has an engine and requests, no steps (and a device only where the engine reported one)
+        lines = [f"run        {s['run_id']}  [{s['status']}]",
+                 f"engine     {s['adapter']} ({s['framework']} {s['framework_version']}), launcher {s['launcher']}",
+                 f"workload   {s['workload_hash'][:12]} (problem {s['problem_hash'][:12]})"]
+        lines += [device] if s.get("device") else []
+    else:
+        lines = [
+            f"run        {s['run_id']}  [{s['status']}]",
+            f"adapter    {s['adapter']} ({s['framework']} {s['framework_version']}), launcher {s['launcher']}, "
+            f"world size {s['world_size']}",
+            f"workload   {s['workload_hash'][:12]} (problem {s['problem_hash'][:12]})",
+            device,
+            f"steps      {s['steps_completed']} completed, {s['measured_steps']} measured",
+        ]
     if st:
         lines.append(f"step time  p50 {st['p50']:.4f} s  p90 {st['p90']:.4f} s  mean {st['mean']:.4f} s "
                      f"(std {st['std']:.4f}, n={st['count']})")
@@ -102,12 +110,14 @@ def render_summary(s: dict[str, Any]) -> str:
                 line += f"; bunched chunks {v['bunched_share']:.0%} (engine ITL {v['engine_itl_ms']:.2f} ms)"
             lines.append(line)
     if s.get("interference"):
-        lines.append(machine_line(s["interference"]))
+        lines.append(machine_line(s["interference"], "requests" if s.get("serving") else "steps"))
     if s.get("mfu") is not None:
         hfu = f", hfu {s['hfu']:.1%} (recomputation counted)" if s.get("hfu") and s["hfu"] != s["mfu"] else ""
         lines.append(f"mfu        {s['mfu']:.1%}{hfu}")
     for failure in s.get("failures", []):
         where = f"rank {failure['rank']}" if failure.get("rank") is not None else "launcher"
+        if failure.get("step") is not None:
+            where += f", step {failure['step']}"
         lines.append(f"failure    {failure['cause']} ({where}): {failure['message'][:300]}")
     for warning in s.get("warnings", []):
         lines.append(f"warning    {warning}")
@@ -117,9 +127,6 @@ def render_summary(s: dict[str, Any]) -> str:
         lines.append(f"phase      {name:<24} {secs:.4f} s{share}")
     for p in s.get("patches", []):
         lines.append(f"patch      {p['framework']}: {p['name']} ({p['kind']}) - {p['description']}")
-    for f in s.get("failures", []):
-        where = f"rank {f['rank']}" if f.get("rank") is not None else "launcher"
-        lines.append(f"failure    {f['cause']} ({where}, step {f.get('step')}): {f['message']}")
     if s.get("expert_imbalance"):
         lines += ["", "experts    load per MoE layer over the steps after warm-up (CV: std/mean of tokens per expert)",
                   render_imbalance(s["expert_imbalance"])]
@@ -134,22 +141,27 @@ def render_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def machine_line(i: dict[str, Any]) -> str:
+def machine_line(i: dict[str, Any], what: str = "steps") -> str:
     """'machine    quiet ...' or 'machine    DISTURBED: <cause>; ...', with what was measured."""
     def num(value, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
     measured = (f"load {num(i['load_start'], '.2f')} -> {num(i['load_end'], '.2f')}, other processes "
-                f"{num(i['other_cpu_cores'], '.2f')} cores, waits for a core {num(i['run_delay_share'], '.1%')}")
+                f"{num(i['other_cpu_cores'], '.2f')} cores, waits for a core {num(i['run_delay_share'], '.1%')}"
+                + (f" (of a step: median {i['step_wait_share_median']:.1%}, worst {i['step_wait_share_max']:.1%})"
+                   if i.get("step_wait_share_max") is not None else ""))
+    if i["quiet"] is None and i["other_cpu_cores"] is None and what == "requests":
+        return ("machine    not judged: the engine's CPU is not known (attached by URL), so other processes' CPU "
+                f"cannot be told from it ({measured})")
     if i["quiet"] is None:
-        return f"machine    not judged: the measured steps took under half a second ({measured})"
+        return f"machine    not judged: the measured {what} took under half a second ({measured})"
     if i["quiet"]:
-        return f"machine    quiet during the measured steps ({measured})"
-    return f"machine    DISTURBED during the measured steps: {'; '.join(i['causes'])} ({measured})"
+        return f"machine    quiet during the measured {what} ({measured})"
+    return f"machine    DISTURBED during the measured {what}: {'; '.join(i['causes'])} ({measured})"
 
 
 def render_imbalance(layers: list[dict[str, Any]]) -> str:
-    from llmadapt.analysis.table import text_table
+    from llmadapt.texttable import text_table
 
     head = ["layer", "CV mean", "CV max", "max/mean", "max/mean worst", "idle experts", "idle worst"]
     rows = [[str(x["layer"]), f"{x['cv']:.3f}", f"{x['cv_max']:.3f}", f"{x['max_over_mean']:.2f}",
@@ -159,7 +171,7 @@ def render_imbalance(layers: list[dict[str, Any]]) -> str:
 
 def render_evaluations(points: list[dict[str, Any]]) -> list[str]:
     """The held-out figures at each evaluation; for MoE models, each layer's expert load before and after."""
-    from llmadapt.analysis.table import text_table
+    from llmadapt.texttable import text_table
     from llmadapt.contract.breakdowns import imbalance
 
     def fmt(value, spec: str) -> str:

@@ -16,7 +16,9 @@ A sweep file names a workload file, the adapters or cells, settings, a matrix an
 It expands (`llmadapt.analysis.cells.plan`, as `compare` does) to cells with stable ids: a hash of the adapter,
 the cell's resolved workload and the repeat's number, the same wherever and whenever the file is read. A sweep's
 state lives in OUT/sweep-NAME-ID/: sweep.json (the cells) and one file per cell (cells/ID.json: pending, running,
-done or failed, with every attempt's run folder), each written atomically as the cell moves. Running the sweep
+done or failed, with every attempt's run folder), each written atomically as the cell moves, and results.json (every
+cell's status, run folder and maximum batch, with a text table), rewritten as each cell ends and when the sweep is
+interrupted (then ``"partial": true``, with what stopped it). Running the sweep
 again skips the cells already done, if their run is still there, finished ok on the same adapter version and
 machine; it retries failed cells up to ``retries`` more times, after which they stay failed, with their runs.
 Each cell's run is an ordinary run folder in OUT, which the run store, compare --runs and the report read.
@@ -24,6 +26,8 @@ Each cell's run is an ordinary run folder in OUT, which the run store, compare -
 ``llmadapt sweep run SWEEP --slurm`` submits the sweep as one Slurm job array, one cell per array task (each task
 runs ``llmadapt sweep run SWEEP --index I`` on its node, with the local launchers), and follows it; the cell files
 say what each task did, so a cancelled array is resumed by running the sweep again.
+
+It is over 400 lines because a sweep's file, its cells' state, its results and its Slurm array are one object.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from typing import Any, Callable
 import attrs
 
 from llmadapt.analysis.cells import PlannedCell, as_cells, plan
-from llmadapt.errors import LlmadaptError
+from llmadapt.contract.rundir import RunDir
+from llmadapt.errors import LlmadaptError, not_a_file
 from llmadapt.host import node_name, utc_now
 from llmadapt.spec import Workload, read_document
 
@@ -102,11 +107,11 @@ class Sweep:
         run_dir = Path(state["attempts"][-1]["run_dir"])
         try:
             summary = read_summary(run_dir)
-            launch = json.loads((run_dir / "launch.json").read_text())
+            launch = RunDir(run_dir).read_launch()
         except (LlmadaptError, OSError, json.JSONDecodeError):
             return None
-        same = (summary.get("status") == "ok" and launch.get("workload_hash") == cell.planned.workload.content_hash
-                and launch.get("adapter_version") == get_adapter(cell.planned.cell.adapter).version
+        same = (summary.get("status") == "ok" and launch.workload_hash == cell.planned.workload.content_hash
+                and launch.adapter_version == get_adapter(cell.planned.cell.adapter).version
                 and state.get("machine") == (machine or this_machine()))
         return str(run_dir) if same else None
 
@@ -180,8 +185,59 @@ class Sweep:
         return {"search_dir": str(found.search_dir), **to_json(found.result)}
 
     def run(self, *, log: Callable[[str], None] = lambda m: None, **run_options: Any) -> None:
-        for cell in self.cells:
-            self.run_cell(cell, log=log, **run_options)
+        """Every cell in turn (those done skipped); results.json rewritten as each cell ends, and when a stop
+        signal ends the sweep early (marked partial: cells still pending)."""
+        from llmadapt.launch.supervise import interrupt_text
+
+        try:
+            for cell in self.cells:
+                self.run_cell(cell, log=log, **run_options)
+                self.write_results()
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (llmadapt.errors.Terminated)
+            path = self.write_results(interrupted=interrupt_text(exc))
+            if path is not None:
+                done = sum(1 for c in json.loads(path.read_text())["cells"] if c["status"] == "done")
+                log(f"{interrupt_text(exc)}: the sweep's results so far ({done} of {len(self.cells)} cells done) are "
+                    f"in {path}; run the sweep again to resume (the cells done are skipped)")
+            raise
+
+    # -- results ----------------------------------------------------------------------------------------------
+    @property
+    def results_file(self) -> Path:
+        return self.folder / "results.json"
+
+    def results(self, machine: str | None = None) -> dict[str, Any]:
+        """Every cell's status now (``status``), its attempts, last run folder and maximum batch; the counts, a
+        text table, and ``partial`` while some cell is neither done nor failed."""
+        from llmadapt.texttable import text_table
+
+        rows = self.status(machine)
+        cells = [{"index": i, "id": c.id, "title": c.title, "status": status,
+                  "attempts": len(state.get("attempts", [])),
+                  "run_dir": (state.get("attempts") or [{}])[-1].get("run_dir"),
+                  "max_batch": ((state.get("attempts") or [{}])[-1].get("maxbatch") or {}).get("max_batch")}
+                 for i, (c, status, state) in enumerate(rows)]
+        counts = {s: sum(1 for _, status, _ in rows if status == s) for s in STATES}
+        head = ["#", "cell", "id", "status", "attempts", *(["max batch"] if self.maxbatch is not None else []), "run"]
+        table = [*text_table(head, [[str(d["index"]), d["title"], d["id"], d["status"], str(d["attempts"]),
+                                     *([str(d["max_batch"] or "-")] if self.maxbatch is not None else []),
+                                     d["run_dir"] or "-"] for d in cells]),
+                 f"{len(rows)} cells: " + ", ".join(f"{n} {s}" for s, n in counts.items())]
+        return {"folder": str(self.folder), "cells": cells, "counts": counts,
+                "partial": counts["done"] + counts["failed"] < len(rows), "table": "\n".join(table)}
+
+    def write_results(self, **extra: Any) -> Path | None:
+        """results.json in the sweep's folder, written atomically; None (with the reason on stderr) when the disk
+        refuses it: the cells' own files still say what ran."""
+        tmp = self.results_file.with_name(f".results.json.{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps({**self.results(), **extra}, indent=1) + "\n")
+            os.replace(tmp, self.results_file)
+        except OSError as exc:
+            print(f"warning: could not write {self.results_file}: {exc.strerror or exc}", file=sys.stderr)
+            tmp.unlink(missing_ok=True)
+            return None
+        return self.results_file
 
     def array_script(self, python: str, slurm_options: list[str], indices: list[int]) -> str:
         """The Slurm job array of the cells at ``indices``: task I runs cell I with this machine's llmadapt (the
@@ -260,12 +316,13 @@ def write(path: str | Path, data: dict[str, Any]) -> Path:
 
 
 def load(path: str | Path, out: str | Path = "runs", overrides: list[str] | None = None, *,
-         create: bool = True) -> Sweep:
+         create: bool = True, index: int | None = None) -> Sweep:
     """A sweep file, expanded and checked (every cell resolved before anything runs); one line when it cannot be.
-    ``create``: also make its state folder under OUT (sweep.json), as running it does."""
+    ``create``: also make its state folder under OUT (sweep.json), as running it does. ``index``: the one cell
+    to run (--index), refused before anything is written when the sweep has no such cell."""
     path = Path(path)
     if not path.is_file():
-        raise LlmadaptError(f"sweep file {path}: no such file")
+        raise LlmadaptError(f"sweep file {path}: {not_a_file(path)}")
     try:
         data = read_document(path)
     except ValueError as exc:
@@ -303,6 +360,8 @@ def load(path: str | Path, out: str | Path = "runs", overrides: list[str] | None
     sweep_id = hashlib.sha256("".join(c.id for c in cells).encode()).hexdigest()[:8]
     folder = Path(out) / f"sweep-{name}-{sweep_id}"
     sweep = Sweep(path, name, workload, cells, retries, maxbatch, folder, Path(out))
+    if index is not None and not 0 <= index < len(cells):
+        raise LlmadaptError(f"--index {index}: the sweep has cells 0 to {len(cells) - 1}")
     if not create:
         return sweep
     folder.mkdir(parents=True, exist_ok=True)

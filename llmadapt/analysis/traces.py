@@ -183,7 +183,7 @@ def analyse_traces(paths: list[str | Path], *, include_last_step: bool = False) 
 def render(result: TraceAnalysis) -> str:
     """Each rank's breakdown as `show` prints a run's, then the stragglers."""
     from llmadapt.analysis.breakdown_text import render_breakdown
-    from llmadapt.analysis.table import text_table
+    from llmadapt.texttable import text_table
     from llmadapt.contract.breakdowns import breakdown_summary
 
     lines: list[str] = []

@@ -25,6 +25,8 @@ class Estimate:
     n: int
     what: str
     """'runs' (one value per repeated run) or 'steps' (the measured steps of one run)."""
+    samples: tuple[float, ...] = ()
+    """Over runs: the runs' values (few), for a rank test between rows; empty over steps."""
 
     def overlaps(self, other: Estimate) -> bool:
         return self.low <= other.high and other.low <= self.high
@@ -53,13 +55,14 @@ def bootstrap_median(samples: Sequence[float], what: str, *, seed: int = 0) -> E
     if not data:
         raise ValueError("no samples")
     median = statistics.median(data)
+    kept = tuple(data) if what == "runs" else ()
     if len(data) < 2:
-        return Estimate(median, median, median, len(data), what)
+        return Estimate(median, median, median, len(data), what, kept)
     rng = random.Random(seed)
     n = len(data)
     medians = sorted(statistics.median(rng.choices(data, k=n)) for _ in range(RESAMPLES))
     tail = (1 - CONFIDENCE) / 2
-    return Estimate(median, medians[int(tail * RESAMPLES)], medians[int((1 - tail) * RESAMPLES) - 1], n, what)
+    return Estimate(median, medians[int(tail * RESAMPLES)], medians[int((1 - tail) * RESAMPLES) - 1], n, what, kept)
 
 
 @attrs.frozen

@@ -1,5 +1,5 @@
 """What every command shares: reading the workload and its --set overrides, --json output, run options,
-progress lines, and the helpers that register a command.
+progress lines, text from the outside world made safe to print, and the helpers that register a command.
 """
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 from typing import Any, Callable, Iterator
 
@@ -26,8 +27,31 @@ def workload_of(args, *, runs_adapters: bool = True):
     return workload
 
 
+# C0 and C1 controls (a newline, a carriage return, an escape sequence) and the bidirectional overrides, embeddings,
+# isolates and marks that reorder what follows them on a terminal (U+202E, a right-to-left override).
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: object) -> str:
+    """``text`` with its control characters and bidirectional overrides escaped (``\\n``, ``\\x1b``, ``\\u202e``):
+    names, labels and server bodies from the outside world print as one line that reads as it is stored."""
+    def escaped(match: re.Match) -> str:
+        char = match.group()
+        return _NAMED.get(char) or (f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
+
+    return _UNPRINTABLE.sub(escaped, str(text))
+
+
+def printable_lines(text: object) -> str:
+    """``printable`` line by line: a text of several lines keeps its lines, each made safe."""
+    return "\n".join(printable(line) for line in str(text).split("\n"))
+
+
 def emit(args, data: Any, text: str) -> None:
-    print(json.dumps(data, indent=2, default=str) if args.json else text)
+    """--json: the data as JSON (every control character escaped by JSON itself); else the text, each line
+    printed with its control characters escaped."""
+    print(json.dumps(data, indent=2, default=str) if args.json else printable_lines(text))
 
 
 def run_options(args) -> dict[str, Any]:
@@ -38,21 +62,23 @@ def run_options(args) -> dict[str, Any]:
 
 def _progress(record: dict[str, Any]) -> None:
     if record.get("type") == "warning":
-        print(f"warning: {record['message']}", file=sys.stderr, flush=True)
+        print(f"warning: {printable_lines(record['message'])}", file=sys.stderr, flush=True)
     elif record.get("type") == "node":
-        print(record["message"], file=sys.stderr, flush=True)
+        print(printable_lines(record["message"]), file=sys.stderr, flush=True)
     elif record.get("type") == "slurm":
         reason = f" ({record['reason']})" if record.get("reason") not in (None, "", "None") else ""
         print(f"  slurm job {record['job_id']}: {record['state'] or 'gone'}{reason}", file=sys.stderr, flush=True)
     elif record.get("type") == "start":
-        print(f"running {record['label']} on {record['adapter']} (world size {record['world_size']}, "
-              f"{record['launcher']}) -> {record['run_dir']}", file=sys.stderr, flush=True)
+        print(f"running {printable(record['label'])} on {printable(record['adapter'])} (world size "
+              f"{record['world_size']}, {record['launcher']}) -> {printable(record['run_dir'])}", file=sys.stderr,
+              flush=True)
     elif record.get("type") == "step":
         tag = " (warm-up)" if record["warmup"] else ""
         print(f"  step {record['step']:>4}  loss {record['loss']:.4f}  {record['seconds']:.4f} s{tag}",
               file=sys.stderr, flush=True)
     elif record.get("type") == "failure":
-        print(f"  failure on rank {record.get('rank')}: {record['cause']}: {record['message']}", file=sys.stderr)
+        print(f"  failure on rank {record.get('rank')}: {record['cause']}: {printable_lines(record['message'])}",
+              file=sys.stderr)
 
 
 def name_list(text: str, *, distinct: bool = False) -> list[str]:
@@ -122,3 +148,38 @@ def cells_progress(args) -> Iterator[Callable[[int, int, str], None] | None]:
             bar.update(task, completed=done, total=total, description=title[:40])
 
         yield on_cell
+
+
+class Unbuilt:
+    """Stands for the parser of a command the command line does not name: its options are never read, so they are
+    not built (building every command's is a fifth of `llmadapt adapters`' start)."""
+
+    _actions = ()
+
+    def __getattr__(self, name: str):  # add_argument, add_argument_group, set_defaults, ...
+        return lambda *args, **kwargs: self
+
+
+class WatchedStdout:
+    """sys.stdout while a command runs: an error writing it (a closed pipe, a full disk under `> file`), which
+    names no file, is marked as stdout's."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            exc.on_stdout = True
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            exc.on_stdout = True
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)

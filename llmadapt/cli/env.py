@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
-from llmadapt.analysis.table import text_table
 from llmadapt.cli.common import emit
 from llmadapt.errors import LlmadaptError
+from llmadapt.texttable import text_table
 
 
 def cmd_adapters(args) -> int:

@@ -1,40 +1,85 @@
-"""``llmadapt``: the parser, the entry point, and how Ctrl-C and SIGTERM end a command."""
+"""``llmadapt``: the parser, the entry point, and how a command ends: its exit code from one table
+(errors.ExitCode, docs/runs.md), Ctrl-C and SIGTERM, a closed pipe on stdout, errors as one line."""
 
 from __future__ import annotations
 
 import argparse
-import functools
+import importlib
 import math
+import os
+import re
 import signal
 import sys
 
-from llmadapt.cli.common import Once, add_command
-from llmadapt.cli.serving import cmd_load_sweep, cmd_sla
-from llmadapt.cli.sweep import cmd_sweep
-from llmadapt.cli.env import cmd_adapters, cmd_env_create, cmd_env_list, cmd_env_prune, cmd_schema
-from llmadapt.cli.runs import (
-    cmd_compare,
-    cmd_export,
-    cmd_hta,
-    cmd_trace,
-    cmd_parity,
-    cmd_regress,
-    cmd_report,
-    cmd_run,
-    cmd_runs,
-    cmd_show,
-)
-from llmadapt.errors import LlmadaptError, Terminated
+from llmadapt.cli.common import Once, Unbuilt, WatchedStdout, add_command, printable
+from llmadapt.errors import ExitCode, LlmadaptError, Terminated, did_you_mean, exit_code_of, os_error_line
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _lazy(module: str, name: str):
+    """The command function ``name`` of ``llmadapt.cli.<module>``, imported when the command runs: building the
+    parser (and printing --help) imports no command's module, nor the layers below it."""
+    def command(args):
+        return getattr(importlib.import_module(f"llmadapt.cli.{module}"), name)(args)
+
+    command.__name__ = command.__qualname__ = name
+    return command
+
+
+cmd_run, cmd_compare, cmd_parity, cmd_show, cmd_export, cmd_runs, cmd_regress, cmd_report, cmd_trace, cmd_hta = (
+    _lazy("runs", name) for name in ("cmd_run", "cmd_compare", "cmd_parity", "cmd_show", "cmd_export", "cmd_runs",
+                                     "cmd_regress", "cmd_report", "cmd_trace", "cmd_hta"))
+cmd_adapters, cmd_schema, cmd_env_create, cmd_env_list, cmd_env_prune = (
+    _lazy("env", name) for name in ("cmd_adapters", "cmd_schema", "cmd_env_create", "cmd_env_list", "cmd_env_prune"))
+cmd_load_sweep, cmd_sla = _lazy("serving", "cmd_load_sweep"), _lazy("serving", "cmd_sla")
+cmd_sweep = _lazy("sweep", "cmd_sweep")
+
+
+EXAMPLES = """examples:
+  llmadapt adapters                                   what is installed, what each supports
+  llmadapt run examples/tiny-llama.toml --adapter torch --set train.steps=5
+  llmadapt compare examples/tiny-llama.toml --adapters torch --matrix optimizations.recompute=none,full
+  llmadapt parity examples/tiny-llama.toml --adapters torch,plain
+  llmadapt run examples/serve-tiny.toml --adapter hf  serving: one request stream, client-side timing
+  llmadapt show runs/<run-id>
+  llmadapt runs adapter=torch status=ok               the run store: runs under ./runs, filtered, newest 50
+
+`llmadapt COMMAND --help` for a command's options; docs/cli.md for all of them."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose 'invalid choice' error (a mistyped command, action or format) says which valid
+    choice is close, if one is."""
+
+    def error(self, message: str):
+        found = re.match(r"argument .*?: invalid choice: '(.*?)' (\(choose from .*\))$", message)
+        if found:
+            guess = did_you_mean(found.group(1), re.findall(r"'([^']*)'", found.group(2)))
+            message = message[:found.start(2) - 1] + guess + " " + found.group(2)
+        super().error(message)
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command; ``only``: of that command alone (the one argv names), or of every command
+    when no command has that name (the error then names the closest)."""
     from llmadapt.host import VERSION
 
-    parser = argparse.ArgumentParser(prog="llmadapt", description="Run one LLM workload on several stacks and "
-                                     "compare the traces.")
+    parser = _Parser(prog="llmadapt", description="Run one LLM workload on several stacks and "
+                     "compare the traces.", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"llmadapt {VERSION}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    command = functools.partial(add_command, sub)
+    built = []
+
+    def command(name: str, func, help: str):
+        if only not in (None, name):
+            return Unbuilt()
+        built.append(name)
+        return add_command(sub, name, func, help)
+
+    def add_parser(name: str, **kwargs):
+        if only not in (None, name):
+            return Unbuilt()
+        built.append(name)
+        return sub.add_parser(name, **kwargs)
 
     def workload_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("workload", help="workload file (.toml, .yaml, .json)")
@@ -60,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("run", cmd_run, "run a workload on one adapter")
     workload_args(p)
-    p.add_argument("--adapter", default="torch", help="adapter name (default: torch)")
+    p.add_argument("--adapter", default=None, help="adapter name (default: torch; hf for a serve workload)")
     g = p.add_argument_group("several nodes (torchrun: the same command on every node, changing --node-rank; "
                              "slurm: one command, one job); see docs/distributed.md")
     g.add_argument("--nnodes", "--nodes", type=int, default=1, help="number of nodes (default: 1)")
@@ -185,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "optimizations.zero_stage=3 ...; or: import FOLDER...")
     p.add_argument("--root", default="runs", help="the folder of runs (default: ./runs)")
     p.add_argument("--parquet", metavar="FILE", help="also write the matching runs to a Parquet file")
+    p.add_argument("--frame", choices=("runs", "steps", "requests", "breakdown", "telemetry"), default="runs",
+                   help="what --parquet writes: a row per run (default), or the runs' steps, requests, breakdown "
+                        "classes or telemetry samples (llmadapt.analysis.frames)")
+    p.add_argument("--limit", type=int, metavar="N", help="list the newest N matching runs (default 50; --json: all)")
+    p.add_argument("--page", type=int, metavar="P", help="the P-th page of --limit runs, newest first (default 1)")
+    p.add_argument("--all", action="store_true", help="list every matching run")
+    p.add_argument("--rescan", action="store_true", help="read every run folder again: see changes to finished runs")
 
     p = command("regress", cmd_regress, "did the candidate runs get worse than the baseline runs? Stored runs, "
                 "matched cell by cell, tested metric by metric; exit 1 on a regression")
@@ -220,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     command("adapters", cmd_adapters, "list registered adapters, what they support and their environments")
     command("schema", cmd_schema, "print the JSON Schema of trace records")
 
-    env = sub.add_parser("env", help="build and list adapter environments")
+    env = add_parser("env", help="build and list adapter environments")
     env_sub = env.add_subparsers(dest="env_command", required=True, metavar="ACTION")
     p = env_sub.add_parser("create", help="build an adapter's environment (virtualenv with pinned requirements)")
     p.add_argument("name", help="environment (or adapter) name")
@@ -235,9 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_env_prune)
 
-    from llmadapt.cli.perf import register
+    if only is None or not built:
+        from llmadapt.cli.perf import register
 
-    register(sub, command)
+        register(add_parser, command)
+    if only is not None and not built:
+        return build_parser()
     return parser
 
 
@@ -249,12 +304,13 @@ def _optional_workload(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv[0] if argv and not argv[0].startswith("-") else None).parse_args(argv)
     for name in ("rtol", "atol"):
         value = getattr(args, name, None)
         if value is not None and not (math.isfinite(value) and value >= 0):
             print(f"error: --{name}: got {value!r}; must be a finite number >= 0", file=sys.stderr)
-            raise SystemExit(2)
+            raise SystemExit(ExitCode.BAD_INPUT)
     if getattr(args, "rtol", "absent") is None or getattr(args, "atol", "absent") is None:
         from llmadapt.analysis.parity import PARITY_ATOL, PARITY_RTOL
 
@@ -262,16 +318,61 @@ def main(argv: list[str] | None = None) -> None:
         args.atol = PARITY_ATOL if args.atol is None else args.atol
     # SIGTERM (a scheduler's cancel, `kill`) unwinds like Ctrl-C: workers and engines stopped, partial summary kept.
     signal.signal(signal.SIGTERM, _terminated)
+    stdout, sys.stdout = sys.stdout, WatchedStdout(sys.stdout)
     try:
         code = args.func(args)
-    except LlmadaptError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        code = 2
+        sys.stdout.flush()  # a closed pipe or a full disk on stdout shows here, where it is handled, not at exit
+    except BrokenPipeError as exc:
+        if getattr(exc, "on_stdout", False):  # `llmadapt runs --json | head -1`: the reader has what it wanted
+            _quiet_stdout()
+            code = ExitCode.CLOSED_PIPE
+        else:
+            code = _error(exc)
+    except (LlmadaptError, OSError) as exc:
+        code = _error(exc)
     except KeyboardInterrupt as exc:
-        print(f"{'terminated (SIGTERM)' if isinstance(exc, Terminated) else 'interrupted'}: the partial trace "
-              "was kept", file=sys.stderr)
-        code = getattr(exc, "exit_code", 130)
-    raise SystemExit(code)
+        _say(f"{'terminated (SIGTERM)' if isinstance(exc, Terminated) else 'interrupted'}: the partial trace "
+             "was kept")
+        code = exit_code_of(exc)
+    finally:
+        sys.stdout = stdout
+    try:  # what an error left in stdout's buffer, flushed here so that exit has nothing left to fail on
+        sys.stdout.flush()
+    except OSError:
+        _quiet_stdout()
+    raise SystemExit(int(code))
+
+
+def _error(exc: BaseException) -> int:
+    """One line on stderr for an error that ends a command; its exit code from the table (errors.ExitCode)."""
+    on_stdout = getattr(exc, "on_stdout", False)
+    if on_stdout:
+        text = f"cannot write to standard output: {getattr(exc, 'strerror', None) or exc}"
+        _quiet_stdout()
+    elif isinstance(exc, OSError) and not isinstance(exc, LlmadaptError):
+        text = os_error_line(exc)
+    else:
+        text = str(exc)
+    _say(f"error: {printable(text)}")  # one line: a newline in a name cannot start a line of its own
+    return exit_code_of(exc)
+
+
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:  # stderr closed too: the exit code is all that is left to say it
+        pass
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit raises nothing more (Python's own recipe for
+    SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _terminated(signum, frame) -> None:

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from llmadapt.cli.common import add_command, emit, workload_of
-from llmadapt.contract.rundir import RunDir
-from llmadapt.errors import LlmadaptError
+from llmadapt.errors import LlmadaptError, not_a_file
 
 
 def _write(path: str | None, text: str) -> None:
@@ -185,10 +184,12 @@ def cmd_estimate(args) -> int:
 
 
 def _is_micro(d: str) -> bool:
+    from llmadapt.contract.rundir import RunDir
+
     p = RunDir(d).launch_file
     if not p.is_file():
         raise LlmadaptError(f"{d} is not a run directory (no launch.json)")
-    return json.loads(p.read_text()).get("kind") == "micro"
+    return RunDir(d).read_launch().kind == "micro"
 
 
 def cmd_devices(args) -> int:
@@ -305,7 +306,7 @@ def _read_fit(path: str, model: str) -> dict | None:
     """A fit record from a JSON file, or the last one of that model in a JSONL file."""
     p = Path(path)
     if not p.is_file():
-        raise LlmadaptError(f"{path}: no such file")
+        raise LlmadaptError(f"{path}: {not_a_file(path)}")
     text = p.read_text()
     try:
         records = [json.loads(text)]
@@ -337,8 +338,9 @@ def cmd_studyb_reproduce(args) -> int:
 
 
 # -- registration -----------------------------------------------------------------------------------
-def register(sub, command) -> None:
-    """Add the commands to ``llmadapt``'s subparsers (``command`` is cli.build_parser's helper)."""
+def register(add_parser, command) -> None:
+    """Add the commands to ``llmadapt``'s parser (``add_parser`` and ``command`` are cli.build_parser's helpers:
+    a command with its subcommands, and a command with its --json switch and function)."""
 
     def workload_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("workload", help="workload file (.toml, .yaml, .json)")
@@ -353,7 +355,7 @@ def register(sub, command) -> None:
         p.add_argument("--repeats", type=int, default=None, help="measured calls per benchmark (at least)")
         p.add_argument("--min-time", type=float, default=None, help="seconds of measured calls per benchmark (at least)")
 
-    micro = sub.add_parser("micro", help="micro-benchmarks: operators, device peaks, collectives",
+    micro = add_parser("micro", help="micro-benchmarks: operators, device peaks, collectives",
                            description="micro-benchmarks in the reference adapter's environment")
     msub = micro.add_subparsers(dest="micro_command", required=True, metavar="SUITE")
     micro_cmd = functools.partial(add_command, msub)
@@ -443,7 +445,7 @@ def register(sub, command) -> None:
     p.add_argument("--launcher", default="auto", choices=["auto", "subprocess", "torchrun"])
     out_args(p)
 
-    studyb = sub.add_parser("studyb", help="Study B's model: Eq. 1 (max batch), Eq. 2 (throughput), cost",
+    studyb = add_parser("studyb", help="Study B's model: Eq. 1 (max batch), Eq. 2 (throughput), cost",
                             description="Study B (arXiv 2408.04693): fit Eq. 1 and Eq. 2, cost a fine-tuning job")
     ssub = studyb.add_subparsers(dest="studyb_command", required=True, metavar="ACTION")
     studyb_cmd = functools.partial(add_command, ssub)

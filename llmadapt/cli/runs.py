@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
+from pathlib import Path
 from typing import Any
 
 import attrs
 
-from llmadapt.cli.common import cells_progress, emit, name_list, run_options, workload_of
+from llmadapt.cli.common import (cells_progress, emit, name_list, printable, printable_lines, run_options,
+                                 workload_of)
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
 
@@ -18,17 +21,45 @@ def cmd_run(args) -> int:
     from llmadapt.analysis.report import render_summary
     from llmadapt.launch.run import run
 
-    result = run(workload_of(args), args.adapter, **run_options(args), **_node_options(args))
+    workload = workload_of(args)
+    adapter = args.adapter or ("hf" if workload.kind == "serve" else "torch")  # each kind's documented default
+    result = run(workload, adapter, **run_options(args), **_node_options(args))
     summary = attrs.asdict(result.summary)
-    nodes = RunDir(result.run_dir).read_launch().get("nodes", {}).get("seen")
+    launch = RunDir(result.run_dir).read_launch()
+    nodes = launch.nodes.seen if launch.nodes else None
     where = "".join(f"\nnode {n['node_rank']:<6} {n['node']}, ranks {', '.join(map(str, n['ranks']))}"
                     for n in nodes or [])
-    saved = RunDir(result.run_dir).read_launch()["workload"].get("save", {}).get("path")
+    saved = launch.workload.get("save", {}).get("path")
     if saved and result.ok:
         where += f"\nsaved      {saved} (a Hugging Face model folder: serve it with --set model.path={saved})"
     emit(args, {"run_dir": str(result.run_dir), "summary": summary, "saved": saved if result.ok else None},
-          render_summary(summary) + where + f"\ntrace      {result.run_dir}")
+          render_summary(summary) + where + f"\ntrace      {result.run_dir}" + _requests_line(result.summary))
     return 0 if result.ok else 1
+
+
+def _requests_line(summary) -> str:
+    """A serving run with failed or truncated requests says how many on its last line, and what that made it
+    (serve.max_failed_share decides between 'ok' and 'degraded': docs/serving.md)."""
+    from llmadapt.contract.stats import failed_requests
+
+    v = summary.serving
+    if v is None or not v.failed:
+        return ""
+    return f"\n{summary.status:<10} {failed_requests(v)}" + ("" if summary.status == "ok" else " (exit 1; "
+                                                            "serve.max_failed_share sets how many may fail)")
+
+
+def _has_result(row) -> bool:
+    """A comparison's row has a result unless its runs failed: a serving run that is 'degraded' (some requests
+    failed) is reported in its row, not an error of the comparison."""
+    from llmadapt.analysis.report import read_summary
+
+    if row.status in ("ok", "unsupported"):
+        return True
+    try:
+        return bool(row.run_dirs) and all(read_summary(d).get("status") == "degraded" for d in row.run_dirs)
+    except Exception:  # a run without a readable summary has no result
+        return False
 
 
 def _node_options(args) -> dict[str, Any]:
@@ -51,6 +82,11 @@ def _node_options(args) -> dict[str, Any]:
 
 def cmd_compare(args) -> int:
     from llmadapt.analysis.compare import compare, compare_stored, parse_matrix
+
+    if args.report:  # before the runs: a report that cannot be written is found now, not after them
+        from llmadapt.analysis.htmlreport import check_output
+
+        check_output(args.report)
 
     if args.runs is not None:
         given = [flag for flag, on in (("a workload file", args.workload), ("--adapters", args.adapters),
@@ -83,9 +119,10 @@ def cmd_compare(args) -> int:
                                  max_rounds=args.max_rounds, seed=args.seed, on_cell=on_cell,
                                  log=None if on_cell else lambda m: print(m, file=sys.stderr, flush=True),
                                  **run_options(args))
-    text = comparison.table()
+    shown = _printable_rows(comparison)
+    text = shown.table()
     if args.breakdown:
-        text += "\n\n" + comparison.breakdown_table()
+        text += "\n\n" + shown.breakdown_table()
     data = comparison.to_dict()
     if args.report:
         from llmadapt.analysis.htmlreport import report
@@ -95,7 +132,20 @@ def cmd_compare(args) -> int:
             data["report"] = str(report(folders, args.report, baseline=comparison.baseline))
             text += f"\nreport: {data['report']}"
     emit(args, data, text)
-    return 0 if all(r.status in ("ok", "unsupported") for r in comparison.rows) else 1
+    if comparison.saved and not getattr(args, "json", False):  # beside the table, not in it (as progress is)
+        print(f"table      {printable(comparison.saved)}", file=sys.stderr)
+    return 0 if all(_has_result(r) for r in comparison.rows) else 1
+
+
+def _printable_rows(comparison):
+    """The comparison with its rows' labels, notes and machines escaped for the console (a label holding a newline
+    would split its row); the JSON keeps them as they are."""
+    def safe(text):
+        return printable(text) if isinstance(text, str) else text
+
+    rows = [attrs.evolve(r, label=safe(r.label), note=safe(r.note), machine=safe(r.machine), variant=safe(r.variant))
+            for r in comparison.rows]
+    return attrs.evolve(comparison, rows=rows, baseline=safe(comparison.baseline))
 
 
 def _save_sweep(args, names: list[str]) -> int:
@@ -204,43 +254,94 @@ def cmd_runs(args) -> int:
     from llmadapt.analysis.store import RunStore
 
     def warn(message: str) -> None:
-        print(f"warning: {message}", file=sys.stderr)
+        print(f"warning: {printable_lines(message)}", file=sys.stderr)
 
     terms = list(args.terms or [])
     if terms and terms[0] == "import":
         folders = terms[1:]
         if not folders:
             raise LlmadaptError("llmadapt runs import FOLDER...: name the run folders to import")
-        with RunStore(args.root, warn=warn) as store:
-            added = store.import_runs(folders, log=lambda m: print(m, file=sys.stderr))
+        new = not Path(args.root).exists()
+        try:  # a store root that does not exist yet is made; refused imports leave none behind
+            with RunStore(args.root, warn=warn, create=True) as store:
+                added = store.import_runs(folders, log=lambda m: print(printable(m), file=sys.stderr))
+        except LlmadaptError:
+            if new and Path(args.root).is_dir() and not any(RunDir(p).launch_file.is_file()
+                                                            for p in Path(args.root).iterdir()):
+                shutil.rmtree(args.root, ignore_errors=True)
+            raise
         emit(args, {"imported": added}, f"{len(added)} run(s) imported into {args.root}")
         return 0
     from llmadapt.analysis.store import Query
 
     query = Query.parse(terms)
-    with RunStore(args.root, warn=warn) as store:
-        found = store.runs(query)
+    limit, page = _page_of(args)
+    with RunStore(args.root, warn=warn, rescan=args.rescan) as store:
+        total = store.count(query)
+        if limit is None:
+            found = store.runs(query)
+        else:  # the newest page, listed oldest first as the whole list is
+            found = store.runs(query, limit=limit, offset=(page - 1) * limit, newest_first=True)[::-1]
+            if not found and total:
+                raise LlmadaptError(f"--page {page}: the {total} run(s) matching {query} fill "
+                                    f"{-(-total // limit)} page(s) of {limit}")
         if args.parquet:
-            store.to_parquet(args.parquet, query)
-            print(f"wrote {args.parquet} ({len(found)} runs)", file=sys.stderr)
+            store.to_parquet(args.parquet, query, frame=args.frame)
+            print(f"wrote {args.parquet} ({args.frame} of {total} runs)", file=sys.stderr)
+    for r in found:
+        if r.status == "damaged":
+            why = (r.summary.get("warnings") or ["summary.json cannot be read"])[0].partition(";")[0]
+            warn(f"run {printable(r.run_id)} in {printable(r.folder)} is damaged: {printable(why)} (its figures "
+                 "are from its records)")
     rows = [{**r.row, "metrics": r.metrics} for r in found]
-    emit(args, rows, _runs_table(found, query))
+    emit(args, rows, _runs_table(found) + "\n" + _page_line(len(found), total, limit, page, query))
     return 0
 
 
-def _runs_table(found, query) -> str:
-    from llmadapt.analysis.table import text_table
+PAGE = 50
+"""Runs `llmadapt runs` lists by default: the newest (a team's store holds thousands)."""
+
+
+def _page_of(args) -> tuple[int | None, int]:
+    """(runs per page, page number) from --limit, --page and --all; (None, 1): every matching run, which is also
+    what --json gives unless a page is asked for (a script reading it expects them all)."""
+    for flag, value in (("--limit", args.limit), ("--page", args.page)):
+        if value is not None and value < 1:
+            raise LlmadaptError(f"{flag} {value}: give a number of at least 1")
+    if args.all:
+        if args.limit is not None or args.page is not None:
+            raise LlmadaptError("--all lists every matching run: not with --limit or --page")
+        return None, 1
+    if args.limit is None and args.page is None and getattr(args, "json", False):
+        return None, 1
+    return args.limit or PAGE, args.page or 1
+
+
+def _page_line(shown: int, total: int, limit: int | None, page: int, query) -> str:
+    """How many runs match, and when the listing is a page of them, which page and how to see the others."""
+    if shown == total:
+        return f"{total} run(s) matching {query}"
+    first = (page - 1) * (limit or 0)
+    older = total - first - shown
+    where = f"the newest {shown}" if first == 0 else f"runs {first + 1}-{first + shown} (newest first)"
+    more = f"; {older} older: --page {page + 1} (or --limit N, --all)" if older > 0 else ", the oldest"
+    return f"{where} of {total} run(s) matching {query}{more}"
+
+
+def _runs_table(found) -> str:
+    from llmadapt.texttable import text_table
 
     def f(value, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
     head = ["run", "made", "status", "layout", "workload", "machine", "step p50 s", "tokens/s", "TTFT p50 ms",
             "last loss"]
-    body = [[r.run_id, r.created[:16].replace("T", " "), r.status, r.layout,
-             f"{r.row.get('name') or ''} {r.workload_hash[:8]}", r.machine, f(r.metrics.get("step_p50_s"), ".4f"),
-             f(r.metrics.get("tokens_per_s"), ",.0f"), f(r.metrics.get("ttft_p50_ms"), ".1f"),
-             f(r.metrics.get("last_loss"), ".4f")] for r in found]
-    return "\n".join(text_table(head, body) + [f"{len(found)} run(s) matching {query}"])
+    body = [[printable(cell) for cell in (  # names from workload files and other machines, escaped
+        r.run_id, r.created[:16].replace("T", " "), r.status, r.layout,
+        f"{r.row.get('name') or ''} {r.workload_hash[:8]}", r.machine, f(r.metrics.get("step_p50_s"), ".4f"),
+        f(r.metrics.get("tokens_per_s"), ",.0f"), f(r.metrics.get("ttft_p50_ms"), ".1f"),
+        f(r.metrics.get("last_loss"), ".4f"))] for r in found]
+    return "\n".join(text_table(head, body))
 
 
 def cmd_regress(args) -> int:

@@ -45,7 +45,7 @@ def _progress(record: dict[str, Any]) -> None:
 
 def cmd_load_sweep(args) -> int:
     from llmadapt.analysis.compare import format_value
-    from llmadapt.analysis.table import text_table
+    from llmadapt.texttable import text_table
     from llmadapt.launch.loadsweep import load_sweep, parse_loads
 
     if (args.rates is None) == (args.concurrencies is None):
@@ -54,6 +54,8 @@ def cmd_load_sweep(args) -> int:
                                                                                         "concurrency")
     if args.repeat < 1:
         raise LlmadaptError(f"--repeat {args.repeat}: at least 1")
+    from llmadapt.launch.loadsweep import BEHIND_REMEDY
+
     engines = _engines(args)
     data, rows = [], []
     for info, workload in engines:
@@ -64,15 +66,32 @@ def cmd_load_sweep(args) -> int:
         for p in points:
             f = p.figures
             rows.append([info.name, str(p.load) + (f" #{p.repeat + 1}" if args.repeat > 1 else ""),
-                         *(format_value(f.get(k), fmt) for k, _, fmt in _SWEEP_COLUMNS),
-                         "ok" if f.get("status") == "ok" and f.get("valid") else "FAILED" if f.get("status") != "ok"
-                         else "client behind"])
+                         *(format_value(f.get(k), fmt) for k, _, fmt in _SWEEP_COLUMNS), _point_status(f)])
     head = ["engine", "load", *(title for _, title, _ in _SWEEP_COLUMNS), "status"]
     text = "\n".join(text_table(head, rows))
     text += ("\nlatencies in ms; TPOT is vLLM's (AIPerf calls it ITL); ITL here is the gap between chunks; send lag: "
              "how late the load generator sent, p99")
+    invalid = [r for r in rows if r[-1] in ("FAILED", "client behind")]
+    if rows and all(r[-1] == "client behind" for r in rows):
+        text += "\nevery point: client behind (exit 1): " + BEHIND_REMEDY
+    elif any(r[-1] == "client behind" for r in rows):
+        text += "\nclient behind: " + BEHIND_REMEDY
+    if invalid:
+        text += f"\n{len(invalid)} of {len(rows)} points have no valid result (exit 1)"
     emit(args, data, text)
-    return 0 if all(r[-1] == "ok" for r in rows) else 1
+    return 1 if invalid or not rows else 0
+
+
+def _point_status(f: dict[str, Any]) -> str:
+    """A load point's row: ok; 'N failed' (its requests that failed or were truncated: a result, reported); FAILED
+    (the run failed: no result); client behind (the load generator fell behind: it measured the client, no result)."""
+    if f.get("status") not in ("ok", "degraded"):
+        return "FAILED"
+    if not f.get("valid"):
+        return "client behind"
+    if f.get("failed"):
+        return f"{f['failed']} failed" + (f" ({f['truncated']} truncated)" if f.get("truncated") else "")
+    return "ok"
 
 
 _SWEEP_COLUMNS = [("request_throughput", "req/s", ".2f"), ("output_throughput", "out tok/s", ",.1f"),
@@ -85,7 +104,7 @@ _SWEEP_COLUMNS = [("request_throughput", "req/s", ".2f"), ("output_throughput", 
 def cmd_sla(args) -> int:
     import attrs
 
-    from llmadapt.analysis.table import text_table
+    from llmadapt.texttable import text_table
     from llmadapt.launch.loadsweep import Objective, sla_search
 
     if not args.slo:

@@ -11,7 +11,10 @@ from llmadapt.errors import LlmadaptError
 def cmd_sweep(args) -> int:
     from llmadapt.analysis import sweep as sweeps
 
-    sweep = sweeps.load(args.sweep, args.out, args.set)
+    if args.action == "status" and args.index is not None:
+        raise LlmadaptError("sweep status takes no --index")
+    # --index checked against the cells before the sweep's state is written
+    sweep = sweeps.load(args.sweep, args.out, args.set, index=args.index)
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -19,15 +22,11 @@ def cmd_sweep(args) -> int:
     if args.action == "run":
         options = {"launcher": args.launcher, "out": args.out, "timeout": args.timeout}
         if args.index is not None:
-            if not 0 <= args.index < len(sweep.cells):
-                raise LlmadaptError(f"--index {args.index}: the sweep has cells 0 to {len(sweep.cells) - 1}")
             sweep.run_cell(sweep.cells[args.index], log=log, **options)
         elif args.slurm:
             sweeps.run_on_slurm(sweep, list(args.sbatch_option or []), log=log, timeout=args.timeout)
         else:
             sweep.run(log=log, **options)
-    elif args.index is not None:
-        raise LlmadaptError("sweep status takes no --index")
     rows = sweep.status(sweeps.slurm_machine() if args.slurm else None)  # cells run by array tasks: the cluster's
     data = {"folder": str(sweep.folder), "cells": [
         {"index": i, "id": c.id, "title": c.title, "status": status,
@@ -35,7 +34,7 @@ def cmd_sweep(args) -> int:
          "run_dir": (state.get("attempts") or [{}])[-1].get("run_dir"),
          "max_batch": ((state.get("attempts") or [{}])[-1].get("maxbatch") or {}).get("max_batch")}
         for i, (c, status, state) in enumerate(rows)]}
-    from llmadapt.analysis.table import text_table
+    from llmadapt.texttable import text_table
 
     counts = {s: sum(1 for _, status, _ in rows if status == s) for s in sweeps.STATES}
     head = ["#", "cell", "id", "status", "attempts", *(["max batch"] if sweep.maxbatch is not None else []), "run"]

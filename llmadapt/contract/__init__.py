@@ -6,6 +6,7 @@ The bottom layer with ``llmadapt.spec`` and ``llmadapt.errors``: it imports noth
 from __future__ import annotations
 
 from llmadapt.contract.jsonl import JsonlWriter, read_jsonl
+from llmadapt.contract.launch import LaunchRequest
 from llmadapt.contract.perf import (
     Estimate,
     Fit,
@@ -41,4 +42,4 @@ from llmadapt.contract.records import (
 )
 from llmadapt.contract.schema import json_schema, to_json, upgrade, validate
 
-__all__ = ['ClientLoad', 'Comm', 'Device', 'End', 'Estimate', 'Failure', 'Fit', 'FitPoint', 'Header', 'JsonlWriter', 'MaxBatch', 'Memory', 'MemoryEstimate', 'Metric', 'OpBench', 'Patch', 'Phase', 'Probe', 'Request', 'SCHEMA_VERSION', 'ServerSample', 'ServingStats', 'Span', 'Stats', 'Step', 'Summary', 'Validation', 'ValidationRow', 'bandwidths', 'bus_factor', 'json_schema', 'read_jsonl', 'to_json', 'upgrade', 'validate']
+__all__ = ['ClientLoad', 'Comm', 'Device', 'End', 'Estimate', 'Failure', 'Fit', 'FitPoint', 'Header', 'JsonlWriter', 'LaunchRequest', 'MaxBatch', 'Memory', 'MemoryEstimate', 'Metric', 'OpBench', 'Patch', 'Phase', 'Probe', 'Request', 'SCHEMA_VERSION', 'ServerSample', 'ServingStats', 'Span', 'Stats', 'Step', 'Summary', 'Validation', 'ValidationRow', 'bandwidths', 'bus_factor', 'json_schema', 'read_jsonl', 'to_json', 'upgrade', 'validate']

@@ -5,6 +5,8 @@ rank (called by ``stats.aggregate``).
 
 from __future__ import annotations
 
+import statistics
+
 import math
 from collections import defaultdict
 from typing import Any
@@ -156,11 +158,12 @@ STEAL_LIMIT = 0.02
 a second or more, and on five ticks or more: one 10 ms tick of a short window is already a few percent)."""
 
 
-def interference_summary(found: list[dict[str, Any]]) -> InterferenceSummary | None:
+def interference_summary(found: list[dict[str, Any]], step_waits: list[float] = ()) -> InterferenceSummary | None:
     """Quiet or disturbed, from every rank's interference record: other processes' CPU (per node, the machine's
     busy CPU time less its ranks'), steal, and on a GPU other processes and throttled clocks; each cause found is
     one line with its measure. The ranks' waits for a core are reported beside, not judged: a run with more
-    threads than cores makes them itself. Not judged (quiet None) where no window was long enough to count."""
+    threads than cores makes them itself, as are ``step_waits`` (each measured step's share its training thread
+    waited, every rank's). Not judged (quiet None) where no window was long enough to count."""
     if not found:
         return None
     causes: list[str] = []
@@ -198,4 +201,6 @@ def interference_summary(found: list[dict[str, Any]]) -> InterferenceSummary | N
         quiet=not causes if judged or causes else None, causes=causes, other_cpu_cores=other_cores, run_delay_share=delay_share,
         steal_share=steal_share, load_start=max((r["load_start"] for r in loads), default=None),
         load_end=max((r["load_end"] for r in loads), default=None),
-        gpu_other_processes=max(gpu_others) if gpu_others else None, gpu_throttle_reasons=throttled)
+        gpu_other_processes=max(gpu_others) if gpu_others else None, gpu_throttle_reasons=throttled,
+        step_wait_share_median=statistics.median(step_waits) if step_waits else None,
+        step_wait_share_max=max(step_waits) if step_waits else None)

@@ -26,7 +26,7 @@ from typing import Any
 
 import attrs
 
-from llmadapt.errors import LlmadaptError
+from llmadapt.errors import LlmadaptError, not_a_file
 from llmadapt.host import state_dir
 
 FIELDS = ("kind", "description", "aliases", "match", "memory_bytes", "memory_bandwidth", "peak_flops",
@@ -175,7 +175,7 @@ def load_catalog(extra: list[str | Path] | tuple = ()) -> dict[str, DeviceSpec]:
     for path in _catalog_paths(extra):
         if not path.is_file():
             if path in [Path(p) for p in extra]:
-                raise LlmadaptError(f"device catalog {path}: no such file")
+                raise LlmadaptError(f"device catalog {path}: {not_a_file(path)}")
             continue
         for name, entry in _parse(path.read_text(), str(path)).items():
             raw[name] = _merge(raw.get(name, {}), entry)

@@ -5,6 +5,7 @@ the reader (schema-checked, old names upgraded), and ``from_json``, which rebuil
 from __future__ import annotations
 
 import json
+import os
 import types
 import typing
 from pathlib import Path
@@ -12,26 +13,33 @@ from typing import Any
 
 import attrs
 
-from llmadapt.contract.schema import to_json, upgrade, validate
+from llmadapt.contract.schema import to_json_line, upgrade, validate
 from llmadapt.errors import ContractError
 
 
 # -- JSONL ----------------------------------------------------------------------------------
 class JsonlWriter:
-    """Appends one JSON object per line and flushes each, so nothing written is lost on a crash."""
+    """Appends one JSON object per line, each in one write to the file, so nothing written is lost on a crash
+    (and no buffer layer sits between a step's record and the disk: the worker writes one between steps)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
     def write(self, record: Any) -> None:
-        data = record if isinstance(record, dict) else to_json(record)
-        self._file.write(json.dumps(data, separators=(",", ":")) + "\n")
-        self._file.flush()
+        text = json.dumps(record, separators=(",", ":")) if isinstance(record, dict) else to_json_line(record)
+        line = (text + "\n").encode()
+        if self._fd is None:
+            raise ValueError(f"{self.path}: the writer is closed")
+        written = os.write(self._fd, line)
+        while written < len(line):  # a short write (a signal, a nearly full disk): the rest, or the OSError
+            written += os.write(self._fd, line[written:])
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
     def __enter__(self) -> JsonlWriter:
         return self

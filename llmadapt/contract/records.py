@@ -21,12 +21,15 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.7"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.9"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
 # hardware_flops_per_token and hfu; the header's topology; the breakdown's module_operators;
-# 1.7: interference records and the summary's interference; the topology's threads
+# 1.7: interference records and the summary's interference; the topology's threads;
+# 1.8: the 'diverged' status and failure cause; the step's run_delay_s and the interference summary's step
+# waits; serving's 'degraded' status and the request's 'truncated'; 1.9: the launch record (launch.json, typed:
+# llmadapt.contract.launch)
 
 
 @attrs.frozen
@@ -183,6 +186,9 @@ class Step:
     another stack may route these differently and be equally right."""
     profiled: bool = False
     """Run under the profiler (workload.profile.steps): slower by the profiler's cost, left out of step statistics."""
+    run_delay_s: float | None = None
+    """Of the step, the time the rank's training thread was runnable but waiting for a core (Linux's schedstat
+    run delay, read before and after the clock); None where not known."""
     type: Literal["step"] = "step"
 
 
@@ -374,6 +380,10 @@ class InterferenceSummary:
     load_end: float | None
     gpu_other_processes: int | None = None
     gpu_throttle_reasons: list[str] = attrs.Factory(list)
+    step_wait_share_median: float | None = None
+    """Per measured step, the share of it the rank's training thread waited for a core (the step's run_delay_s over
+    its seconds): the median and the largest over every rank's steps. Reported, not judged."""
+    step_wait_share_max: float | None = None
 
 
 @attrs.frozen
@@ -401,10 +411,13 @@ class Request:
     output_forced: bool
     """True when the engine was asked to ignore EOS (output length forced)."""
     finish_reason: str | None
-    status: Literal["ok", "error", "timeout", "cancelled"]
+    status: Literal["ok", "error", "timeout", "cancelled", "truncated"]
+    """'truncated': the stream ended without the engine's end marker (OpenAI-style: a finish reason, and
+    ``data: [DONE]`` where the protocol always sends it; TGI: its last event), so the response may be cut short;
+    out of goodput like any failure."""
     error: str | None = None
     error_cause: str | None = None
-    """http_429, http_4xx, http_5xx, in_band, malformed, connection, timeout, engine_dead, cancelled."""
+    """http_429, http_4xx, http_5xx, in_band, malformed, truncated, connection, timeout, engine_dead, cancelled."""
     server_input_tokens: int | None = None
     type: Literal["request"] = "request"
 
@@ -517,7 +530,7 @@ class Evaluation:
 class Failure:
     """Why a rank, a worker or the run stopped early. Written by the worker when it can, else by the launcher."""
 
-    cause: Literal["error", "crash", "killed", "timeout", "oom", "interrupted", "unsupported"]
+    cause: Literal["error", "crash", "killed", "timeout", "oom", "interrupted", "unsupported", "diverged"]
     message: str
     rank: int | None = None
     """None when the launcher saw it (not attributable to one rank)."""
@@ -681,7 +694,10 @@ class Summary:
     """The run's aggregate, computed by the orchestrator from every rank's records."""
 
     run_id: str
-    status: Literal["ok", "failed"]
+    status: Literal["ok", "failed", "diverged", "degraded"]
+    """'diverged': a loss was NaN or infinite (the failures name the first step and rank). 'degraded' (serving):
+    the run measured, but a larger share of its requests failed or were truncated than serve.max_failed_share
+    allows (default 0: any)."""
     role: str
     adapter: str
     framework: str

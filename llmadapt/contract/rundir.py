@@ -6,21 +6,32 @@
       launcher.jsonl      what the orchestrator saw (failures it read from exit codes, teardown warnings)
       summary.json        written last, from the records (``show`` rebuilds it when it is missing)
       worker.log          the workers' stdout and stderr; engine.log and engine.pid for a managed server
+      engine.json         a managed server's command line and settings, as its adapter started it
+      micro.json          a micro-benchmark's result, rebuilt from its records
+      job.sbatch          a Slurm run's batch script; slurm.out its output, copied back when readable here
       profile/step-N/rank-R.json   profile.level full: each profiled step's Kineto trace per rank (HTA reads a folder)
       node-K/             across nodes: node K's own copy of its records, launch and logs
+
+Nothing else names these files: tests/test_architecture.py fails on a literal one elsewhere.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+
+if TYPE_CHECKING:
+    from llmadapt.contract.launch import LaunchRequest
 
 
 @attrs.frozen
 class RunDir:
+    """A run folder: every file a run writes, by name (the layout above); an adapter finds its engine's log and
+    pid file here (``engine_log``, ``engine_pid``)."""
+
     path: Path = attrs.field(converter=Path)
 
     LAUNCH = "launch.json"
@@ -29,6 +40,11 @@ class RunDir:
     WORKER_LOG = "worker.log"
     ENGINE_LOG = "engine.log"
     ENGINE_PID = "engine.pid"
+    ENGINE_JSON = "engine.json"
+    MICRO = "micro.json"
+    SLURM_SCRIPT = "job.sbatch"
+    SLURM_OUT = "slurm.out"
+    PROFILE = "profile"
     RANK_GLOB = "rank-*.jsonl"
 
     @property
@@ -55,9 +71,33 @@ class RunDir:
     def engine_pid(self) -> Path:
         return self.path / self.ENGINE_PID
 
+    @property
+    def engine_json(self) -> Path:
+        return self.path / self.ENGINE_JSON
+
+    @property
+    def micro_file(self) -> Path:
+        return self.path / self.MICRO
+
+    @property
+    def slurm_script(self) -> Path:
+        return self.path / self.SLURM_SCRIPT
+
+    @property
+    def slurm_out(self) -> Path:
+        return self.path / self.SLURM_OUT
+
+    @property
+    def profile_dir(self) -> Path:
+        return self.path / self.PROFILE
+
+    def profile_step(self, step: int) -> Path:
+        """One profiled step's traces, a folder per step, as Holistic Trace Analysis reads them."""
+        return self.profile_dir / f"step-{step}"
+
     def profile_trace(self, step: int, rank: int) -> Path:
-        """A profiled step's Kineto trace of one rank; one folder per step, as Holistic Trace Analysis reads them."""
-        return self.path / "profile" / f"step-{step}" / f"rank-{rank}.json"
+        """A profiled step's Kineto trace of one rank."""
+        return self.profile_step(step) / f"rank-{rank}.json"
 
     def rank_file(self, rank: int) -> Path:
         return self.path / f"rank-{rank:05d}.jsonl"
@@ -68,11 +108,13 @@ class RunDir:
     def node(self, node_rank: int) -> RunDir:
         return RunDir(self.path / f"node-{node_rank}")
 
-    def read_launch(self) -> dict[str, Any]:
-        return json.loads(self.launch_file.read_text())
+    def read_launch(self) -> LaunchRequest:
+        from llmadapt.contract.launch import LaunchRequest  # here: naming a run's files needs no record class
 
-    def write_launch(self, launch: dict[str, Any]) -> None:
-        self.launch_file.write_text(json.dumps(launch, indent=2))
+        return LaunchRequest.from_json(json.loads(self.launch_file.read_text()))
+
+    def write_launch(self, launch: LaunchRequest) -> None:
+        self.launch_file.write_text(json.dumps(launch.to_json(), indent=2))
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         self.summary_file.write_text(json.dumps(summary, indent=2))

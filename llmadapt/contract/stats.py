@@ -20,6 +20,7 @@ from llmadapt.contract.breakdowns import (
     interference_summary,
     telemetry_summary,
 )
+from llmadapt.contract.launch import LaunchRequest
 from llmadapt.contract.records import (
     Device,
     Evaluation,
@@ -52,7 +53,7 @@ def describe(values: Iterable[float]) -> Stats | None:
     return Stats(count=n, mean=mean, std=std, min=data[0], p50=p[50], p90=p[90], p95=p[95], p99=p[99], max=data[-1])
 
 
-def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]) -> Summary:
+def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest) -> Summary:
     """Build the run summary from every record of every rank (plus the launcher's failures)."""
     headers = {r["rank"]: r for r in records if r["type"] == "header"}
     failures = [Failure(**r) for r in records if r["type"] == "failure"]
@@ -61,7 +62,7 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
         if r["type"] == "step":
             steps_by_index[r["step"]][r["rank"]] = r
 
-    workload = Workload.from_dict(launch["workload"])
+    workload = Workload.from_dict(launch.workload)
     if workload.kind == "serve":
         return _aggregate_serve(run_id, records, launch, workload, headers, failures)
     world = workload.world_size
@@ -70,7 +71,7 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
     complete = sorted(i for i, by_rank in steps_by_index.items() if len(by_rank) == world)
     losses: list[float | None] = []
     times, tokens_s, samples_s, tokens_per_step = [], [], [], None
-    window_tokens, expert_loads = 0, []  # over every step after warm-up, profiled ones too
+    window_tokens, expert_loads, step_waits = 0, [], []  # over every step after warm-up, profiled ones too
     phase_sums: dict[str, list[float]] = defaultdict(list)
     for i in complete:
         by_rank = steps_by_index[i]
@@ -84,6 +85,8 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
         expert_loads.append(by_rank[min(by_rank)].get("expert_load"))
         if any(s.get("profiled") for s in by_rank.values()) and not workload.profile.in_statistics:
             continue  # profiled steps are slower by the profiler's cost: not measured unless asked
+        step_waits += [s["run_delay_s"] / s["seconds"] for s in by_rank.values()
+                       if s.get("run_delay_s") is not None and s["seconds"] > 0]
         seconds = max(s["seconds"] for s in by_rank.values())
         samples = sum(s["samples"] for s in by_rank.values()) // model_parallel
         times.append(seconds)
@@ -124,14 +127,20 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
     status = "ok" if not failures and len(complete) == workload.train.total_steps else "failed"
     if status == "failed" and not failures:
         failures.append(Failure(cause="crash", message="the run ended before every step completed"))
+    nonfinite = [i for i, loss in zip(complete, losses) if loss is not None and not math.isfinite(loss)]
+    if any(f.cause == "diverged" for f in failures):
+        status = "diverged"
+    elif nonfinite:  # train.on_nonfinite = "continue": every step ran, and the loss still was not a number
+        status = "diverged"
+        warnings.append(f"the loss was not finite at {len(nonfinite)} step(s), the first at step {nonfinite[0]}")
     return Summary(
         run_id=run_id,
         status=status,
-        role=launch["role"],
-        adapter=launch["adapter"],
-        framework=head["framework"] if head else launch.get("framework", ""),
+        role=launch.role,
+        adapter=launch.adapter,
+        framework=head["framework"] if head else launch.framework,
         framework_version=head["framework_version"] if head else "",
-        launcher=launch["launcher"],
+        launcher=launch.launcher,
         workload_hash=workload.content_hash,
         problem_hash=workload.problem_hash,
         world_size=world,
@@ -162,7 +171,7 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: dict[str, Any]
             [r["value"] for r in records if r["type"] == "metric" and r["name"] == "energy_measured_steps"],
             window_tokens),
         evaluations=_evaluations(records),
-        interference=interference_summary([r for r in records if r["type"] == "interference"]),
+        interference=interference_summary([r for r in records if r["type"] == "interference"], step_waits),
     )
 
 
@@ -197,17 +206,40 @@ def _aggregate_serve(run_id, records, launch, workload, headers, failures) -> Su
         failures.append(Failure(cause="crash", message="the engine died during the run: "
                                 f"{serving.failures_by_cause['engine_dead']} requests failed because of it"))
     status = "ok" if not failures and serving.completed else "failed"
+    warnings = []
+    if status == "ok" and serving.failed:
+        status, line = failed_requests_verdict(serving, workload.serve.max_failed_share)
+        warnings.append(line)
     return Summary(
-        run_id=run_id, status=status, role="serve", adapter=launch["adapter"],
-        framework=head["framework"] if head else launch.get("framework", ""),
-        framework_version=head["framework_version"] if head else "", launcher=launch["launcher"],
+        run_id=run_id, status=status, role="serve", adapter=launch.adapter,
+        framework=head["framework"] if head else launch.framework,
+        framework_version=head["framework_version"] if head else "", launcher=launch.launcher,
         workload_hash=workload.content_hash, problem_hash=workload.problem_hash, world_size=1,
         device=Device(**head["device"]) if head and head["device"] else None,
         patches=_patches(headers.values()), steps_completed=0, measured_steps=0, losses=[], step_time_s=None,
         tokens_per_s=None, samples_per_s=None, tokens_per_step=None, peak_memory_bytes=None,
         peak_memory_per_rank=[], memory_kind=None, model_flops_per_token=None, achieved_flops_per_s=None, mfu=None,
-        phase_means_s={}, failures=failures, serving=serving,
+        phase_means_s={}, failures=failures, serving=serving, warnings=warnings,
+        interference=interference_summary([r for r in records if r["type"] == "interference"]),
     )
+
+
+def failed_requests(serving) -> str:
+    """'4 of 6 requests failed (2 of them truncated)': the measured requests that did not complete, one phrase."""
+    total, truncated = serving.completed + serving.failed, serving.failures_by_cause.get("truncated", 0)
+    if truncated == serving.failed:
+        return f"{truncated} of {total} requests truncated"
+    return f"{serving.failed} of {total} requests failed" + (f" ({truncated} of them truncated)" if truncated else "")
+
+
+def failed_requests_verdict(serving, max_share: float) -> tuple[str, str]:
+    """('ok' or 'degraded', the warning that says why): a serving run whose share of failed or truncated requests
+    is above serve.max_failed_share is degraded (default 0: any failed request)."""
+    share = serving.failed / (serving.completed + serving.failed)
+    degraded = share > max_share
+    return ("degraded" if degraded else "ok"), (
+        f"{failed_requests(serving)}: {share:.0%} {'>' if degraded else '<='} serve.max_failed_share {max_share:g}"
+        + (" (the run is degraded)" if degraded else ""))
 
 
 LAG_P99_LIMIT_MS = 10.0  # a run whose p99 send lag (or event-loop lag) exceeds this did not deliver its load

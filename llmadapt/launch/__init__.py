@@ -8,13 +8,49 @@ torchrun across nodes, Slurm), serves, gathers records and writes the summary. N
 - serve: a serving run (engine start, load generator, engine metrics)
 - summary: the records of a run folder, read back and summarised
 - environments, prepare: adapters' virtualenvs and the canonical checkpoint
+
+The names below are imported on first use: `llmadapt adapters` reads environments' status without importing
+the rest of the orchestrator (nor the worker runtime below it).
 """
 
 from __future__ import annotations
 
-from llmadapt.launch.run import run
-from llmadapt.launch.settings import LAUNCHERS, NodeSettings
-from llmadapt.launch.summary import RunResult, load_records, summarise
-from llmadapt.launch.supervise import kill_tagged, worker_command
+import sys
+import types
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
+    from llmadapt.launch.run import run
+    from llmadapt.launch.settings import LAUNCHERS, NodeSettings
+    from llmadapt.launch.summary import RunResult, load_records, summarise
+    from llmadapt.launch.supervise import kill_tagged, worker_command
 
 __all__ = ["LAUNCHERS", "NodeSettings", "RunResult", "kill_tagged", "load_records", "run", "summarise", "worker_command"]
+
+_HOME = {"run": "llmadapt.launch.run", **dict.fromkeys(["LAUNCHERS", "NodeSettings"], "llmadapt.launch.settings"),
+         **dict.fromkeys(["RunResult", "load_records", "summarise"], "llmadapt.launch.summary"),
+         **dict.fromkeys(["kill_tagged", "worker_command"], "llmadapt.launch.supervise")}
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_HOME[name]), name)
+    globals()[name] = value
+    return value
+
+
+class _Package(types.ModuleType):
+    """This package, whose ``run`` stays the function: importing the submodule ``llmadapt.launch.run`` binds the
+    module on its package, which would hide the function from ``from llmadapt.launch import run`` (the eager
+    import this package did before bound the function over it)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "run" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -31,6 +31,7 @@ from typing import Any
 import attrs
 
 from llmadapt.contract.jsonl import JsonlWriter
+from llmadapt.contract.launch import LaunchRequest
 from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json
@@ -71,7 +72,7 @@ class Collector:
                                 "(choose another port with --collect-port)") from None
         self.port = self.server.getsockname()[1]
         self.run_dir: Path | None = None
-        self.launch: dict[str, Any] = {}
+        self.launch: LaunchRequest | None = None
         self.nnodes = 1
         self.streams: dict[int, RankStream] = {}
         self.agents: dict[int, Agent] = {}
@@ -79,7 +80,7 @@ class Collector:
         self.lock = threading.Lock()
         self.closed = False
 
-    def start(self, run_dir: Path, launch: dict[str, Any], nnodes: int = 1) -> None:
+    def start(self, run_dir: Path, launch: LaunchRequest, nnodes: int = 1) -> None:
         self.run_dir, self.launch, self.nnodes = Path(run_dir), launch, nnodes
         threading.Thread(target=self._accept, daemon=True, name="llmadapt-collector").start()
 
@@ -108,7 +109,7 @@ class Collector:
     def _records(self, conn: socket.socket, hello: dict[str, Any], lines) -> None:
         rank = int(hello["rank"])
         with self.lock:
-            if hello.get("run_id") != self.launch["run_id"] or rank in self.streams:
+            if hello.get("run_id") != self.launch.run_id or rank in self.streams:
                 conn.close()  # a stray worker of another run, or a duplicate rank
                 return
             stream = self.streams[rank] = RankStream(rank, int(hello.get("node_rank", 0)), str(hello.get("node")))
@@ -132,9 +133,9 @@ class Collector:
         node_rank = int(hello["node_rank"])
         reason = None
         with self.lock:
-            if hello.get("workload_hash") != self.launch["workload_hash"]:
+            if hello.get("workload_hash") != self.launch.workload_hash:
                 reason = (f"node {node_rank}'s workload differs from node 0's (hash {hello.get('workload_hash')} "
-                          f"vs {self.launch['workload_hash']}): run the same workload and --set options on every node")
+                          f"vs {self.launch.workload_hash}): run the same workload and --set options on every node")
             elif int(hello.get("nnodes", 0)) != self.nnodes:
                 reason = f"node {node_rank} was started with --nnodes {hello.get('nnodes')}, node 0 with {self.nnodes}"
             elif not 0 < node_rank < self.nnodes or node_rank in self.agents:
@@ -147,7 +148,7 @@ class Collector:
                 send_line(conn, {"op": "refused", "reason": reason})
                 conn.close()
                 return
-            send_line(conn, {"op": "launch", "launch": self.launch})
+            send_line(conn, {"op": "launch", "launch": self.launch.to_json()})
             for line in lines:
                 msg = json.loads(line)
                 if msg.get("op") == "exit":
@@ -230,7 +231,7 @@ class AgentLink:
         if first["op"] != "launch":
             self.sock.close()
             raise LlmadaptError(f"node 0 refused this node: {first['reason']}")
-        self.launch: dict[str, Any] = first["launch"]
+        self.launch = LaunchRequest.from_json(first["launch"])
         self.stop_reason: str | None = None
         self.summary: dict[str, Any] | None = None
         self.nodes: list[dict[str, Any]] = []

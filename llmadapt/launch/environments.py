@@ -15,6 +15,7 @@ environment at an interpreter you manage yourself (conda, a container, a cluster
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -27,33 +28,11 @@ from glob import escape as glob_escape
 from pathlib import Path
 from typing import Callable
 
-from llmadapt.adapter.declaration import EnvironmentSpec
+from llmadapt.adapter.declaration import TOOLS_ENVIRONMENT, EnvironmentSpec
 from llmadapt.errors import EnvironmentNotReadyError, LlmadaptError
 from llmadapt.host import VERSION, state_dir
 
 MARKER = "llmadapt-env.json"
-
-# The reference adapter's stack (torch, transformers); the core's dev extra pins the same versions.
-REFERENCE_REQUIREMENTS = (
-    "torch==2.13.0",
-    "transformers==5.19.0",
-    "tokenizers==0.23.3",
-    "safetensors==0.8.0",
-    "peft==0.21.2",
-    "bitsandbytes==0.50.2",
-    "accelerate==1.15.0",
-    # `transformers serve` (the hf server) needs these next to transformers
-    "fastapi==0.165.0",
-    "uvicorn==0.54.0",
-    "openai==3.57.0",
-    "rich==15.0.0",
-    "requests==2.34.2",
-)
-
-REFERENCE_ENVIRONMENT = EnvironmentSpec(name="torch", requirements=REFERENCE_REQUIREMENTS)
-"""The reference adapter's environment (``torch``, ``hf``): it also builds the canonical checkpoint for adapters
-whose transformers cannot (``EnvironmentSpec.builds_checkpoint``) and runs the micro-benchmarks."""
-
 
 HTA_ENVIRONMENT = EnvironmentSpec(
     name="hta",
@@ -64,12 +43,34 @@ HTA_ENVIRONMENT = EnvironmentSpec(
 )
 """Holistic Trace Analysis, run on a profiled run's Kineto traces (llmadapt.analysis.hta); no adapter's."""
 
-TOOL_ENVIRONMENTS = (HTA_ENVIRONMENT,)
+MLFLOW_ENVIRONMENT = EnvironmentSpec(name="mlflow", requirements=("mlflow==3.17.2",))
+"""A full MLflow (tracking server and UI) for tests/test_mlflow.py and for trying the MLflow sink
+(plugins/mlflow) on this machine: ``mlflow server`` from this environment's interpreter. The sink itself needs only
+the light client, mlflow-skinny, where llmadapt runs."""
+
+TOOL_ENVIRONMENTS = (TOOLS_ENVIRONMENT, HTA_ENVIRONMENT, MLFLOW_ENVIRONMENT)
 """Environments of tools the core runs, not of adapters: built, listed and pruned like theirs."""
 
 
-def env_dir(spec: EnvironmentSpec) -> Path:
-    return state_dir() / "envs" / f"{spec.name}-{recipe_hash(spec)[:12]}"
+def env_dir(spec: EnvironmentSpec, digest: str | None = None) -> Path:
+    """The environment's folder, envs/NAME-HASH; or, while that holds no build, a finished build of the same recipe
+    under another name. The packages are the same, so they are installed once: the core's ``tools`` environment and
+    an adapter's that declares its requirements under a name of its own are one build, whichever name built it."""
+    digest = digest or recipe_hash(spec)  # given by a caller that has it: a recipe reads every source's pyproject
+    own = state_dir() / "envs" / f"{spec.name}-{digest[:12]}"
+    if not (own / MARKER).is_file():
+        for other in sorted(own.parent.glob(f"*-{digest[:12]}")):
+            if _built_recipe(other) == digest:
+                return other
+    return own
+
+
+def _built_recipe(folder: Path) -> str | None:
+    """The recipe hash of the finished build in ``folder`` (its marker, written last), or None."""
+    try:
+        return json.loads((folder / MARKER).read_text()).get("recipe_hash")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def override_var(spec: EnvironmentSpec) -> str:
@@ -100,10 +101,17 @@ def local_sources(spec: EnvironmentSpec) -> list[Path]:
 
 def _declared_dependencies(source: Path) -> list[str]:
     """[project].dependencies of a local package, without the local packages themselves (they come by path)."""
-    project = tomllib.loads((source / "pyproject.toml").read_text()).get("project", {})
-    return [d for d in project.get("dependencies", [])
-            if re.split(r"[\s<>=!~\[;]", d, maxsplit=1)[0].lower() != "llmadapt"
-            and not d.lower().startswith("llmadapt-")]
+    return list(_dependencies_in((source / "pyproject.toml").read_text()))
+
+
+@functools.lru_cache(maxsize=None)
+def _dependencies_in(pyproject: str) -> tuple[str, ...]:
+    # Parsed once per text: a recipe reads the same pyproject files for every environment (`llmadapt adapters`
+    # would parse the core's 50 times).
+    project = tomllib.loads(pyproject).get("project", {})
+    return tuple(d for d in project.get("dependencies", [])
+                 if re.split(r"[\s<>=!~\[;]", d, maxsplit=1)[0].lower() != "llmadapt"
+                 and not d.lower().startswith("llmadapt-"))
 
 
 def recipe(spec: EnvironmentSpec) -> dict:
@@ -151,7 +159,10 @@ def _site_packages(target: Path) -> Path:
 
 
 def _distributions(target: Path) -> list[str]:
-    return sorted(p.name for p in _site_packages(target).glob("*.dist-info"))
+    try:
+        return sorted(name for name in os.listdir(_site_packages(target)) if name.endswith(".dist-info"))
+    except OSError:  # no site-packages (yet, or any more)
+        return []
 
 
 def older_builds(spec: EnvironmentSpec) -> list[Path]:
@@ -163,9 +174,9 @@ def older_builds(spec: EnvironmentSpec) -> list[Path]:
                   if p != current and pattern.fullmatch(p.name) and (p / MARKER).is_file())
 
 
-def missing_distributions(spec: EnvironmentSpec) -> list[str]:
+def missing_distributions(spec: EnvironmentSpec, target: Path | None = None) -> list[str]:
     """Packages the build installed that are gone now (a pruned or half-deleted site-packages)."""
-    target = env_dir(spec)
+    target = target or env_dir(spec)
     try:
         built = json.loads((target / MARKER).read_text()).get("distributions", [])
     except (OSError, json.JSONDecodeError):
@@ -179,17 +190,37 @@ def missing_distributions(spec: EnvironmentSpec) -> list[str]:
 
 def status(spec: EnvironmentSpec) -> str:
     """'override' (an interpreter named by environment variable), 'ready', 'broken' (packages the build
-    installed are gone), 'stale' (built only from an older recipe) or 'missing'."""
+    installed are gone), 'building' (another process builds it now), 'stale' (built only from an older recipe)
+    or 'missing'."""
     if os.environ.get(override_var(spec)):
         return "override"
-    marker = env_dir(spec) / MARKER
+    digest = recipe_hash(spec)
+    target = env_dir(spec, digest)
     try:
-        built = json.loads(marker.read_text()).get("recipe_hash") if marker.is_file() else None
+        built = json.loads((target / MARKER).read_text()).get("recipe_hash") if (target / MARKER).is_file() else None
     except (OSError, json.JSONDecodeError):
         built = None
-    if built == recipe_hash(spec):
-        return "broken" if missing_distributions(spec) else "ready"
+    if built == digest:
+        return "broken" if missing_distributions(spec, target) else "ready"
+    if building(spec):
+        return "building"
     return "stale" if older_builds(spec) else "missing"
+
+
+def building(spec: EnvironmentSpec) -> bool:
+    """Whether a process holds the build lock (``create`` builds under it) of this environment now."""
+    target = env_dir(spec)
+    try:
+        fd = os.open(target.parent / f".{target.name}.lock", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def python_for(spec: EnvironmentSpec) -> Path:
@@ -205,7 +236,8 @@ def python_for(spec: EnvironmentSpec) -> Path:
             f"environment {spec.name!r} at {env_dir(spec)} is damaged ({shown} gone since it was built): "
             f"run `llmadapt env create {spec.name} --force`")
     if state != "ready":
-        why = "has not been built" if state == "missing" else "was built from an older recipe"
+        why = {"missing": "has not been built", "building": "is being built by another process"}.get(
+            state, "was built from an older recipe")
         msg = f"environment {spec.name!r} {why}: run `llmadapt env create {spec.name}` (or set {override_var(spec)})"
         raise EnvironmentNotReadyError(msg)
     return env_dir(spec) / "bin" / "python"
@@ -302,6 +334,7 @@ def _run_checked(args: list[str], what: str, stream: Callable[[str], None] | Non
         tail = (tail + [line])[-30:]
         if stream and (line.startswith(("Successfully", "Collecting", "ERROR"))):
             stream("  " + line[:160])
-    if proc.wait() != 0:
-        joined = "\n".join(tail)
-        raise LlmadaptError(f"{what} failed (exit {proc.returncode}):\n{joined}")
+    if proc.wait() != 0:  # one line (the last error pip printed), exit code 3: the environment is not built
+        errors = [line for line in tail if line.startswith("ERROR")] or [line for line in tail if line.strip()]
+        raise EnvironmentNotReadyError(f"{what} failed (exit {proc.returncode}): "
+                                       f"{errors[-1].strip() if errors else 'no output'}")

@@ -22,16 +22,15 @@ from __future__ import annotations
 import json
 import math
 import re
-import secrets
-import time
 import zlib
 from pathlib import Path
 from typing import Any, Callable
 
 import attrs
 
+from llmadapt.contract.launch import new_run_id
 from llmadapt.errors import LlmadaptError
-from llmadapt.launch.serve import LoadPoint, engine_launch, new_point, serve_points
+from llmadapt.launch.serve import LoadPoint, check_reachable, engine_launch, new_point, serve_points
 from llmadapt.launch.summary import RunResult
 from llmadapt.spec import Workload
 
@@ -153,7 +152,8 @@ def point_figures(result: RunResult) -> dict[str, Any]:
     if v is None:
         return out
     out.update(request_throughput=v.request_throughput, output_throughput=v.output_throughput,
-               goodput=v.request_goodput, completed=v.completed, failed=v.failed, valid=v.valid,
+               goodput=v.request_goodput, completed=v.completed, failed=v.failed,
+               truncated=v.failures_by_cause.get("truncated", 0), valid=v.valid, validity=v.validity,
                send_lag_p99_ms=v.send_lag_ms.p99 if v.send_lag_ms else None)
     for metric in METRICS:
         st = getattr(v, f"{metric}_ms")
@@ -165,8 +165,11 @@ def point_figures(result: RunResult) -> dict[str, Any]:
 def margin(figures: dict[str, Any], objectives: list[Objective]) -> tuple[float, str]:
     """The smallest (limit - value) / limit over the objectives (>= 0: all met) and what decided it."""
     if figures.get("status") != "ok" or figures.get("failed") or not figures.get("valid", False):
-        why = ("failed requests" if figures.get("failed") else "the load generator fell behind its schedule"
-               if figures.get("status") == "ok" else "the run failed")
+        failed, total = figures.get("failed"), (figures.get("completed") or 0) + (figures.get("failed") or 0)
+        why = (f"{failed} of {total} requests failed" + (f" ({figures['truncated']} truncated)"
+                                                         if figures.get("truncated") else "") if failed
+               else "the load generator fell behind its schedule" if figures.get("status") == "ok"
+               else "the run failed")
         return FAILED_MARGIN, why
     worst, why = math.inf, ""
     for o in objectives:
@@ -177,6 +180,19 @@ def margin(figures: dict[str, Any], objectives: list[Objective]) -> tuple[float,
         if m < worst:
             worst, why = m, f"{o.name} {value:.1f} (limit {o.limit_ms:g})"
     return worst, why
+
+
+def client_behind(figures: dict[str, Any]) -> bool:
+    """A point that measured the client, not the engine: every request answered, but the load generator did not
+    deliver the load on time (open loop: sends late; closed loop: its event loop stalled)."""
+    return figures.get("status") == "ok" and not figures.get("failed") and figures.get("valid") is False \
+        and str(figures.get("validity", "invalid:")).startswith("invalid:")
+
+
+BEHIND_REMEDY = ("this machine could not run the load generator on time, so the point measures the client, not "
+                 "the engine: run where the client has CPU to spare (a quieter machine; no other work on its cores; "
+                 "the engine started from the same terminal session, see docs/serving.md), or set "
+                 "serve.send_spin_ms=0 where the engine shares the client's CPUs")
 
 
 def isotonic_decreasing(xs: list[float], ys: list[float]) -> list[float]:
@@ -197,7 +213,7 @@ def isotonic_decreasing(xs: list[float], ys: list[float]) -> list[float]:
 
 # -- running points ----------------------------------------------------------------------------------------------
 def _engine_dir(out: Path, adapter: str, what: str) -> Path:
-    folder = Path(out) / f"{time.strftime('%Y%m%d-%H%M%S')}-{adapter}-{what}-{secrets.token_hex(2)}"
+    folder = Path(out) / new_run_id(adapter, what)
     folder.mkdir(parents=True, exist_ok=False)
     return folder
 
@@ -239,7 +255,13 @@ def load_sweep(workload: Workload, info, loads: Loads, out: Path, *, repeat: int
     series = [Load(loads.kind, v) for v in loads.values]
     picks: list[tuple[Load, int]] = []
 
+    def save(done: list[RunResult], state: str) -> None:
+        points = [SweepPoint(load, rep, point_figures(r)) for (load, rep), r in zip(picks, done)]
+        _write(engine_dir / "load-sweep.json", {"adapter": info.name, "kind": loads.kind, "state": state,
+                                                "points": [p.to_dict() for p in points]})
+
     def choose(done: list[RunResult]) -> tuple[Load, int] | None:
+        save(done, "running")  # as each point ends: an interrupted sweep leaves what it measured
         if loads.factor is not None and done and picks[-1][1] == repeat - 1:  # a load's last repeat is in
             so_far = [SweepPoint(load, rep, point_figures(r)) for (load, rep), r in zip(picks, done)]
             if _saturated(so_far, loads.kind):
@@ -257,11 +279,28 @@ def load_sweep(workload: Workload, info, loads: Loads, out: Path, *, repeat: int
         picks.append((series[index], rep))
         return picks[-1]
 
-    ran = _run_points(workload, info, out, engine_dir, timeout, progress, choose)
+    try:
+        ran = _run_points(workload, info, out, engine_dir, timeout, progress, choose)
+    except KeyboardInterrupt as exc:  # the points that ended are in the file; the interrupted one is in its folder
+        _mark_interrupted(engine_dir / "load-sweep.json", exc)
+        raise
     points = [SweepPoint(load, rep, point_figures(r)) for load, rep, r in ran]
-    _write(engine_dir / "load-sweep.json", {"adapter": info.name, "kind": loads.kind,
+    _write(engine_dir / "load-sweep.json", {"adapter": info.name, "kind": loads.kind, "state": "finished",
                                             "points": [p.to_dict() for p in points]})
     return engine_dir, points
+
+
+def _mark_interrupted(path: Path, exc: KeyboardInterrupt) -> None:
+    """The file written as each point ended, marked as a partial result of an interrupted series."""
+    from llmadapt.launch.supervise import interrupt_text
+
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        data = {}
+    data.update(state="interrupted", note=f"{interrupt_text(exc)}: the points that ended before it are here; the "
+                                          "interrupted one has its partial summary in its own run folder")
+    _write(path, data)
 
 
 def _saturated(points: list[SweepPoint], kind: str) -> bool:
@@ -359,6 +398,11 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
         _write(engine_dir / "sla.json", attrs.asdict(result))
         if not probes:
             return pick(start, "probe")
+        if len(probes) == 1 and client_behind(probes[0].figures):  # nothing was measured: a lower load says no more
+            state["note"] = (f"no capacity found because the first probe ({Load(kind, start)}) is invalid, not "
+                             f"failed: the load generator fell behind ({probes[0].figures.get('validity', '')}); "
+                             + BEHIND_REMEDY)
+            return None
         if len(probes) >= max_probes:
             state["note"] = f"stopped after {max_probes} probes"
             return None
@@ -378,7 +422,10 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
             if kind == "concurrency":
                 lower = float(int(lower))
             if lower < (1 if kind == "concurrency" else start / 8):  # slow points: a probe sends requests at its rate
-                state["note"] = "no load tried meets the objectives"
+                behind = sum(client_behind(p.figures) for p in probes)
+                state["note"] = "no load tried meets the objectives" + (
+                    f"; {behind} of the {len(probes)} probes were invalid (the load generator fell behind): "
+                    + BEHIND_REMEDY if behind else "")
                 return None
             return pick(lower, "probe")
         if hi is None:  # everything passes yet: double, up to the maximum
@@ -394,7 +441,11 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
             return pick(lo, "repeat")
         return None
 
-    ran = _run_points(workload, info, out, engine_dir, timeout, progress, choose)
+    try:
+        ran = _run_points(workload, info, out, engine_dir, timeout, progress, choose)
+    except KeyboardInterrupt as exc:  # sla.json holds every probe that ended (written as each did)
+        _mark_interrupted(engine_dir / "sla.json", exc)
+        raise
     take([r for _, _, r in ran])  # a series the engine ended early: its last point was never given to choose
     if not state.get("finished"):
         state["note"] = "the engine stopped the search early (its start failed, or it died: see the last run)"
@@ -442,4 +493,5 @@ def prepared(workload: Workload, adapter: str):
         raise LlmadaptError(f"load sweeps and SLA searches serve requests: the workload's kind is {w.kind!r}, "
                             "not 'serve'")
     engine_launch(w, info)
+    check_reachable(w)
     return info, w

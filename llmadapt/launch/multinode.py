@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
+
 from llmadapt.adapter.declaration import EnvironmentSpec
 from llmadapt.contract.jsonl import JsonlWriter, from_json
+from llmadapt.contract.launch import LaunchRequest, NodeLayout
 from llmadapt.contract.records import Failure, Summary
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
@@ -45,13 +48,13 @@ def _node_env(per_node: int, nodes: NodeSettings, collect: str, environment: Env
 def run_node_zero(python, environment: EnvironmentSpec, nodes: NodeSettings, per_node: int, run_dir: Path,
                    collector: Collector, timeout, memory_limit_bytes, progress) -> list[Failure]:
     """Node 0: its own ranks (records kept in node-0/, streamed like everyone's), watching the other nodes."""
-    node_dir = run_dir / "node-0"
+    node_dir = RunDir(run_dir).node(0).path
     node_dir.mkdir()
     RunDir(node_dir).launch_file.write_text(RunDir(run_dir).launch_file.read_text())
     host, port = nodes.collect_address()
     return supervise(worker_command("torchrun", python, node_dir, per_node=per_node, nodes=nodes),
                       env=_node_env(per_node, nodes, f"{host}:{port}", environment), log=RunDir(node_dir).worker_log,
-                      tail=run_dir / "rank-00000.jsonl", timeout=timeout, memory_limit_bytes=memory_limit_bytes,
+                      tail=RunDir(run_dir).rank_file(0), timeout=timeout, memory_limit_bytes=memory_limit_bytes,
                       progress=progress, should_stop=lambda: next(iter(collector.node_failures().values()), None))
 
 
@@ -68,12 +71,12 @@ def run_node_agent(workload: Workload, python, environment: EnvironmentSpec, nod
     link = AgentLink((host, port), {"node_rank": nodes.node_rank, "node": node_name(), "nnodes": nodes.nnodes,
                                     "workload_hash": workload.content_hash}, nodes.join_timeout)
     launch = link.launch
-    node_dir = Path(out) / launch["run_id"] / f"node-{nodes.node_rank}"
+    node_dir = RunDir(Path(out) / launch.run_id).node(nodes.node_rank).path
     node_dir.mkdir(parents=True, exist_ok=False)
     RunDir(node_dir).write_launch(launch)
     if progress:
-        progress({"type": "start", "run_dir": str(node_dir), "adapter": launch["adapter"], "label": workload.label,
-                  "world_size": launch["world_size"], "launcher": f"torchrun, node {nodes.node_rank}"})
+        progress({"type": "start", "run_dir": str(node_dir), "adapter": launch.adapter, "label": workload.label,
+                  "world_size": launch.world_size, "launcher": f"torchrun, node {nodes.node_rank}"})
     failures: list[Failure] = []
     interrupted = False
 
@@ -103,8 +106,7 @@ def run_node_agent(workload: Workload, python, environment: EnvironmentSpec, nod
         raise LlmadaptError(f"node {nodes.node_rank}: node 0 sent no summary ({link.stop_reason or 'no answer'}); "
                             f"this node's records are in {node_dir}")
     RunDir(node_dir).write_summary(link.summary)
-    launch.setdefault("nodes", {})["seen"] = link.nodes
-    RunDir(node_dir).write_launch(launch)
+    RunDir(node_dir).write_launch(_with_nodes_seen(launch, link.nodes))
     return RunResult(run_dir=node_dir, summary=from_json(Summary, link.summary))
 
 
@@ -116,6 +118,8 @@ def gather(collector: Collector, run_dir: Path, failures: list[Failure], progres
         warn(f"some nodes did not report within {GATHER_GRACE_S:g} s; their records may be incomplete", progress)
     known = {f.message for f in failures}
     failures += [f for f in collector.node_failures().values() if f.message not in known]
-    launch = RunDir(run_dir).read_launch()
-    launch.setdefault("nodes", {})["seen"] = collector.nodes()
-    RunDir(run_dir).write_launch(launch)
+    RunDir(run_dir).write_launch(_with_nodes_seen(RunDir(run_dir).read_launch(), collector.nodes()))
+
+
+def _with_nodes_seen(launch: LaunchRequest, seen: list[dict]) -> LaunchRequest:
+    return attrs.evolve(launch, nodes=attrs.evolve(launch.nodes or NodeLayout(), seen=seen))

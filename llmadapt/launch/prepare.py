@@ -2,7 +2,7 @@
 
 ``python -m llmadapt.models MODEL_JSON SEED`` builds (or finds) it in the environment that runs
 the command and prints its path. The orchestrator (which has no torch) calls it with an
-environment's interpreter: the adapter's own, or the reference environment's when the adapter's
+environment's interpreter: the adapter's own, or the core's tools environment's when the adapter's
 transformers cannot build it (``EnvironmentSpec.builds_checkpoint``). Building it once, up front,
 keeps every adapter on identical weights and keeps ranks from racing to build it.
 """
@@ -61,9 +61,9 @@ def ensure_checkpoint(workload: Workload, environment: EnvironmentSpec) -> Path:
     if (target / "READY").is_file():
         return target
     if not environment.builds_checkpoint:
-        from llmadapt.launch.environments import REFERENCE_ENVIRONMENT
+        from llmadapt.launch.environments import TOOLS_ENVIRONMENT
 
-        environment = REFERENCE_ENVIRONMENT
+        environment = TOOLS_ENVIRONMENT
     python = python_for(environment)
     out = subprocess.run([str(python), "-m", "llmadapt.models", json.dumps(attrs.asdict(workload.model)),
                           str(workload.seed)], capture_output=True, text=True, check=False,

@@ -12,22 +12,24 @@ to the orchestrator as they are written (llmadapt.launch.collect), so no shared 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any, Callable
 
+import attrs
+
 from llmadapt.contract.jsonl import read_jsonl
+from llmadapt.contract.launch import NodeLayout
 from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json
-from llmadapt.errors import LlmadaptError
+from llmadapt.errors import ExitCode, LlmadaptError, StorageError, exit_code_of
 from llmadapt.host import free_port
 from llmadapt.launch.collect import Collector
 from llmadapt.launch.environments import python_for
 from llmadapt.launch.multinode import gather, run_node_agent, run_node_zero, warn_loopback
 from llmadapt.launch.prepare import check_save_folder, ensure_checkpoint
 from llmadapt.launch.serve import run_serving
-from llmadapt.launch.settings import LAUNCHERS, NodeSettings, check_run_options, make_run_id, resolve
+from llmadapt.launch.settings import LAUNCHERS, NodeSettings, check_run_options, launch_request, resolve
 from llmadapt.launch.sinks import RecordSinks
 from llmadapt.launch.slurm import SlurmSettings, require_slurm, run_slurm_job, slurm_job
 from llmadapt.launch.summary import RunResult, summarise
@@ -117,22 +119,16 @@ def _run(workload: Workload, adapter: str, launcher: str, out: str | Path, run_i
         return run_node_agent(workload, python, info.environment, nodes, per_node, out, timeout, memory_limit_bytes,
                                progress)
 
-    launch = {
-        "run_id": run_id or make_run_id(adapter, workload), "adapter": adapter, "adapter_version": info.version,
-        "framework": info.framework,
-        "role": workload.kind, "worker_class": info.roles[workload.kind],
-        "launcher": launcher, "world_size": world, "workload": workload.to_dict(),
-        "workload_hash": workload.content_hash, "fault": fault, "memory_limit_bytes": memory_limit_bytes,
-        "python": str(python) if python else None, "created": time.time(),
-    }
+    launch = launch_request(workload, info, launcher, python, run_id, fault=fault,
+                            memory_limit_bytes=memory_limit_bytes)
     # Other nodes' records arrive here. Bound before anything is written, so a taken port fails cleanly.
     collector = None
     if launcher == "slurm":
         collector = Collector(("0.0.0.0", 0))
     elif multinode:
         collector = Collector(("0.0.0.0", nodes.collect_address()[1]))
-        launch["nodes"] = {"nnodes": nodes.nnodes, "nproc_per_node": per_node,
-                           "rendezvous": "c10d" if nodes.rdzv_endpoint else "static"}
+        launch = attrs.evolve(launch, nodes=NodeLayout(nnodes=nodes.nnodes, nproc_per_node=per_node,
+                                                       rendezvous="c10d" if nodes.rdzv_endpoint else "static"))
     try:  # the collector's socket is closed on every way out, an early error included
         return _run_launched(workload, info, launcher, launch, python, per_node, nodes, collector, out, timeout,
                              memory_limit_bytes, progress, slurm)
@@ -144,18 +140,22 @@ def _run(workload: Workload, adapter: str, launcher: str, out: str | Path, run_i
 def _run_launched(workload, info, launcher, launch, python, per_node, nodes, collector, out, timeout,
                   memory_limit_bytes, progress, slurm) -> RunResult:
     """From the checked request to the summary: the run directory, the workers, their supervision."""
-    world, multinode, run_id = workload.world_size, collector is not None and launcher == "torchrun", launch["run_id"]
-    job = slurm_job(slurm, launch, python, info.environment, per_node, collector, progress) if launcher == "slurm" else None
+    world, multinode, run_id = workload.world_size, collector is not None and launcher == "torchrun", launch.run_id
+    job = None
+    if launcher == "slurm":
+        job, launch = slurm_job(slurm, launch, python, info.environment, per_node, collector, progress)
     run_dir = Path(out) / run_id
     adapter_cmd = None
     try:
         run_dir.mkdir(parents=True, exist_ok=False)
         if launcher in info.launchers:  # the adapter's own launcher; its command goes into the trace
             adapter_cmd = info.launchers[launcher](python, run_dir, world, free_port())
-            launch["command"] = adapter_cmd
+            launch = attrs.evolve(launch, command=adapter_cmd)
         RunDir(run_dir).write_launch(launch)
     except OSError as exc:  # before any worker: nothing measured yet, nothing lost
-        raise LlmadaptError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}") from None
+        # --out naming a file is bad input; a full or read-only disk, a folder not ours, the machine's (I/O)
+        error = StorageError if exit_code_of(exc) == ExitCode.IO else LlmadaptError
+        raise error(f"cannot write the run directory {run_dir}: {exc.strerror or exc}") from None
     if progress:
         progress({"type": "start", "run_dir": str(run_dir), "adapter": info.name, "label": workload.label,
                   "world_size": world, "launcher": launcher})
@@ -180,7 +180,7 @@ def _run_launched(workload, info, launcher, launch, python, per_node, nodes, col
         else:
             cmd = adapter_cmd or worker_command(launcher, python, run_dir, per_node=world)
             failures += supervise(cmd, env=worker_env(world, info.environment, workload.parallelism.threads_per_rank), log=RunDir(run_dir).worker_log,
-                                   tail=run_dir / "rank-00000.jsonl", timeout=timeout,
+                                   tail=RunDir(run_dir).rank_file(0), timeout=timeout,
                                    memory_limit_bytes=memory_limit_bytes, progress=progress)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM from a scheduler (llmadapt.errors.Terminated)
         interrupted = exc

@@ -1,5 +1,9 @@
 """A serving run: start the engine through its adapter (or attach to a URL), wait until it is ready, drive
 the load generator, scrape the engine's metrics, and summarise; Ctrl-C keeps what was measured.
+
+It is over 400 lines because a serving run's whole life is here, in the order it happens: the checks before its
+folder exists (the engine's interpreter, an attached URL's reachability), the folder, the engine's start and stop
+with the signals held meanwhile, the load points against it, and the partial summary of an interrupted run.
 """
 
 from __future__ import annotations
@@ -15,14 +19,16 @@ import attrs
 
 from llmadapt.adapter.context import ServeContext, WrongServer
 from llmadapt.contract.jsonl import JsonlWriter
+from llmadapt.contract.launch import LaunchRequest, run_header
 from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, Terminated
-from llmadapt.host import software_versions
+from llmadapt.host import node_name, software_versions
 from llmadapt.launch.environments import process_env, python_for
-from llmadapt.launch.settings import make_run_id
+from llmadapt.launch.settings import launch_request
 from llmadapt.launch.summary import RunResult, summarise
 from llmadapt.launch.supervise import interrupt_text
+from llmadapt.runtime import interference, lifecycle
 from llmadapt.runtime.loadgen import LoadGenerator, redact, sent_secrets
 from llmadapt.runtime.requests import plan_requests
 from llmadapt.spec import Workload
@@ -36,6 +42,7 @@ class LoadPoint:
     workload: Workload
     run_id: str
     run_dir: Path
+    launch: LaunchRequest
 
 
 def engine_launch(workload: Workload, info) -> tuple[str, Path | None]:
@@ -47,27 +54,60 @@ def engine_launch(workload: Workload, info) -> tuple[str, Path | None]:
     return ("attach", None) if attach else ("subprocess", python_for(info.environment))
 
 
+def check_reachable(workload: Workload) -> None:
+    """Attached (serve.url): something must accept connections there before any run folder is made; else one
+    line (LlmadaptError: bad input). Refused connections are retried for REFUSED_GRACE_S (a server restarting);
+    an unknown host is not. Whether it is the right server is judged later, by the adapter's readiness check."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = workload.serve.url
+    if url is None:
+        return
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as exc:
+        raise LlmadaptError(f"serve.url {url!r} is not a URL ({exc}): write http://HOST:PORT") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise LlmadaptError(f"serve.url {url!r} is not an http(s) URL: write http://HOST:PORT")
+    deadline = time.monotonic() + REFUSED_GRACE_S
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=REFUSED_GRACE_S).close()
+            return
+        except socket.gaierror as exc:
+            why = f"unknown host {host!r} ({exc.strerror or exc})"
+            break
+        except ConnectionRefusedError:
+            why = "connection refused"
+        except OSError as exc:
+            why = exc.strerror or str(exc) or type(exc).__name__
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    raise LlmadaptError(f"nothing answers at {url}: {why} (retried for {REFUSED_GRACE_S:g} s; is the server running "
+                        "there, and is serve.url right?)")
+
+
 def new_point(workload: Workload, info, out, run_id: str | None, progress) -> LoadPoint:
     """A serving run's folder with its launch.json, announced to ``progress``."""
     launcher, python = engine_launch(workload, info)
-    run_id = run_id or make_run_id(info.name, workload)
-    run_dir = Path(out) / run_id
+    launch = launch_request(workload, info, launcher, python, run_id)
+    run_dir = Path(out) / launch.run_id
     run_dir.mkdir(parents=True, exist_ok=False)
-    RunDir(run_dir).write_launch({
-        "run_id": run_id, "adapter": info.name, "framework": info.framework, "role": "serve", "launcher": launcher,
-        "world_size": 1, "workload": workload.to_dict(), "workload_hash": workload.content_hash,
-        "python": str(python) if python else None, "created": time.time(),
-    })
+    RunDir(run_dir).write_launch(launch)
     RunDir(run_dir).rank_file(0).touch()  # a run that fails before its header still has its (empty) record file
     if progress:
         progress({"type": "start", "run_dir": str(run_dir), "adapter": info.name, "label": workload.label,
                   "world_size": 1, "launcher": launcher})
-    return LoadPoint(workload, run_id, run_dir)
+    return LoadPoint(workload, launch.run_id, run_dir, launch)
 
 
 def run_serving(workload: Workload, info, out, run_id, timeout, progress) -> RunResult:
     if workload.serve.mode == "offline":
         return run_offline(workload, info, out, run_id, timeout, progress)
+    check_reachable(workload)  # before the run folder: an address where nothing listens is bad input
     point = new_point(workload, info, out, run_id, progress)
     try:
         return serve_points(workload, info, point.run_dir, timeout, progress,
@@ -91,19 +131,20 @@ def run_offline(workload: Workload, info, out, run_id, timeout, progress) -> Run
     from llmadapt.launch.prepare import ensure_checkpoint
 
     point = new_point(workload, info, out, run_id, progress)
-    launch = RunDir(point.run_dir).read_launch()
     failures: list[Failure] = []
     try:
         checkpoint = ensure_checkpoint(workload, info.environment)
     except LlmadaptError as exc:
         return RunResult(run_dir=point.run_dir, summary=summarise(point.run_dir, [Failure(cause="error",
                                                                                            message=str(exc))]))
-    RunDir(point.run_dir).write_launch({**launch, "launcher": "offline", "adapter_version": info.version,
-                                        "checkpoint": str(checkpoint), "offline_class": info.roles["offline"],
-                                        "checkpoint_hash": _recorded_hash(checkpoint)})
+    RunDir(point.run_dir).write_launch(attrs.evolve(
+        point.launch, launcher="offline", checkpoint=str(checkpoint), offline_class=info.roles["offline"],
+        checkpoint_hash=_recorded_hash(checkpoint)))
     with open(RunDir(point.run_dir).engine_log, "wb") as log:
-        proc = subprocess.Popen([launch["python"], "-m", "llmadapt.runtime.offline", str(point.run_dir)],
-                                stdout=log, stderr=subprocess.STDOUT, env=process_env(info.environment))
+        # The worker watches this process and stops itself if it is gone (llmadapt.runtime.lifecycle).
+        env = {**process_env(info.environment), **lifecycle.orchestrator_env(node_name())}
+        proc = subprocess.Popen([point.launch.python, "-m", "llmadapt.runtime.offline", str(point.run_dir)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             code = proc.wait(timeout=timeout)
             if code:
@@ -195,7 +236,7 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
            next_point: Callable[[list[RunResult]], LoadPoint | None], interrupts: _Interrupts) -> list[RunResult]:
     import importlib
 
-    from llmadapt.contract.records import Failure, Header
+    from llmadapt.contract.records import Failure
     from llmadapt.host import free_port
 
     results: list[RunResult] = []
@@ -258,7 +299,7 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
                     return
                 current[0] = following
                 if not server.alive():  # the engine died: the points left would only fail
-                    fail("crash", f"the engine exited before this load point; see {engine_dir / 'engine.log'}")
+                    fail("crash", f"the engine exited before this load point; see {RunDir(engine_dir).engine_log}")
                     finish(following)
                     return
 
@@ -275,7 +316,7 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
             if ready and server.alive():
                 return True
             if not server.alive():
-                fail("crash", f"the engine exited during start-up; see {engine_dir / 'engine.log'}")
+                fail("crash", f"the engine exited during start-up; see {RunDir(engine_dir).engine_log}")
                 return False
             # Attached, a refused connection means nothing listens there: waiting would only hide that. A
             # managed engine refuses until it listens, so it gets the whole start-up time while it lives.
@@ -295,22 +336,24 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
         w = p.workload
         writer = JsonlWriter(RunDir(p.run_dir).rank_file(0))
         try:
-            writer.write(Header.starting_now(
-                run_id=p.run_id, rank=0, local_rank=0, world_size=1, role="serve",
-                adapter=info.name, adapter_version=info.version, framework=info.framework,
-                framework_version=redact(server.engine_version(), secrets), launcher=launcher,
-                workload_hash=w.content_hash, problem_hash=w.problem_hash, workload=w.to_dict(),
-                checkpoint_hash=_recorded_hash(checkpoint), device=None,
-                software=software_versions(("aiohttp", "tokenizers")), patches=list(server.patches),
-            ))
+            writer.write(run_header(
+                p.launch, framework_version=redact(server.engine_version(), secrets), device=None,
+                software=software_versions(("aiohttp", "tokenizers")), patches=list(server.patches), workload=w,
+                checkpoint_hash=_recorded_hash(checkpoint)))
             run = LoadGenerator(server, w, plan_requests(w, tokenizer), writer, progress).run(session)
-            if timeout is None:
-                await run
-                return
+            engine = _engine_group(engine_dir)
+            quiet_start, engine_start = interference.snapshot(), interference.group_cpu_s(engine)
             try:
-                await asyncio.wait_for(run, timeout=max(1.0, timeout - (time.monotonic() - started)))
-            except TimeoutError:
-                fail("timeout", f"the run exceeded its timeout of {timeout:g} s")
+                if timeout is None:
+                    await run
+                    return
+                try:
+                    await asyncio.wait_for(run, timeout=max(1.0, timeout - (time.monotonic() - started)))
+                except TimeoutError:
+                    fail("timeout", f"the run exceeded its timeout of {timeout:g} s")
+            finally:  # what ran beside the run while it sent its requests, the engine's CPU counted as its own
+                writer.write(interference.serving_window(quiet_start, interference.snapshot(), engine_start,
+                                                         interference.group_cpu_s(engine), node_name()))
         finally:
             writer.close()
 
@@ -334,6 +377,8 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
     finally:
         interrupts.hold = True
         server.stop()
+        # the engine is stopped: a pid file left would name a process that is gone, or later another one
+        RunDir(engine_dir).engine_pid.unlink(missing_ok=True)
     if interrupts.signal:
         exc = interrupts.exception()
         if not results or results[-1].run_dir != current[0].run_dir:
@@ -370,6 +415,15 @@ def _load_tokenizer(workload: Workload, checkpoint: Path | None):
     from llmadapt.models import train_tokenizer
 
     return train_tokenizer(workload.model.vocab_size)
+
+
+def _engine_group(engine_dir: Path) -> int | None:
+    """The process group of the engine the adapter started (its pid file: engines start in their own group);
+    None when attached by URL or not recorded."""
+    try:
+        return int(RunDir(engine_dir).engine_pid.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _recorded_hash(checkpoint: Path | None) -> str | None:

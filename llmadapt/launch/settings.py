@@ -4,11 +4,12 @@ the fault injection used by tests.
 
 from __future__ import annotations
 
-import secrets
 import time
+from pathlib import Path
 
 import attrs
 
+from llmadapt.contract.launch import LaunchRequest, new_run_id
 from llmadapt.contract.stream import parse_address
 from llmadapt.errors import LlmadaptError, UnsupportedError
 from llmadapt.host import gpu_visible
@@ -71,8 +72,16 @@ class NodeSettings:
         return host, self.collect_port or port + 1
 
 
-def make_run_id(adapter: str, workload: Workload) -> str:
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{adapter}-{workload.content_hash[:8]}-{secrets.token_hex(2)}"
+def launch_request(workload: Workload, info, launcher: str, python: Path | None, run_id: str | None = None,
+                   **more) -> LaunchRequest:
+    """A workload run's launch.json, made here for every launcher; ``more``: the launcher's own fields (fault,
+    memory limit, nodes). A serving run is one client process, whatever the engine's layout."""
+    return LaunchRequest(
+        run_id=run_id or new_run_id(info.name, workload.content_hash[:8]), launcher=launcher,
+        world_size=1 if workload.kind == "serve" else workload.world_size, role=workload.kind, adapter=info.name,
+        adapter_version=info.version, framework=info.framework, worker_class=info.roles.get(workload.kind),
+        workload=workload.to_dict(), workload_hash=workload.content_hash, problem_hash=workload.problem_hash,
+        python=str(python) if python else None, created=time.time(), **more)
 
 
 FAULT_KINDS = ("error", "exit", "kill", "hang", "stop", "oom", "slow")

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import attrs
 
 from llmadapt.adapter.declaration import EnvironmentSpec
+from llmadapt.contract.launch import LaunchRequest, SlurmJob
 from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
@@ -215,44 +216,44 @@ _JOB_VARS = ("OMP_NUM_THREADS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "PYTHO
              "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "LLMADAPT_DEVICE", "LLMADAPT_HOME", "PYTHONPATH")
 
 
-def slurm_job(settings: SlurmSettings, launch: dict[str, Any], python, environment: EnvironmentSpec, per_node: int,
-               collector: Collector, progress) -> dict[str, Any]:
-    """The batch script for this run, checked by Slurm (sbatch --test-only) before anything is written."""
+def slurm_job(settings: SlurmSettings, launch: LaunchRequest, python, environment: EnvironmentSpec, per_node: int,
+               collector: Collector, progress) -> tuple[dict[str, Any], LaunchRequest]:
+    """The batch script for this run, checked by Slurm (sbatch --test-only) before anything is written, and the
+    launch request that records the job."""
     addr = settings.collect_addr
     if addr is None:
         addr = socket.gethostbyname(socket.gethostname())
         if addr.startswith("127."):
             warn(f"this host's name resolves to {addr}: compute nodes on other machines cannot send records "
                   "there; set --collect-addr to this machine's address on the cluster network", progress)
-    run_id = launch["run_id"]
+    run_id = launch.run_id
     output = settings.output or f"{settings.node_dir}/llmadapt-{run_id}-%j.out"
     submit_env = worker_env(per_node, environment)
     if "OMP_NUM_THREADS" not in os.environ:
         submit_env.pop("OMP_NUM_THREADS")  # this machine's core count says nothing about the nodes': the script picks
     env = {k: v for k, v in submit_env.items() if k in _JOB_VARS}
-    env.update(LLMADAPT_COLLECT=f"{addr}:{collector.port}", LLMADAPT_LAUNCH=json.dumps(launch))
+    env.update(LLMADAPT_COLLECT=f"{addr}:{collector.port}", LLMADAPT_LAUNCH=json.dumps(launch.to_json()))
     worker_dir = f"{settings.node_dir}/llmadapt-{run_id}"
     script = batch_script(settings, run_id=run_id, per_node=per_node, output=output, env=env,
                                  command=worker_command("slurm", python, worker_dir, per_node=per_node,
                                                         nodes=NodeSettings(nnodes=settings.nnodes)))
     if not in_allocation():
         check(script, submit_env)
-    launch["slurm"] = {"nnodes": settings.nnodes, "ntasks_per_node": per_node, "script": "job.sbatch",
-                       "node_dir": worker_dir, "output": output, "job_id": None}
-    return {"script": script, "env": submit_env, "output": output}
+    launch = attrs.evolve(launch, slurm=SlurmJob(nnodes=settings.nnodes, ntasks_per_node=per_node,
+                                                 script=RunDir.SLURM_SCRIPT, node_dir=worker_dir, output=output))
+    return {"script": script, "env": submit_env, "output": output}, launch
 
 
 def run_slurm_job(job: dict[str, Any], run_dir: Path, timeout, memory_limit_bytes, progress) -> list[Failure]:
-    script = run_dir / "job.sbatch"
+    script = RunDir(run_dir).slurm_script
     script.write_text(job["script"])
-    tail = run_dir / "rank-00000.jsonl"
+    tail = RunDir(run_dir).rank_file(0)
     if in_allocation():  # inside salloc/sbatch: run the script here, its srun uses the allocation
-        return supervise(["bash", str(script)], env=job["env"], log=run_dir / "slurm.out", tail=tail,
+        return supervise(["bash", str(script)], env=job["env"], log=RunDir(run_dir).slurm_out, tail=tail,
                           timeout=timeout, memory_limit_bytes=memory_limit_bytes, progress=progress)
     job_id = submit(script, job["env"])
     launch = RunDir(run_dir).read_launch()
-    launch["slurm"]["job_id"] = job_id
-    RunDir(run_dir).write_launch(launch)
+    RunDir(run_dir).write_launch(attrs.evolve(launch, slurm=attrs.evolve(launch.slurm, job_id=job_id)))
     output = Path(job["output"].replace("%j", job_id))
     tailer = LogTail(tail, progress)
     try:
@@ -260,4 +261,4 @@ def run_slurm_job(job: dict[str, Any], run_dir: Path, timeout, memory_limit_byte
     finally:
         tailer.poll()
         if output.is_file():  # readable here when the first node is this host, or on a shared disk
-            (run_dir / "slurm.out").write_bytes(output.read_bytes())
+            RunDir(run_dir).slurm_out.write_bytes(output.read_bytes())

@@ -15,8 +15,8 @@ from llmadapt.contract.records import Failure, Summary
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json
 from llmadapt.contract.stats import aggregate
-from llmadapt.errors import LlmadaptError
-from llmadapt.launch.supervise import EXIT_PREFIXES
+from llmadapt.errors import ContractError, StorageError
+from llmadapt.launch.supervise import EXIT_PREFIXES, died_unrecorded
 
 
 @attrs.frozen
@@ -45,22 +45,29 @@ def summarise(run_dir: str | Path, launcher_failures: list[Failure] = (), *, wri
     """(Re)build the run's summary from the records on disk plus ``launcher_failures``.
 
     ``write``: append the launcher failures to launcher.jsonl and write summary.json. A disk that
-    refuses them (full, read-only) is one clear error; every record already written stays readable.
+    refuses them (full, read-only) is one clear error (StorageError: an I/O exit code, not bad input); every
+    record already written stays readable.
     """
     run_dir = Path(run_dir)
     launch = RunDir(run_dir).read_launch()
+    if launch.kind != "workload" or not launch.run_id or not launch.workload:  # a micro-benchmark's, or hand-made
+        raise ContractError(f"{RunDir(run_dir).launch_file} asks for no workload run (kind {launch.kind!r}, run id "
+                            f"{launch.run_id!r}): there is no run summary to build")
     rank_records, launcher_records = load_records(run_dir, split=True)
     launcher_records += [to_json(f) for f in launcher_failures]
-    summary = aggregate(launch["run_id"], rank_records + _launcher_view(rank_records, launcher_records), launch)
+    view = _launcher_view(rank_records, launcher_records)
+    # A rank that died without a word comes first: its peers' failures (a collective that lost it) follow from it.
+    first = [r for r in view if died_unrecorded(r)]
+    summary = aggregate(launch.run_id, first + rank_records + [r for r in view if r not in first], launch)
     if write:
         target = RunDir(run_dir).launcher_file
         try:
             write_launcher_failures(run_dir, list(launcher_failures))
             target = RunDir(run_dir).summary_file
             target.write_text(json.dumps(to_json(summary), indent=2))
-        except OSError as exc:
-            raise LlmadaptError(f"could not write {target}: {exc.strerror or exc}; every record written before is "
-                                f"kept in {run_dir} (`llmadapt show {run_dir}` reads them)") from None
+        except OSError as exc:  # the machine's (a full disk), not the input's: exit code 4 (errors.ExitCode.IO)
+            raise StorageError(f"could not write {target}: {exc.strerror or exc}; every record written before is "
+                               f"kept in {run_dir} (`llmadapt show {run_dir}` reads them)") from None
     return summary
 
 

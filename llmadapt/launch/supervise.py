@@ -16,6 +16,8 @@ from typing import Callable
 
 from llmadapt.adapter.declaration import EnvironmentSpec
 from llmadapt.contract.records import Failure
+from llmadapt.contract.rundir import RunDir
+from llmadapt.contract.schema import to_json
 from llmadapt.errors import LlmadaptError, Terminated
 from llmadapt.host import free_port, node_name
 from llmadapt.launch.environments import process_env
@@ -107,7 +109,17 @@ def supervise(cmd, *, env, log: Path, tail: Path | None, timeout, memory_limit_b
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True, preexec_fn=preexec)
     deadline = None if timeout is None else time.monotonic() + timeout
-    tailer = LogTail(tail, progress if tail else None)
+    # The tailed rank's failure records are held back until the group has ended: a peer that died without a word
+    # (killed, exited) is the story's start, and its line comes first on the console; this rank's then.
+    held: list[dict] = []
+
+    def forward(record: dict) -> None:
+        if record.get("type") == "failure":
+            held.append(record)
+        else:
+            progress(record)
+
+    tailer = LogTail(tail, forward if tail and progress else None)
     failures: list[Failure] = []
     try:
         while proc.poll() is None:
@@ -123,16 +135,29 @@ def supervise(cmd, *, env, log: Path, tail: Path | None, timeout, memory_limit_b
             time.sleep(0.1)
     except BaseException:
         _stop_group(proc)
+        _release(held, [], progress, tailer, log.parent)
         raise
     finally:
         _kill_group(proc)
         kill_tagged(token)
         log_file.close()
-    tailer.poll()
     code = proc.returncode
     if code and not failures:
         failures += _exit_failures(code, log)
+    _release(held, failures, progress, tailer, log.parent)
     return failures
+
+
+def _release(held: list[dict], failures: list[Failure], progress, tailer: LogTail, folder: Path) -> None:
+    """The ranks that died without a failure record of their own first, then the tailed rank's held failures."""
+    tailer.poll()
+    if progress:
+        for f in failures:
+            if died_unrecorded(to_json(f)) and not _recorded_failure(RunDir(folder).rank_file(f.rank)):
+                progress(to_json(f))
+        for record in held:
+            progress(record)
+    held.clear()
 
 
 EXIT_PREFIXES = ("worker killed by", "worker exited with code")
@@ -144,20 +169,22 @@ _TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*ex
 
 
 def _exit_failures(code: int, log: Path) -> list[Failure]:
-    """What a non-zero exit of the launched process says: per rank where torchrun names them, else one line."""
+    """What a non-zero exit of the launched process says: per rank where torchrun names them (with the step each
+    was in, from its records), else one line."""
     text = log.read_text(errors="replace") if log.is_file() else ""
     ranks: dict[int, Failure] = {}
     for rank, exit_code, pid in _TORCHRUN_RANK.findall(text):
         rank, exit_code = int(rank), int(exit_code)
         if rank in ranks:
             continue
+        step, where = _where(RunDir(log.parent).rank_file(rank))
         if exit_code < 0:
-            ranks[rank] = Failure(cause="killed", rank=rank, exit_code=exit_code,
-                                  message=f"rank {rank} (pid {pid}) was killed by {_signal_name(-exit_code)}"
+            ranks[rank] = Failure(cause="killed", rank=rank, exit_code=exit_code, step=step,
+                                  message=f"rank {rank} (pid {pid}) was killed by {_signal_name(-exit_code)}{where}"
                                           f"{_kill_hint(-exit_code)}, without a failure record")
         else:
-            ranks[rank] = Failure(cause="crash", rank=rank, exit_code=exit_code,
-                                  message=f"rank {rank} (pid {pid}) exited with code {exit_code} without a "
+            ranks[rank] = Failure(cause="crash", rank=rank, exit_code=exit_code, step=step,
+                                  message=f"rank {rank} (pid {pid}) exited with code {exit_code}{where} without a "
                                           "failure record")
     if ranks:
         return [ranks[r] for r in sorted(ranks)]
@@ -168,6 +195,40 @@ def _exit_failures(code: int, log: Path) -> list[Failure]:
     last = lines[-1][:300] if lines else "no output"
     return [Failure(cause="crash", message=f"worker exited with code {code} without a failure record; "
                                            f"last output: {last}", exit_code=code)]
+
+
+def died_unrecorded(record: dict) -> bool:
+    """A launcher's failure record of a rank that died (killed, exited) without a failure record of its own:
+    where a failed run's story starts, before its peers' errors (a collective that lost it)."""
+    return (record.get("type") == "failure" and record.get("rank") is not None
+            and record.get("cause") in ("killed", "crash") and record.get("message", "").startswith(
+                f"rank {record['rank']} (pid"))
+
+
+def _recorded_failure(rank_file: Path) -> bool:
+    from llmadapt.contract.jsonl import read_jsonl
+
+    try:
+        return any(r.get("type") == "failure" for r in read_jsonl(rank_file, check=False))
+    except (OSError, ValueError):
+        return False
+
+
+def _where(rank_file: Path) -> tuple[int | None, str]:
+    """Where a rank was when it died, from its records: the step after its last step record (' at step 5'),
+    before its first, or after its end record; nothing where it has no records."""
+    from llmadapt.contract.jsonl import read_jsonl
+
+    try:
+        records = read_jsonl(rank_file, check=False)
+    except (OSError, ValueError):
+        return None, ""
+    if any(r.get("type") == "end" for r in records):
+        return None, " after its last record"
+    steps = [r["step"] for r in records if r.get("type") == "step" and isinstance(r.get("step"), int)]
+    if not steps:
+        return None, " before its first step ended"
+    return max(steps) + 1, f" at step {max(steps) + 1}"
 
 
 def _signal_name(number: int) -> str:

@@ -3,9 +3,11 @@ adapter (see pyproject.toml). Light: nothing here imports torch."""
 
 from __future__ import annotations
 
-from llmadapt.adapter import AdapterInfo, Supports, hookimpl
-from llmadapt.host import VERSION
-from llmadapt.launch.environments import REFERENCE_ENVIRONMENT
+from llmadapt.adapter import TOOLS_ENVIRONMENT, VERSION, AdapterInfo, EnvironmentSpec, Supports, hookimpl
+
+ENVIRONMENT = EnvironmentSpec(name="torch", requirements=TOOLS_ENVIRONMENT.requirements)
+"""The core's tools environment under the reference adapters' own name (`llmadapt env create torch`,
+LLMADAPT_PYTHON_TORCH): the same recipe, so the same build."""
 
 
 @hookimpl
@@ -16,13 +18,13 @@ def llmadapt_register_adapters(register):
         framework="torch",
         roles={"train": "llmadapt.reference.trainer:TorchTrainer",
                "finetune": "llmadapt.reference.trainer:TorchFineTuner"},
-        environment=REFERENCE_ENVIRONMENT,
+        environment=ENVIRONMENT,
         supports=Supports(
             precisions=("fp32", "bf16"),
             dp=True,
             recompute=("none", "full"),
             flash_attention=True,
-            quantization=("none", "int8", "nf4"),
+            quantization=("none", "int8", "nf4", "fp4"),
             lora=True,
             moe=True,
             save=True,
@@ -35,7 +37,7 @@ def llmadapt_register_adapters(register):
         version=VERSION,
         framework="transformers-serve",
         roles={"serve": "llmadapt.reference.serve:HFServer", "offline": "llmadapt.reference.offline:HFOffline"},
-        environment=REFERENCE_ENVIRONMENT,
+        environment=ENVIRONMENT,
         supports=Supports(engine=("max_batched_tokens",)),  # --cb-max-batch-tokens
         description="transformers' own OpenAI-compatible server (continuous batching) on the canonical checkpoint, "
                     "as a subprocess: the reference for serving.",

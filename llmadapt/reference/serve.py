@@ -10,9 +10,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from llmadapt.adapter.context import engine_popen_options, stop_engine
+from llmadapt.adapter import RunDir, engine_popen_options, stop_engine
 from llmadapt.adapter.sse import OpenAICompatibleServer
-from llmadapt.contract.rundir import RunDir
 
 STOP_GRACE_S = 30.0
 CB_NUM_BLOCKS = 64  # blocks of 256 tokens: 16384 tokens of KV cache
@@ -51,8 +50,7 @@ class HFServer(OpenAICompatibleServer):
         m = self.ctx.workload.model
         if m.path:
             return m.path
-        from llmadapt.host import state_dir
-        from llmadapt.models import checkpoint_key
+        from llmadapt.adapter import checkpoint_key, state_dir
 
         return str(state_dir() / "checkpoints" / checkpoint_key(m, self.ctx.workload.seed))
 

@@ -6,12 +6,10 @@ obvious way (sum of token cross-entropies / loss-bearing tokens of the global ba
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 
-from llmadapt.adapter.interfaces import FineTuner, StepResult, Trainer
+from llmadapt.adapter import FineTuner, Phase, Span, StepResult, Trainer
 from llmadapt.adapter.moe import ExpertLoadCounter
-from llmadapt.contract.records import Phase, Span
 
 
 class TorchTrainer(Trainer):
@@ -34,8 +32,8 @@ class TorchTrainer(Trainer):
             from transformers import BitsAndBytesConfig
 
             kwargs["quantization_config"] = (
-                BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-                if quant == "nf4" else BitsAndBytesConfig(load_in_8bit=True)
+                BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_compute_dtype=dtype)
+                if quant in ("nf4", "fp4") else BitsAndBytesConfig(load_in_8bit=True)
             )
             kwargs["device_map"] = {"": ctx.device}
         model = AutoModelForCausalLM.from_pretrained(str(ctx.checkpoint), **kwargs)
@@ -95,7 +93,7 @@ class TorchTrainer(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         scale = ctx.world_size / batch.loss_tokens_global  # DDP averages over ranks: undo that
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-        forward = backward = 0.0
+        phases: list[Phase] = []
         spans: list[Span] = []
         last = len(batch.micro_batches) - 1
         if self.experts:
@@ -104,31 +102,21 @@ class TorchTrainer(Trainer):
             sync = model.no_sync() if self.ddp and i < last else nullcontext()
             input_ids, labels = mb.input_ids.to(ctx.device), mb.labels.to(ctx.device)
             with sync, self._attention_backend():
-                ctx.synchronize()
-                t0 = time.monotonic_ns()
-                if self.experts:
-                    self.experts.counting = True
-                logits = model(input_ids=input_ids).logits
-                if self.experts:
-                    self.experts.counting = False
-                token_loss = F.cross_entropy(
-                    logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
-                    reduction="sum",
-                )
-                ctx.synchronize()
-                t1 = time.monotonic_ns()
-                (token_loss * scale).backward()
-                ctx.synchronize()
-                t2 = time.monotonic_ns()
-            forward += (t1 - t0) / 1e9
-            backward += (t2 - t1) / 1e9
-            spans += [Span(f"forward {i}", t0, t1), Span(f"backward {i}", t1, t2)]
+                with ctx.phase("forward", phases, spans=spans, span=f"forward {i}"):
+                    if self.experts:
+                        self.experts.counting = True
+                    logits = model(input_ids=input_ids).logits
+                    if self.experts:
+                        self.experts.counting = False
+                    token_loss = F.cross_entropy(
+                        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                        reduction="sum",
+                    )
+                with ctx.phase("backward", phases, spans=spans, span=f"backward {i}"):
+                    (token_loss * scale).backward()
             loss_sum += token_loss.detach().double()
-        phases = [Phase("forward", forward, "llmadapt"), Phase("backward", backward, "llmadapt")]
-        t3 = time.monotonic_ns()
-        with ctx.phase("optimizer", phases):
+        with ctx.phase("optimizer", phases, spans=spans):
             self.optimizer.step()
-        spans.append(Span("optimizer", t3, time.monotonic_ns()))
         if self.ddp:
             import torch.distributed as dist
 

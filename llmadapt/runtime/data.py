@@ -1,6 +1,7 @@
 """Token data for training workers: synthetic or from a file, cut into the same global batches in the same
 order whatever the data-parallel layout (each rank takes its share of every global step); and the held-out
-examples evaluation reads (workload.eval), the same on every stack.
+examples evaluation reads (workload.eval), the same on every stack. Files are read in their layout
+(data.format, eval.format: llmadapt.dataformats), already checked row by row when the workload was built.
 """
 
 from __future__ import annotations
@@ -8,14 +9,26 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 import attrs
 
 from llmadapt.adapter.context import IGNORE, MicroBatch, Sample, StepBatch
+from llmadapt.dataformats import parse
 from llmadapt.spec import Workload
 
 RESERVED = 4  # token ids below this are special tokens; synthetic data avoids them
-Example = tuple[list[int], list[int], list[list[int]] | None]  # prompt, answer, choices (answer tokens each)
+
+
+class Example(NamedTuple):
+    """One row as tokens: the prompt (with <s>), the answer trained on (with </s>), for multiple choice every
+    choice as an answer and the right one's index, and the number exact match on the final number compares."""
+
+    prompt: list[int]
+    answer: list[int]
+    choices: list[list[int]] | None = None
+    answer_index: int | None = None
+    number: str | None = None
 
 
 @attrs.frozen
@@ -26,6 +39,10 @@ class EvalExample:
     sample: Sample
     choices: list[Sample] | None = None
     answer_index: int | None = None
+    prompt: list[int] | None = None
+    """The prompt's tokens (<s> included), what generation starts from; None for synthetic data."""
+    number: str | None = None
+    """The answer's final number (exact match on the final number), None where it has none."""
 
 
 class TokenData:
@@ -34,6 +51,7 @@ class TokenData:
         self.seq_len = workload.train.seq_len
         self._examples: list[Example] | None = None
         self._held: list[Example] | None = None
+        self._tokenizer = tokenizer
         self._orders: dict[int, list[int]] = {}
         e = workload.eval
         if workload.data.source == "jsonl" or e.path:
@@ -42,19 +60,19 @@ class TokenData:
             # Many published tokenizers (Llama's) have no pad token: padding is masked out of the loss anyway.
             self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
         if workload.data.source == "jsonl":
-            self._examples = self._load_jsonl(Path(workload.data.path), tokenizer)
+            self._examples = self._load_jsonl(Path(workload.data.path), tokenizer, workload.data.format)
             if e.examples and not e.path:  # the file's last rows are held out of training
                 self._examples, self._held = self._examples[: -e.examples], self._examples[-e.examples:]
         if e.examples and e.path:
-            self._held = self._load_jsonl(Path(e.path), tokenizer)[: e.examples]
+            self._held = self._load_jsonl(Path(e.path), tokenizer, e.format or workload.data.format)[: e.examples]
 
     # -- global order ---------------------------------------------------------------
     def sample(self, index: int) -> Sample:
         if self._examples is None:
             return self._synthetic(index)
         epoch, pos = divmod(index, len(self._examples))
-        prompt, answer, _ = self._examples[self._order(epoch)[pos]]
-        return self._pack(prompt, answer)
+        example = self._examples[self._order(epoch)[pos]]
+        return self._pack(example.prompt, example.answer)
 
     def _order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
@@ -78,6 +96,12 @@ class TokenData:
             loss_tokens = g * self.seq_len
         else:
             loss_tokens = sum(sum(1 for t in s.labels if t != IGNORE) for s in self.global_samples(step))
+            if not loss_tokens:
+                shortest = min(len(self._examples[self._order(i // len(self._examples))[i % len(self._examples)]]
+                                   .prompt) for i in range(step * g, step * g + g))
+                raise ValueError(f"step {step}: no answer token within train.seq_len={self.seq_len} in any of the "
+                                 f"step's {g} samples (their prompts take {shortest} tokens or more): raise "
+                                 "train.seq_len")
         mb = self.w.train.micro_batch or per_rank
         micro = []
         for i in range(0, per_rank, mb):
@@ -102,16 +126,38 @@ class TokenData:
         """The held-out examples are prompts with answers (not synthetic sequences): exact match applies."""
         return self._held is not None
 
+    @property
+    def match(self) -> str:
+        """What exact match compares for these held-out examples: 'tokens' or 'number' (workload.eval.match)."""
+        return self.w.eval.resolved_match(self.w.data.format) if self._held is not None else "tokens"
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Generation's budget, prompt included: the tokens a training sample holds (prompt and answer cut to
+        seq_len + 1), within the model's positions."""
+        return min(self.seq_len + 1, self.w.model.max_position_embeddings)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self._tokenizer.decode(tokens, skip_special_tokens=True)
+
+    @property
+    def end_token(self) -> int | None:
+        return self._tokenizer.eos_token_id if self._tokenizer is not None else None
+
+    @property
+    def pad_token(self) -> int:
+        return self._pad
+
     def eval_examples(self) -> list[EvalExample]:
         """workload.eval's examples in file order: jsonl rows held out of training or read from eval.path, or
         synthetic sequences from seeds training never uses."""
         if self._held is None:
             return [EvalExample(self._synthetic(i, "eval")) for i in range(self.w.eval.examples)]
         out = []
-        for prompt, answer, choices in self._held:
-            options = [self._pack(prompt, c) for c in choices] if choices else None
-            out.append(EvalExample(self._pack(prompt, answer), options,
-                                   choices.index(answer) if choices else None))
+        for x in self._held:
+            options = [self._pack(x.prompt, c) for c in x.choices] if x.choices else None
+            out.append(EvalExample(self._pack(x.prompt, x.answer), options, x.answer_index if x.choices else None,
+                                   x.prompt, x.number))
         return out
 
     # -- sources ----------------------------------------------------------------------
@@ -125,21 +171,25 @@ class TokenData:
                 x[t] = RESERVED + rng.randrange(vocab)
         return Sample(input_ids=x[:-1], labels=x[1:], length=self.seq_len)
 
-    def _load_jsonl(self, path: Path, tokenizer) -> list[Example]:
+    def _load_jsonl(self, path: Path, tokenizer, fmt: str) -> list[Example]:
+        """Each row of PATH in layout FMT as tokens: <s> prompt, then answer </s> (llmadapt.dataformats decides
+        the texts; the workload checked every row's fields before launch)."""
         d = self.w.data
+        bos = [tokenizer.bos_token_id] * (tokenizer.bos_token_id is not None)
+        eos = [tokenizer.eos_token_id] * (tokenizer.eos_token_id is not None)
         examples = []
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            if d.prompt_field not in row or d.answer_field not in row:
-                raise ValueError(f"{path}:{number}: needs fields {d.prompt_field!r} and {d.answer_field!r}")
-            prompt = [tokenizer.bos_token_id] * (tokenizer.bos_token_id is not None) + tokenizer.encode(row[d.prompt_field] + "\n", add_special_tokens=False)
-            eos = [tokenizer.eos_token_id] * (tokenizer.eos_token_id is not None)
-            answer = tokenizer.encode(row[d.answer_field], add_special_tokens=False) + eos
-            choices = ([tokenizer.encode(c, add_special_tokens=False) + eos for c in row["choices"]]
-                       if isinstance(row.get("choices"), list) else None)
-            examples.append((prompt, answer, choices))
+            try:
+                row = parse(json.loads(line), fmt, d.prompt_field, d.answer_field)
+            except (KeyError, TypeError, ValueError, IndexError) as exc:  # a file changed since the check
+                raise ValueError(f"{path}:{number}: not a {fmt} row ({exc!r})") from None
+            prompt = bos + tokenizer.encode(row.prompt, add_special_tokens=False)
+            answer = tokenizer.encode(row.answer, add_special_tokens=False) + eos
+            choices = ([tokenizer.encode(c, add_special_tokens=False) + eos for c in row.choices]
+                       if row.choices else None)
+            examples.append(Example(prompt, answer, choices, row.answer_index, row.number))
         if not examples:
             raise ValueError(f"{path}: no examples")
         return examples

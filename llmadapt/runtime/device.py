@@ -49,18 +49,27 @@ class Place:
 # -- memory ------------------------------------------------------------------------------
 class _Procfs:
     """This process's /proc/self/status and clear_refs, opened once and re-read in place (a step reads them
-    twice; opening them costs more than reading). Reopened in a forked child, whose /proc/self is another."""
+    twice; opening them costs more than reading). A forked child, whose /proc/self is another, opens its own: the
+    fork hook forgets the parent's, so a step does not ask for its pid (a system call) to find out."""
 
     def __init__(self) -> None:
-        self.pid: int | None = None
+        self.opened = False
         self.status: int | None = None
         self.clear_refs: int | None = None
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        for fd in (self.status, self.clear_refs):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.opened, self.status, self.clear_refs = False, None, None
 
     def _fds(self) -> None:
-        if self.pid == os.getpid():
+        if self.opened:
             return
-        self.pid = os.getpid()
-        self.status = self.clear_refs = None
+        self.opened = True
         for name, flags in (("status", os.O_RDONLY), ("clear_refs", os.O_WRONLY)):
             try:
                 setattr(self, name, os.open(f"/proc/self/{name}", flags | os.O_CLOEXEC))
@@ -73,14 +82,10 @@ class _Procfs:
         if self.status is None:
             return None, None
         try:
-            text = os.pread(self.status, 16384, 0).decode()
+            text = os.pread(self.status, 16384, 0)
         except OSError:
             return None, None
-        found = {}
-        for line in text.splitlines():
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                found[line[:5]] = int(line.split()[1]) * 1024
-        return found.get("VmRSS"), found.get("VmHWM")
+        return _kib(text, b"\nVmRSS:"), _kib(text, b"\nVmHWM:")
 
     def reset_peak(self) -> None:
         """Linux: "5" resets the peak RSS (VmHWM) to the current RSS."""
@@ -90,6 +95,15 @@ class _Procfs:
                 os.write(self.clear_refs, b"5")
             except OSError:
                 pass
+
+
+def _kib(status: bytes, key: bytes) -> int | None:
+    """The 'key:   1234 kB' field of /proc/self/status in bytes (searched for, not parsed line by line: it is
+    read every step)."""
+    at = status.find(key)
+    if at < 0:
+        return None
+    return int(status[at + len(key):status.index(b"kB", at)]) * 1024
 
 
 _PROCFS = _Procfs()

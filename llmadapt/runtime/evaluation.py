@@ -9,7 +9,10 @@ pipeline, a ZeRO-3 engine) is not used, which also keeps the training model's st
 Figures (llmadapt.contract.records.Evaluation): loss and perplexity over the scored tokens; token accuracy; exact
 match, teacher-forced: every answer token, end token included, is the most likely one given the true tokens before
 it, which is exactly when greedy decoding generates the answer and stops (one forward pass per example instead of
-one per token); for multiple choice, the choice with the highest summed log-likelihood (its end token included).
+one per token); or, with eval.match = 'number' (GSM8K's rule, the default for the gsm8k format), whether the last
+number of the text greedy decoding writes after the prompt (up to its end token, at most seq_len + 1 - prompt
+tokens) equals the answer's number; for multiple choice (a ``choices`` list, a HellaSwag row, an instruction that
+ends 'Answer format: a/b/c'), the choice with the highest summed log-likelihood (its end token included).
 
 Runs inside workers (imports torch and transformers). The model on rank 0 is a whole copy next to the training
 state: for a model that does not fit one device twice, evaluate the saved model (save.path) with a serving engine.
@@ -24,6 +27,7 @@ from pathlib import Path
 
 from llmadapt.adapter.context import IGNORE, Sample
 from llmadapt.contract.records import Evaluation
+from llmadapt.dataformats import number_match
 from llmadapt.runtime.data import TokenData
 
 SCRATCH = ".eval-model"  # in the run folder, removed after each evaluation
@@ -93,6 +97,11 @@ def evaluate_folder(folder: Path, data: TokenData, device) -> dict:
                 logliks = totals[i]
                 choice_right += int(max(range(len(logliks)), key=logliks.__getitem__) == e.answer_index)
             choice_total = len(with_choices)
+        if data.has_answers and data.match == "number":
+            budgets = [max(1, data.max_new_tokens - len(e.prompt)) for e in examples]
+            texts = [data.decode(t) for t in generate(model, [e.prompt for e in examples], budgets, device,
+                                                      w.eval.batch, data.end_token, data.pad_token)]
+            exact = sum(number_match(text, e.number) for text, e in zip(texts, examples))
     loss = nll / tokens if tokens else float("nan")
     answers = data.has_answers
     out = {
@@ -146,6 +155,26 @@ def score(model, samples: list[Sample], device, counter) -> list[dict]:
         n = int(mask[i].sum())
         out.append({"nll": float(nll[i]), "tokens": n, "hits": int(right[i].sum()),
                     "exact": int(n > 0 and int(right[i].sum()) == n)})
+    return out
+
+
+def generate(model, prompts: list[list[int]], budgets: list[int], device, batch: int, end: int | None,
+             pad: int) -> list[list[int]]:
+    """Greedy decoding of each prompt, BATCH at a time (left-padded, masked): the new tokens up to the end token
+    (left out) or the prompt's budget of new tokens."""
+    import torch
+
+    out = []
+    for start in range(0, len(prompts), batch):
+        chunk, budget = prompts[start : start + batch], budgets[start : start + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], dtype=torch.long, device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], dtype=torch.long, device=device)
+        new = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(budget), do_sample=False,
+                             eos_token_id=end, pad_token_id=pad)[:, width:]
+        for tokens, most in zip(new.tolist(), budget):
+            tokens = tokens[:most]
+            out.append(tokens[: tokens.index(end)] if end is not None and end in tokens else tokens)
     return out
 
 

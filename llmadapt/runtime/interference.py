@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
+
+from llmadapt.adapter.context import group_stats
 from llmadapt.contract.records import Interference
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -91,6 +94,52 @@ def _run_delay() -> float | None:
         except (OSError, ValueError, IndexError):
             continue  # a thread that ended between listing and reading
     return total / 1e9 if found else None
+
+
+def group_cpu_s(pgid: int | None) -> float | None:
+    """CPU time of a process group's live members and their reaped children (a serving engine started in its
+    own group), from /proc; None where not known."""
+    if pgid is None:
+        return None
+    members = group_stats(pgid).values()
+    total = sum(int(v) for fields in members if len(fields) > 14 for v in fields[11:15])
+    found = any(len(fields) > 14 for fields in members)
+    return total / _TICK if found else None
+
+
+def serving_window(start: dict[str, Any], end: dict[str, Any], engine_start: float | None,
+                   engine_end: float | None, node: str) -> Interference:
+    """The interference record of a serving run: the client's window, with the engine's CPU counted as the run's
+    own. An engine whose CPU cannot be read (attached by URL, or its process gone) leaves other processes' CPU
+    unjudged: it may be the engine itself."""
+    record = interference(0, start, end, node)
+    if engine_start is None or engine_end is None or record.own_cpu_s is None:
+        return attrs.evolve(record, machine_busy_cpu_s=None)
+    return attrs.evolve(record, own_cpu_s=record.own_cpu_s + max(0.0, engine_end - engine_start))
+
+
+class StepDelay:
+    """This thread's run delay in nanoseconds, read twice a step (before and after the clock): the file is opened
+    once and re-read in place, a few microseconds a read. ``read()`` is None where Linux's schedstat is absent."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._fd = None
+
+    def read(self) -> int | None:
+        if self._fd is None:
+            return None
+        try:
+            return int(os.pread(self._fd, 128, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def thread_run_delay() -> float | None:

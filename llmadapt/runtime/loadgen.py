@@ -91,7 +91,9 @@ class LoadGenerator:
         watch = _LoopWatch()
         watcher = asyncio.create_task(watch.run(stop))
         try:
-            if s.arrival.process == "closed":
+            if any(getattr(req, "conversation", None) is not None for req in self.plan):
+                await self._conversations(session)
+            elif s.arrival.process == "closed":
                 await self._closed_loop(session)
             else:
                 await self._open_loop(session)
@@ -146,6 +148,53 @@ class LoadGenerator:
             await asyncio.gather(*workers, return_exceptions=True)
             raise
 
+    async def _conversations(self, session) -> None:
+        """Multi-turn conversations (llmadapt.runtime.streams.TurnRequest): a conversation starts at its first
+        turn's arrival time (open loop) or when one of serve.arrival.concurrency slots frees (closed loop); each
+        later turn is due its think time after the previous turn's answer ended, whatever became of it."""
+        s = self.w.serve
+        convs: dict[int, list[PlannedRequest]] = {}
+        for req in self.plan:
+            convs.setdefault(req.conversation, []).append(req)
+        sem = asyncio.Semaphore(s.max_concurrency) if s.max_concurrency else None
+        spin_ns = int(s.send_spin_ms * 1e6)
+        closed = s.arrival.process == "closed"
+        start = time.monotonic_ns() + (0 if closed else int(LEAD_S * 1e9))
+        deadline = start + int(s.duration_s * 1e9) if s.duration_s else None
+
+        async def converse(turns: list[PlannedRequest], due: int) -> None:
+            for i, req in enumerate(turns):
+                if i:
+                    due = time.monotonic_ns() + int(req.think_s * 1e9)
+                if deadline and due > deadline:
+                    return
+                await nap_until(due - spin_ns)
+                await self._one(session, req, due, sem)
+
+        tasks = []
+        try:
+            if closed:
+                queue = list(reversed(convs.values()))
+
+                async def worker() -> None:
+                    while queue and not (deadline and time.monotonic_ns() > deadline):
+                        await converse(queue.pop(), time.monotonic_ns())
+
+                tasks = [asyncio.create_task(worker()) for _ in range(s.arrival.concurrency)]
+            else:
+                for turns in convs.values():
+                    due = start + int(turns[0].offset_s * 1e9)
+                    if deadline and due > deadline:
+                        break
+                    await nap_until(due - spin_ns)
+                    tasks.append(asyncio.create_task(converse(turns, due)))
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
     async def _one(self, session, req: PlannedRequest, scheduled_ns: int, sem) -> None:
         chunk_ns: list[int] = []
         chunk_tokens: list[int | None] = []
@@ -181,8 +230,8 @@ class LoadGenerator:
                 raise RequestFailed("malformed", "the stream ended without any content")
         except TimeoutError:
             status, cause, error = "timeout", "timeout", f"no complete response within {self.w.serve.request_timeout_s:g} s"
-        except RequestFailed as exc:
-            status, cause, error = "error", exc.cause, str(exc)
+        except RequestFailed as exc:  # a stream without its end marker is 'truncated': it may be cut short
+            status, cause, error = "truncated" if exc.cause == "truncated" else "error", exc.cause, str(exc)
         except asyncio.CancelledError:
             status, cause, error = "cancelled", "cancelled", "cancelled (interrupted)"
             self._write(req, scheduled_ns, sent, first, chunk_ns, chunk_tokens, finish, usage_out, usage_in,

@@ -1,4 +1,4 @@
-"""Micro-benchmark worker: runs inside the reference adapter's environment (imports torch).
+"""Micro-benchmark worker: runs inside the core's tools environment (imports torch).
 
     python -m llmadapt.runtime.microbench RUN_DIR                    # ops or peak: one process
     python -m torch.distributed.run ... -m llmadapt.runtime.microbench RUN_DIR   # comm: one process per rank
@@ -9,24 +9,23 @@ the peaks themselves, ``comm`` for collectives), flushed as it goes; any failure
 failure record. The operators mirror what transformers' Llama/Mixtral modules run, so their
 times can calibrate the analytical model of the reference adapter.
 
-Size: over 400 lines because the three suites (operators, peaks, collectives) share one timer and one
-worker shell; each suite is a function of its own.
+Size: over 400 lines because the three suites (operators, peaks, collectives) share one timer (the
+worker's shell is llmadapt.runtime.lifecycle's); each suite is a function of its own.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 from llmadapt.contract.jsonl import JsonlWriter
 from llmadapt.contract.perf import OpBench
-from llmadapt.contract.records import Comm, End, Failure, Header, Metric, bandwidths
+from llmadapt.contract.launch import LaunchRequest, run_header
+from llmadapt.contract.records import Comm, Metric, bandwidths
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.stats import describe
-from llmadapt.host import node_name
 from llmadapt.runtime import lifecycle
 
 
@@ -199,10 +198,10 @@ def _build(spec: dict[str, Any], device, dtype) -> tuple[Callable[[], Any], list
     raise ValueError(f"unknown micro-benchmark op {op!r}")
 
 
-def run_ops(launch: dict[str, Any], device, writer: JsonlWriter, timer: Timer) -> None:
+def run_ops(launch: LaunchRequest, device, writer: JsonlWriter, timer: Timer) -> None:
     import torch
 
-    for spec in launch["spec"]["ops"]:
+    for spec in launch.spec["ops"]:
         dtype_name = spec["dtype"]
         dtype = _torch_dtype(dtype_name)
         directions = spec["directions"]
@@ -251,11 +250,11 @@ def _op_record(spec, direction, times, *, status="ok", note=None, flops=None, by
                    launches=d.get("launches"), status=status, note=note)
 
 
-def run_peak(launch: dict[str, Any], device, writer: JsonlWriter, timer: Timer) -> None:
+def run_peak(launch: LaunchRequest, device, writer: JsonlWriter, timer: Timer) -> None:
     """Best GEMM FLOP/s per dtype over a few square sizes, and copy bandwidth of a large buffer."""
     import torch
 
-    spec = launch["spec"]["peak"]
+    spec = launch.spec["peak"]
     gpu = device.type == "cuda"
     dtypes = spec["dtypes"] or (["fp32", "tf32", "bf16", "fp16"] if gpu else ["fp32", "bf16"])
     sizes = spec["gemm_sizes_gpu"] if gpu else spec["gemm_sizes_cpu"]
@@ -299,11 +298,11 @@ def run_peak(launch: dict[str, Any], device, writer: JsonlWriter, timer: Timer) 
                         source="llmadapt.micro peak: best copy (read + write) of a buffer larger than caches"))
 
 
-def run_comm(launch: dict[str, Any], device, writer: JsonlWriter, rank: int, world: int) -> None:
+def run_comm(launch: LaunchRequest, device, writer: JsonlWriter, rank: int, world: int) -> None:
     import torch
     import torch.distributed as dist
 
-    spec = launch["spec"]["comm"]
+    spec = launch.spec["comm"]
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     backend = dist.get_backend()
     for op in spec["ops"]:
@@ -380,61 +379,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(argv[0])
     launch = RunDir(run_dir).read_launch()
-    from llmadapt.host import utc_now
     from llmadapt.runtime.device import Place, apply_thread_policy, describe_device, pick_device, software_versions
 
     place = Place.from_env()
     writer = JsonlWriter(RunDir(run_dir).rank_file(place.rank))
-    lifecycle.install_stop_handler()
-    lifecycle.watch_orchestrator(node_name())
-    dist_started = completed = False
-    try:
+    with lifecycle.WorkerProcess(writer, place, "micro-benchmark", describe=_one_line) as worker:
         import torch
 
         apply_thread_policy()
         device = pick_device(place)
-        if place.world_size > 1:
-            import torch.distributed as dist
-
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                    device_id=device if device.type == "cuda" else None)
-            dist_started = True
-        suite = launch["suite"]
-        wl = launch["spec"].get("workload") or {}
-        writer.write(Header.starting_now(
-            run_id=launch["run_id"], rank=place.rank, local_rank=place.local_rank, world_size=place.world_size,
-            role=f"micro-{suite}", adapter="torch", adapter_version="",
-            framework="torch", framework_version=torch.__version__, launcher=launch["launcher"],
-            workload_hash=launch["spec"].get("workload_hash", ""), problem_hash=launch["spec"].get("problem_hash", ""),
-            workload=wl, checkpoint_hash=None, device=describe_device(device), software=software_versions(), patches=[],
+        worker.join_group(device)
+        suite = launch.suite
+        writer.write(run_header(
+            launch, rank=place.rank, local_rank=place.local_rank, world_size=place.world_size,
+            framework_version=torch.__version__, device=describe_device(device), software=software_versions(),
+            patches=[],
         ))
-        t = launch["spec"]["timing"]
+        t = launch.spec["timing"]
         timer = Timer(device, t["warmup"], t["repeats"], t["min_time_s"], t["max_time_s"])
-        if suite in ("ops", "peak") and launch["spec"].get("peak"):
+        if suite in ("ops", "peak") and launch.spec.get("peak"):
             run_peak(launch, device, writer, timer)
         if suite == "ops":
             run_ops(launch, device, writer, timer)
         elif suite == "comm":
             run_comm(launch, device, writer, place.rank, place.world_size)
-        writer.write(End(rank=place.rank, time=utc_now()))
-        completed, code = True, 0
-    except BaseException as exc:
-        code = lifecycle.write_failure(exc, lambda e: _write_failure(writer, e, place.rank))
-    finally:
-        writer.close()
-    if dist_started and (problem := lifecycle.end_distributed(completed)):
-        print(f"llmadapt micro-benchmark rank {place.rank}: teardown after the last record failed: {problem}",
-              file=sys.stderr)
-        code = code or 1
-    return code
-
-
-def _write_failure(writer: JsonlWriter, exc: BaseException, rank: int) -> int:
-    cause, code, message = lifecycle.failure_cause(exc, _one_line)
-    writer.write(Failure(cause=cause, message=message, rank=rank, exit_code=code))
-    if cause in ("error", "oom"):
-        traceback.print_exc()
-    return code
+    return worker.code
 
 
 if __name__ == "__main__":

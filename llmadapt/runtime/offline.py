@@ -8,7 +8,8 @@ the load generator would send), loads the adapter's offline engine (its ``offlin
 requests, then times one ``generate`` over every measured request: one request record each (sent at the call,
 ended at its return: an offline API says nothing of when each request's tokens came), a header and an end record.
 There is no first token to time, so TTFT, TPOT, ITL and E2EL are left out of the summary; its throughputs are the
-offline figures.
+offline figures. Stopped as a training rank is: SIGTERM, or its orchestrator gone, leaves a failure
+record (killed, exit code 143).
 """
 
 from __future__ import annotations
@@ -16,56 +17,53 @@ from __future__ import annotations
 import importlib
 import sys
 import time
-import traceback
 from pathlib import Path
 
 from llmadapt.contract.jsonl import JsonlWriter
-from llmadapt.contract.records import End, Failure, Header, Request
+from llmadapt.contract.launch import run_header
+from llmadapt.contract.records import Request
 from llmadapt.contract.rundir import RunDir
-from llmadapt.host import utc_now
 from llmadapt.runtime import lifecycle
+from llmadapt.runtime.device import Place
 from llmadapt.runtime.requests import plan_requests
 from llmadapt.spec import Workload
 
 
 def run_offline(run_dir: Path) -> int:
+    """The offline run in RUN_DIR; returns the process exit code. Its shell (llmadapt.runtime.lifecycle's
+    WorkerProcess) stops it on SIGTERM or when its orchestrator is gone, and writes its End or failure record."""
     launch = RunDir(run_dir).read_launch()
-    workload = Workload.from_dict(launch["workload"])
-    checkpoint = Path(launch["checkpoint"])
-    with JsonlWriter(RunDir(run_dir).rank_file(0)) as writer:
-        try:
-            from tokenizers import Tokenizer
+    writer = JsonlWriter(RunDir(run_dir).rank_file(0))
+    place = Place(0, 0, 1, 0, "single")  # one process, whatever its environment says
+    with lifecycle.WorkerProcess(writer, place, "offline worker", describe=_described) as worker:
+        workload = Workload.from_dict(launch.workload)
+        checkpoint = Path(launch.checkpoint)
+        from tokenizers import Tokenizer
 
-            plan = plan_requests(workload, Tokenizer.from_file(str(checkpoint / "tokenizer.json")))
-            module, _, name = launch["offline_class"].partition(":")
-            engine = getattr(importlib.import_module(module), name)(workload, checkpoint)
-            writer.write(Header.starting_now(
-                run_id=launch["run_id"], rank=0, local_rank=0, world_size=1, role="serve", adapter=launch["adapter"],
-                adapter_version=launch["adapter_version"], framework=launch["framework"],
-                framework_version=engine.version(), launcher="offline", workload_hash=workload.content_hash,
-                problem_hash=workload.problem_hash, workload=workload.to_dict(),
-                checkpoint_hash=launch.get("checkpoint_hash"), device=None, software={}, patches=[],
-            ))
-            warmup = [r for r in plan if r.warmup]
-            measured = [r for r in plan if not r.warmup]
-            if warmup:
-                engine.generate(warmup)
-            start = time.monotonic_ns()
-            outputs = engine.generate(measured)
-            end = time.monotonic_ns()
-            for r, tokens in zip(measured, outputs):
-                writer.write(Request(
-                    index=r.index, warmup=False, scheduled_ns=start, sent_ns=start, first_token_ns=None, end_ns=end,
-                    chunk_ns=[], chunk_tokens=[], input_tokens=r.input_tokens, output_tokens=tokens,
-                    requested_output_tokens=r.output_tokens, output_forced=engine.forces_length,
-                    finish_reason="length", status="ok"))
-            writer.write(End(rank=0, time=utc_now()))
-            return 0
-        except BaseException as exc:  # noqa: BLE001 - every way out leaves a failure record
-            cause, code, message = lifecycle.failure_cause(exc, lifecycle.short_trace)
-            writer.write(Failure(cause=cause, message=message[:2000], rank=0, exit_code=code, time=utc_now()))
-            traceback.print_exc()
-            return code
+        plan = plan_requests(workload, Tokenizer.from_file(str(checkpoint / "tokenizer.json")))
+        module, _, name = launch.offline_class.partition(":")
+        engine = getattr(importlib.import_module(module), name)(workload, checkpoint)
+        writer.write(run_header(launch, framework_version=engine.version(), workload=workload,
+                                checkpoint_hash=launch.checkpoint_hash, device=None, software={}, patches=[]))
+        warmup = [r for r in plan if r.warmup]
+        measured = [r for r in plan if not r.warmup]
+        if warmup:
+            engine.generate(warmup)
+        start = time.monotonic_ns()
+        outputs = engine.generate(measured)
+        end = time.monotonic_ns()
+        for r, tokens in zip(measured, outputs):
+            writer.write(Request(
+                index=r.index, warmup=False, scheduled_ns=start, sent_ns=start, first_token_ns=None, end_ns=end,
+                chunk_ns=[], chunk_tokens=[], input_tokens=r.input_tokens, output_tokens=tokens,
+                requested_output_tokens=r.output_tokens, output_forced=engine.forces_length,
+                finish_reason="length", status="ok"))
+    return worker.code
+
+
+def _described(exc: BaseException) -> str:
+    """An error in one line (an engine's can be long: the record keeps its first 2000 characters)."""
+    return lifecycle.short_trace(exc)[:2000]
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from llmadapt.adapter.context import PlannedRequest
 from llmadapt.errors import LlmadaptError
+from llmadapt.runtime.streams import plan_stream
 from llmadapt.spec import LengthSpec, Workload
 
 
@@ -88,6 +89,8 @@ def plan_requests(workload: Workload, tokenizer) -> list[PlannedRequest]:
         outputs = [int(r.get("output_len", o)) for r, o in zip(trace_rows, outputs)]
     offsets = arrival_offsets(workload, total, rng)
     pool = word_pool(tokenizer)
+    if s.source.kind != "synthetic":  # a file, shared prefixes, conversations, a replayed trace
+        return plan_stream(workload, tokenizer, rng, pool, inputs, outputs, offsets)
     plan = []
     for i in range(total):
         prompt = "".join(rng.choice(pool) for _ in range(inputs[i]))

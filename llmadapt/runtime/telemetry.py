@@ -141,6 +141,10 @@ class Sampler:
         return self._nvml.energy_j() if self._nvml is not None else None
 
     def drain(self) -> list[Telemetry]:
+        """The samples taken since the last drain. Called between every two steps: with none waiting (most
+        steps) it takes no lock; a sample appended just after the check is drained next time."""
+        if not self._samples:
+            return []
         with self._lock:
             out, self._samples = self._samples, []
         return out

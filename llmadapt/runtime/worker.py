@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
+import math
 import os
 import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,8 @@ import attrs
 from llmadapt.adapter.context import StepBatch, WorkerContext
 from llmadapt.adapter.interfaces import Trainer
 from llmadapt.contract.jsonl import JsonlWriter
-from llmadapt.contract.records import End, Failure, Header, Metric, Phase, Step
+from llmadapt.contract.launch import LaunchRequest, run_header
+from llmadapt.contract.records import Failure, Metric, Phase, Step
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.stream import StreamingWriter
 from llmadapt.errors import LlmadaptError
@@ -46,7 +46,7 @@ from llmadapt.runtime.telemetry import Sampler
 from llmadapt.spec import Workload
 
 
-def _launch_record(run_dir: Path) -> dict[str, Any]:
+def _launch_record(run_dir: Path) -> LaunchRequest:
     """The run's launch.json; a Slurm job carries it in LLMADAPT_LAUNCH (nodes need not share a disk)."""
     path = RunDir(run_dir).launch_file
     if not path.is_file() and os.environ.get("LLMADAPT_LAUNCH"):
@@ -54,7 +54,7 @@ def _launch_record(run_dir: Path) -> dict[str, Any]:
         tmp = path.with_name(f".launch-{os.getpid()}.json")  # several ranks of one node may race here
         tmp.write_text(os.environ["LLMADAPT_LAUNCH"])
         os.replace(tmp, path)
-    return json.loads(path.read_text())
+    return RunDir(run_dir).read_launch()
 
 
 def _open_records(run_dir: Path, place: Place, run_id: str):
@@ -76,176 +76,153 @@ def _open_records(run_dir: Path, place: Place, run_id: str):
 def run_worker(run_dir: Path, place: Place | None = None) -> int:
     """Worker entry point: returns the process exit code. Every outcome leaves a record.
 
-    ``place`` is given by the inline launcher (one rank, whatever the caller's environment says).
-    A rank that finished writes an ``End`` record last; what happens after it (synchronising the
-    ranks, the adapter's teardown) can no longer fail the run, only warn (see llmadapt.runtime.lifecycle).
+    ``place`` is given by the inline launcher (one rank, whatever the caller's environment says); an inline run
+    may be called from any thread, so it leaves the signals to its caller. A rank that finished writes an ``End``
+    record last; what happens after it (synchronising the ranks, the adapter's teardown) can no longer fail the
+    run, only warn. llmadapt.runtime.lifecycle.WorkerProcess is the shell that does both.
     """
     run_dir = Path(run_dir)
     launch = _launch_record(run_dir)
     inline = place is not None
     place = place or Place.from_env()
-    writer = _open_records(run_dir, place, launch["run_id"])
-    step_index: int | None = None
-    trainer: Trainer | None = None
-    ctx: WorkerContext | None = None
-    dist_started = completed = False
-    sampler: Sampler | None = None
-
-    # Inline runs may be called from any thread and must not take over the caller's signals.
-    previous_handler = None
-    if not inline:
-        previous_handler = lifecycle.install_stop_handler()
-        lifecycle.watch_orchestrator(node_name())
-    try:
-        workload = Workload.from_dict(launch["workload"])
+    writer = _open_records(run_dir, place, launch.run_id)
+    with lifecycle.WorkerProcess(writer, place, "worker", signals=not inline) as worker:
+        workload = Workload.from_dict(launch.workload)
         if not inline:
             apply_thread_policy(workload.parallelism.threads_per_rank)
         device = pick_device(place)
         if not workload.parallelism.p2p:  # read by NCCL when its communicators start
             os.environ["NCCL_P2P_DISABLE"] = "1"
-        if place.world_size > 1:
-            import torch.distributed as dist
-
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            # Rank and size given explicitly: under srun there are no RANK/WORLD_SIZE variables.
-            dist.init_process_group(backend=backend, rank=place.rank, world_size=place.world_size,
-                                    device_id=device if device.type == "cuda" else None)
-            dist_started = True
+        worker.join_group(device)
 
         from llmadapt.models import canonical_checkpoint, recorded_weights_hash
 
         checkpoint = canonical_checkpoint(workload.model, workload.seed)
         # Named by the orchestrator: adapters are found through installed entry points there, not here
         # (the environment holds no llmadapt packages; they come on PYTHONPATH).
-        module_name, _, class_name = launch["worker_class"].partition(":")
+        module_name, _, class_name = launch.worker_class.partition(":")
         cls = getattr(importlib.import_module(module_name), class_name)
         ctx = WorkerContext(workload, place.rank, place.local_rank, place.world_size, device, checkpoint, run_dir)
         trainer = cls(ctx)
-        setup_start = time.perf_counter()
-        trainer.setup()
-        setup = _setup_metrics(place.rank, time.perf_counter() - setup_start, ctx.is_cuda)
-        loaded = getattr(trainer, "loaded_at", None)
-        if loaded is not None:  # the adapter marked when its weights were in place
-            setup += [Metric(rank=place.rank, name="load_seconds", value=loaded[0] - setup_start, unit="s",
-                             source="llmadapt"),
-                      Metric(rank=place.rank, name="load_peak_rss_bytes", value=loaded[1], unit="B",
-                             source="getrusage")]
-
-        tokenizer = None
-        if workload.data.source == "jsonl" or workload.eval.path:
-            # The class the canonical tokenizer was saved as: AutoTokenizer of older transformers
-            # (ColossalAI's 4.51) cannot read what 5.x writes in tokenizer_config.json.
-            from transformers import PreTrainedTokenizerFast
-
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(checkpoint))
-        data = TokenData(workload, tokenizer)
+        worker.role = lambda: trainer.rank_role()  # looked up when a failure is written, as the layout may not exist
+        worker.at_teardown(lambda: _maybe_fault(launch.fault, place.rank, "teardown"))
+        worker.at_teardown(lambda: trainer.teardown())
+        setup = _set_up(trainer, place.rank, ctx.is_cuda)
+        data = TokenData(workload, _tokenizer(workload, checkpoint))
         dp_rank, dp_size = trainer.data_rank()
 
-        writer.write(Header.starting_now(
-            run_id=launch["run_id"], rank=place.rank, local_rank=place.local_rank, world_size=place.world_size,
-            role=workload.kind, adapter=launch["adapter"],
-            adapter_version=launch["adapter_version"], framework=launch["framework"],
-            framework_version=trainer.framework_version(), launcher=launch["launcher"],
-            workload_hash=workload.content_hash, problem_hash=workload.problem_hash, workload=workload.to_dict(),
+        writer.write(run_header(
+            launch, rank=place.rank, local_rank=place.local_rank, world_size=place.world_size, workload=workload,
+            framework_version=trainer.framework_version(),
             checkpoint_hash=workload.model.checksum or recorded_weights_hash(checkpoint), device=describe_device(device),
             software=software_versions(), patches=list(trainer.patches), topology=describe_topology(device),
         ))
 
         for metric in setup:
             writer.write(metric)
-        fault = launch.get("fault")
-        profiled = set(workload.profile.steps)
-        sampler = Sampler(place.rank, workload.telemetry.interval_s,
-                          (ctx.device.index or 0) if ctx.is_cuda else None).start()
-        energy_start = quiet_start = None
-        gpu_index = nvml_index(ctx.device, dict(os.environ)) if ctx.is_cuda else None
-        evaluate = _evaluator(workload, trainer, data, run_dir, dist_started)
-        evaluate(0, writer)
-        for step_index in range(workload.train.total_steps):
-            _maybe_fault(fault, place.rank, step_index)
-            data_start = time.perf_counter()
-            batch: StepBatch = data.step_batch(step_index, dp_rank, dp_size)
-            data_seconds = time.perf_counter() - data_start
-            if step_index == workload.train.warmup_steps:
-                energy_start = sampler.energy_j()
-                quiet_start = interference.snapshot(gpu_index)
-            reset_peak_memory(ctx)
-            probe = (StepProfiler(trainer, rank=place.rank, world_size=place.world_size, step=step_index,
-                                  level=workload.profile.level, cuda=ctx.is_cuda, run_dir=run_dir,
-                                  sync=_barrier if dist_started else None)
-                     if step_index in profiled else contextlib.nullcontext())
-            with probe:  # started before the clock is read, stopped after
-                ctx.synchronize()
-                start = time.monotonic_ns()
-                result = trainer.step(batch)
-                if fault and fault.get("kind") == "slow":
-                    time.sleep(fault["seconds"])
-                ctx.synchronize()
-                end = time.monotonic_ns()
-            breakdown = getattr(probe, "breakdown", None)
-            writer.write(Step(
-                rank=place.rank, step=step_index, warmup=step_index < workload.train.warmup_steps,
-                start_ns=start, end_ns=end, seconds=(end - start) / 1e9, tokens=batch.tokens,
-                samples=batch.samples, loss=float(result.loss),
-                phases=[Phase("data", data_seconds, "llmadapt"), *result.phases],
-                memory=memory_snapshot(ctx), expert_load=result.expert_load, spans=list(result.spans),
-                expert_near_ties=result.expert_near_ties, profiled=step_index in profiled,
-            ))
-            for extra in (*([breakdown] if breakdown else []), *result.comms, *result.metrics):
-                writer.write(extra if extra is breakdown else attrs.evolve(extra, step=step_index))
-            if step_index in profiled and dist_started:
-                # Reading the profiler's events takes each rank its own time, after the clock stopped: the
-                # ranks start the next step together, or the quickest would wait for the others inside it.
-                _barrier()
-            for sample in sampler.drain():
-                writer.write(sample)
-            if workload.eval.every and (step_index + 1) % workload.eval.every == 0 \
-                    and step_index + 1 < workload.train.total_steps:
-                evaluate(step_index + 1, writer)
-        energy_end = sampler.energy_j()
-        if quiet_start is not None:
-            writer.write(interference.interference(place.rank, quiet_start, interference.snapshot(gpu_index),
-                                                   node_name()))
-        for sample in sampler.stop():
-            writer.write(sample)
-        if energy_start is not None and energy_end is not None:
-            writer.write(Metric(rank=place.rank, name="energy_measured_steps", value=energy_end - energy_start,
-                                unit="J", source="nvml"))
-        step_index = None
-        evaluate(workload.train.total_steps, writer)
+        _train(worker, launch.fault, workload, trainer, ctx, data, (dp_rank, dp_size), run_dir)
         if workload.save.path:
             writer.write(_save(trainer, workload, checkpoint, place.rank))
         for extra in trainer.final_records():
             writer.write(extra)
-        writer.write(End(rank=place.rank, time=utc_now()))
-        completed = True
-        code = 0
-    except BaseException as exc:  # every way out leaves a failure record
-        code = lifecycle.write_failure(exc, lambda e: _write_failure(writer, e, place, trainer, step_index))
-    finally:
-        if sampler is not None:  # stopped already on success; a failed run keeps what was sampled
-            with contextlib.suppress(Exception):
-                for sample in sampler.stop():
-                    writer.write(sample)
-        try:
-            writer.close()
-        except OSError:  # nothing more could be flushed (disk full): what was written stays readable
-            pass
-    problem = _teardown(trainer if completed else None, dist_started, completed, launch.get("fault"))
-    if previous_handler is not None:
-        signal.signal(signal.SIGTERM, previous_handler)
-    if problem:  # every record is written: the launcher reports this as a teardown warning
-        print(f"llmadapt worker rank {place.rank}: teardown after the last record failed: {problem}",
-              file=sys.stderr)
-        return code or 1
-    return code
+    return worker.code
 
 
-def _setup_metrics(rank: int, seconds: float, cuda: bool) -> list[Metric]:
-    """What building the model cost this rank: time, and peak memory so far (the process's high-water mark,
-    imports included, so loading is in it: what memory-bounded loading bounds)."""
+def _train(worker: lifecycle.WorkerProcess, fault: dict[str, Any] | None, workload: Workload, trainer: Trainer,
+           ctx: WorkerContext, data: TokenData, dp: tuple[int, int], run_dir: Path) -> None:
+    """The measured loop: warm-up and measured steps, one record each with what the adapter reported, the
+    telemetry and interference beside them, and the evaluations workload.eval asks for. What a step does between
+    two clock readings is the loop's own cost: benchmarks/profile_overhead.py measures it."""
+    writer, place, dist_started = worker.writer, worker.place, worker.distributed
+    dp_rank, dp_size = dp
+    slow = fault["seconds"] if fault and fault.get("kind") == "slow" else 0  # decided here, not in the clock
+    delay = interference.StepDelay()  # this thread's waits for a core, per step
+    worker.at_close(delay.close)
+    profiled = set(workload.profile.steps)
+    sampler = Sampler(place.rank, workload.telemetry.interval_s,
+                      (ctx.device.index or 0) if ctx.is_cuda else None).start()
+    worker.at_close(lambda: _drain(sampler, writer))  # stopped already on success; a failed run keeps its samples
+    energy_start = quiet_start = nonfinite_at = None
+    gpu_index = nvml_index(ctx.device, dict(os.environ)) if ctx.is_cuda else None
+    evaluate = _evaluator(workload, trainer, data, run_dir, dist_started)
+    evaluate(0, writer)
+    for step_index in worker.steps(workload.train.total_steps):
+        _maybe_fault(fault, place.rank, step_index)
+        data_start = time.perf_counter()
+        batch: StepBatch = data.step_batch(step_index, dp_rank, dp_size)
+        data_seconds = time.perf_counter() - data_start
+        if step_index == workload.train.warmup_steps:
+            energy_start = sampler.energy_j()
+            quiet_start = interference.snapshot(gpu_index)
+        reset_peak_memory(ctx)
+        probe = (StepProfiler(trainer, rank=place.rank, world_size=place.world_size, step=step_index,
+                              level=workload.profile.level, cuda=ctx.is_cuda, run_dir=run_dir,
+                              sync=_barrier if dist_started else None)
+                 if step_index in profiled else contextlib.nullcontext())
+        with probe:  # started before the clock is read, stopped after
+            ctx.synchronize()
+            waited_before = delay.read()
+            start = time.monotonic_ns()
+            result = trainer.step(batch)
+            if slow:
+                time.sleep(slow)
+            ctx.synchronize()
+            end = time.monotonic_ns()
+            waited_after = delay.read()
+        breakdown = getattr(probe, "breakdown", None)
+        writer.write(Step(
+            rank=place.rank, step=step_index, warmup=step_index < workload.train.warmup_steps,
+            start_ns=start, end_ns=end, seconds=(end - start) / 1e9, tokens=batch.tokens,
+            samples=batch.samples, loss=(loss := float(result.loss)),
+            phases=[Phase("data", data_seconds, "llmadapt"), *result.phases],
+            memory=memory_snapshot(ctx), expert_load=result.expert_load, spans=list(result.spans),
+            expert_near_ties=result.expert_near_ties, profiled=step_index in profiled,
+            run_delay_s=None if None in (waited_before, waited_after) else (waited_after - waited_before) / 1e9,
+        ))
+        for extra in (*([breakdown] if breakdown else []), *result.comms, *result.metrics):
+            writer.write(extra if extra is breakdown else attrs.evolve(extra, step=step_index))
+        if not math.isfinite(loss) and nonfinite_at is None:
+            nonfinite_at = step_index
+            if workload.train.on_nonfinite == "stop":
+                raise lifecycle.Diverged(f"the loss is {loss} at step {step_index} on rank {place.rank} "
+                                         "(train.on_nonfinite = \"continue\" runs every step)")
+        if step_index in profiled and dist_started:
+            # Reading the profiler's events takes each rank its own time, after the clock stopped: the
+            # ranks start the next step together, or the quickest would wait for the others inside it.
+            _barrier()
+        for sample in sampler.drain():
+            writer.write(sample)
+        if workload.eval.every and (step_index + 1) % workload.eval.every == 0 \
+                and step_index + 1 < workload.train.total_steps:
+            evaluate(step_index + 1, writer)
+    energy_end = sampler.energy_j()
+    if quiet_start is not None:
+        writer.write(interference.interference(place.rank, quiet_start, interference.snapshot(gpu_index),
+                                               node_name()))
+    for sample in sampler.stop():
+        writer.write(sample)
+    if energy_start is not None and energy_end is not None:
+        writer.write(Metric(rank=place.rank, name="energy_measured_steps", value=energy_end - energy_start,
+                            unit="J", source="nvml"))
+    worker.step = None
+    evaluate(workload.train.total_steps, writer)
+
+
+def _drain(sampler: Sampler, writer) -> None:
+    with contextlib.suppress(Exception):
+        for sample in sampler.stop():
+            writer.write(sample)
+
+
+def _set_up(trainer: Trainer, rank: int, cuda: bool) -> list[Metric]:
+    """``trainer.setup()``, and what it cost this rank: time, and peak memory so far (the process's high-water
+    mark, imports included, so loading is in it: what memory-bounded loading bounds); the loading itself when
+    the adapter marked when its weights were in place (``loaded_at``)."""
     import resource
 
+    setup_start = time.perf_counter()
+    trainer.setup()
+    seconds = time.perf_counter() - setup_start
     metrics = [Metric(rank=rank, name="setup_seconds", value=seconds, unit="s", source="llmadapt"),
                Metric(rank=rank, name="setup_peak_rss_bytes", value=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                       * 1024.0, unit="B", source="getrusage")]
@@ -254,7 +231,22 @@ def _setup_metrics(rank: int, seconds: float, cuda: bool) -> list[Metric]:
 
         metrics.append(Metric(rank=rank, name="setup_peak_device_bytes", value=float(torch.cuda.max_memory_allocated()),
                               unit="B", source="torch.cuda"))
+    loaded = getattr(trainer, "loaded_at", None)
+    if loaded is not None:
+        metrics += [Metric(rank=rank, name="load_seconds", value=loaded[0] - setup_start, unit="s", source="llmadapt"),
+                    Metric(rank=rank, name="load_peak_rss_bytes", value=loaded[1], unit="B", source="getrusage")]
     return metrics
+
+
+def _tokenizer(workload: Workload, checkpoint: Path):
+    """The canonical tokenizer when the data or the evaluation is text; else None."""
+    if workload.data.source != "jsonl" and not workload.eval.path:
+        return None
+    # The class the canonical tokenizer was saved as: AutoTokenizer of older transformers
+    # (ColossalAI's 4.51) cannot read what 5.x writes in tokenizer_config.json.
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(checkpoint))
 
 
 def _evaluator(workload: Workload, trainer: Trainer, data: TokenData, run_dir: Path, distributed: bool):
@@ -297,50 +289,6 @@ def _barrier() -> None:
     import torch.distributed as dist
 
     dist.barrier()
-
-
-def _write_failure(writer, exc: BaseException, place: Place, trainer, step_index) -> int:
-    """The failure record for EXC; returns the exit code it stands for."""
-    cause, code, message = lifecycle.failure_cause(exc, lifecycle.short_trace)
-    role = _safe_rank_role(trainer)
-    if role:
-        message = f"[{role}] {message}"
-    if place.nnodes > 1:
-        message = f"[node {place.node_rank} {node_name()}] {message}"
-    try:
-        writer.write(Failure(cause=cause, message=message, rank=place.rank, step=step_index, exit_code=code,
-                             time=utc_now()))
-    except OSError as write_error:  # the disk is full: say so where the launcher's log keeps it
-        print(f"llmadapt worker rank {place.rank}: could not write the failure record: {write_error}",
-              file=sys.stderr)
-    if cause in ("error", "oom"):
-        traceback.print_exc()
-    return code
-
-
-def _teardown(trainer: Trainer | None, dist_started: bool, completed: bool, fault) -> str | None:
-    """After the last record: wait for every rank, let the adapter release its framework, leave the group."""
-    problem = None
-    try:
-        if completed and dist_started:
-            import torch.distributed as dist
-
-            dist.barrier()  # no rank destroys a group its peers still use (see llmadapt.runtime.lifecycle)
-        if trainer is not None:
-            _maybe_fault(fault, trainer.ctx.rank, "teardown")
-            trainer.teardown()
-    except BaseException as exc:  # noqa: BLE001 - a stop signal here ends only the teardown
-        problem = f"{type(exc).__name__}: {exc}"
-    if dist_started:
-        problem = lifecycle.end_distributed(completed=False) or problem
-    return problem
-
-
-def _safe_rank_role(trainer: Trainer | None) -> str:
-    try:
-        return trainer.rank_role() if trainer is not None else ""
-    except Exception:  # the layout may not exist yet (failure during setup)
-        return ""
 
 
 def _maybe_fault(fault: dict[str, Any] | None, rank: int, step: int | str) -> None:

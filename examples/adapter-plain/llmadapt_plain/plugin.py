@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmadapt import AdapterInfo, EnvironmentSpec, Supports, hookimpl
+from llmadapt.adapter import AdapterInfo, EnvironmentSpec, Supports, hookimpl
 
 from . import __version__
 

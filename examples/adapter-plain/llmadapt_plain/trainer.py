@@ -5,8 +5,7 @@ Imported only inside the adapter's environment, in the worker process, so torch 
 
 from __future__ import annotations
 
-from llmadapt.adapter import FineTuner, StepResult, Trainer
-from llmadapt.contract import Phase
+from llmadapt.adapter import FineTuner, Phase, StepResult, Trainer
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -33,7 +32,7 @@ class PlainTrainer(Trainer):
         import torch.nn.functional as F
 
         ctx = self.ctx
-        timings: list[Phase] = []  # one entry per micro-batch; summed per phase below
+        timings: list[Phase] = []  # ctx.phase adds each micro-batch's time to its phase; relabelled below
         loss_sum = 0.0
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)

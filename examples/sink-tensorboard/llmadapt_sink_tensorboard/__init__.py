@@ -10,12 +10,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-import llmadapt
+from llmadapt.adapter import hookimpl
 
 SUMMARY_FIGURES = ("measured_steps", "peak_memory_bytes", "achieved_flops_per_s")
 
 
-@llmadapt.hookimpl
+@hookimpl
 def llmadapt_record_sink(run: dict[str, Any]):
     folder = os.environ.get("LLMADAPT_TENSORBOARD_DIR")
     if not folder:

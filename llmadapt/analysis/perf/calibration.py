@@ -62,11 +62,11 @@ def read_run(run_dir: str | Path, statistic: str = "p50") -> MeasuredRun:
     summary_path, launch_path = RunDir(run_dir).summary_file, RunDir(run_dir).launch_file
     if not summary_path.is_file() or not launch_path.is_file():
         raise LlmadaptError(f"{run_dir} is not a run directory (no summary.json and launch.json)")
-    summary, launch = json.loads(summary_path.read_text()), json.loads(launch_path.read_text())
+    summary, launch = json.loads(summary_path.read_text()), RunDir(run_dir).read_launch()
     if summary.get("status") != "ok" or not summary.get("step_time_s"):
         raise LlmadaptError(f"{run_dir}: the run did not complete its steps (status {summary.get('status')}): "
                             "only completed runs can calibrate or validate")
-    w = Workload.from_dict(launch["workload"])
+    w = Workload.from_dict(launch.workload)
     if w.kind == "serve":
         raise LlmadaptError(f"{run_dir}: a serving run; calibration and validation use training runs")
     if statistic not in ("p50", "mean", "min"):

@@ -30,7 +30,7 @@ from llmadapt.analysis.perf.opmodel import DTYPE_BYTES, QUANT_BYTES, layer_ops, 
 from llmadapt.contract.catalog import DeviceSpec, find_device
 from llmadapt.contract.flops import CONVENTION, model_flops_per_token
 from llmadapt.contract.perf import Estimate, MemoryEstimate
-from llmadapt.errors import LlmadaptError
+from llmadapt.errors import LlmadaptError, not_a_file
 from llmadapt.host import state_dir
 from llmadapt.spec import Workload
 
@@ -110,7 +110,7 @@ def load_factors(device: DeviceSpec, calibration: str | Path | None = None) -> F
     """Factors for a device: from a calibration file (given, or the device's default one), else the defaults."""
     path = Path(calibration) if calibration else calibration_path(device.name)
     if calibration and not path.is_file():
-        raise LlmadaptError(f"calibration file {path}: no such file")
+        raise LlmadaptError(f"calibration file {path}: {not_a_file(path)}")
     if not path.is_file():
         return Factors.defaults(device.kind)
     try:

@@ -11,13 +11,15 @@ On CPU, running out of memory is made real by a per-worker address-space cap (RL
 ``memory_limit_bytes``); each probe's ``launch.json`` and every probe record say a cap was
 used. On GPU the device's own memory is the limit.
 
-The search directory holds ``probes.jsonl`` (a ``probe`` record per probe, then a
-``maxbatch`` record) and each probe's run directory under ``probes/``.
+The search directory holds ``probes.jsonl`` (a ``probe`` record per probe, written as it
+ends, then a ``maxbatch`` record) and each probe's run directory under ``probes/``. A search
+ended by Ctrl-C or SIGTERM still ends the file with its ``maxbatch`` record: status failed,
+its message starting "partial:", with the largest batch that fitted so far.
 """
 
 from __future__ import annotations
 
-import secrets
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -26,8 +28,8 @@ import attrs
 
 from llmadapt.adapter.plugins import check_supported, get_adapter
 from llmadapt.analysis.perf.studyb import sparsity_of
-from llmadapt.analysis.table import text_table
 from llmadapt.contract.jsonl import JsonlWriter, read_jsonl
+from llmadapt.contract.launch import new_run_id
 from llmadapt.contract.perf import MaxBatch, Probe
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json
@@ -35,6 +37,7 @@ from llmadapt.errors import LlmadaptError
 from llmadapt.host import gpu_visible
 from llmadapt.launch.settings import check_adapter_settings
 from llmadapt.spec import Workload
+from llmadapt.texttable import text_table
 
 CAP_KIND = "RLIMIT_AS"
 
@@ -131,7 +134,7 @@ def maxbatch(workload: Workload | str | Path, adapter: str = "torch", *, memory_
     if probe is None and memory_limit_bytes is None and not gpu_visible():
         raise LlmadaptError("no GPU visible: on CPU, maxbatch needs --memory-limit SIZE, a per-worker address-space "
                             "cap (RLIMIT_AS) that makes running out of memory real (e.g. --memory-limit 2G)")
-    search_dir = Path(out) / f"{time.strftime('%Y%m%d-%H%M%S')}-maxbatch-{w.content_hash[:8]}-{secrets.token_hex(2)}"
+    search_dir = Path(out) / new_run_id("maxbatch", w.content_hash[:8])
     search_dir.mkdir(parents=True, exist_ok=False)
     cap_kind = CAP_KIND if memory_limit_bytes else None
 
@@ -169,6 +172,13 @@ def maxbatch(workload: Workload | str | Path, adapter: str = "torch", *, memory_
             log(f"  batch {b:>6}: {p.outcome}{extra}" + (f" - {p.message[:160]}" if p.message and p.outcome != "fits"
                                                          else ""))
         return p.outcome
+
+    def outcome_record(status: str, message: str) -> MaxBatch:
+        return MaxBatch(workload_hash=w.content_hash, label=w.label, adapter=adapter, status=status,
+                        max_batch=fits or None, first_failing=fails,
+                        max_tried=max((p.batch for p in probes), default=0), probes=len(probes),
+                        seq_len=w.train.seq_len, sparsity=sparsity_of(w.model), memory_limit_bytes=memory_limit_bytes,
+                        memory_limit_kind=cap_kind, capacity_bytes=capacity[0], message=message)
 
     fits, fails, stop = 0, None, None
     try:
@@ -209,12 +219,19 @@ def maxbatch(workload: Workload | str | Path, adapter: str = "torch", *, memory_
                                      f"{max_batch} fitted")
         else:
             status, message = "ok", f"max batch {fits} per rank{cap} (batch {fails} ran out of memory)"
-        result = MaxBatch(workload_hash=w.content_hash, label=w.label, adapter=adapter, status=status,
-                          max_batch=fits or None, first_failing=fails, max_tried=max(p.batch for p in probes),
-                          probes=len(probes), seq_len=w.train.seq_len, sparsity=sparsity_of(w.model),
-                          memory_limit_bytes=memory_limit_bytes, memory_limit_kind=cap_kind,
-                          capacity_bytes=capacity[0], message=message)
+        result = outcome_record(status, message)
         writer.write(result)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the probes so far, and a result that says it is partial
+        from llmadapt.launch.supervise import interrupt_text
+
+        known = (f"max batch >= {fits} per rank so far" if fits else "no batch fitted so far") + \
+            (f", batch {fails} ran out of memory" if fails is not None else "")
+        writer.write(outcome_record("failed", f"partial: the search was interrupted ({interrupt_text(exc)}) after "
+                                              f"{len(probes)} probe(s); {known}"))
+        (log or (lambda m: print(m, file=sys.stderr, flush=True)))(
+            f"{interrupt_text(exc)}: the search so far ({len(probes)} probe(s); {known}) is in "
+            f"{search_dir / 'probes.jsonl'}")
+        raise
     finally:
         writer.close()
     return MaxBatchResult(search_dir=search_dir, result=result, probes=probes)

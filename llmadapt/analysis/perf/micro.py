@@ -1,7 +1,7 @@
 """Micro-benchmarks: operators with a workload's shapes, device peaks, collectives (orchestrator side).
 
-Each suite runs as a worker in the reference adapter's environment (``python_for`` of the
-``torch`` environment; the orchestrator never imports torch): one process for ``ops`` and
+Each suite runs as a worker in the core's tools environment (``python_for(TOOLS_ENVIRONMENT)``;
+the orchestrator never imports torch): one process for ``ops`` and
 ``peak``, torchrun with N ranks (gloo on CPU, NCCL on GPU, 127.0.0.1, a free port) for
 ``comm``. The worker streams contract records to ``RUN_DIR/rank-NNNNN.jsonl``:
 
@@ -20,7 +20,6 @@ that reads their timings must agree, and do so in one place.
 from __future__ import annotations
 
 import json
-import secrets
 import socket
 import time
 from pathlib import Path
@@ -29,8 +28,9 @@ from typing import Any, Callable
 import attrs
 
 from llmadapt.analysis.perf.opmodel import DTYPE_BYTES, Op, attention_ops, layer_ops
-from llmadapt.analysis.table import text_table
+from llmadapt.texttable import text_table
 from llmadapt.contract.catalog import save_device, today
+from llmadapt.contract.launch import LaunchRequest, new_run_id
 from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
@@ -221,33 +221,36 @@ def op_specs(workload: Workload, *, dtype: str | None = None, ops: tuple[str, ..
 
 
 # -- running a suite ------------------------------------------------------------------------------
-def _torch_python() -> Path:
-    from llmadapt.launch.environments import REFERENCE_ENVIRONMENT, python_for
+def _tools_python() -> Path:
+    from llmadapt.launch.environments import TOOLS_ENVIRONMENT, python_for
 
-    return python_for(REFERENCE_ENVIRONMENT)
+    return python_for(TOOLS_ENVIRONMENT)
 
 
 def _start(suite: str, spec: dict[str, Any], out: str | Path, world: int = 1, timeout: float | None = None,
            progress: Callable[[dict[str, Any]], None] | None = None) -> MicroResult:
-    from llmadapt.launch.environments import REFERENCE_ENVIRONMENT
+    from llmadapt.launch.environments import TOOLS_ENVIRONMENT
     from llmadapt.launch.summary import write_launcher_failures
     from llmadapt.launch.supervise import supervise, worker_command, worker_env
 
-    python = _torch_python()  # fails before anything is written
-    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-micro-{suite}-{secrets.token_hex(2)}"
-    run_dir = Path(out) / run_id
-    run_dir.mkdir(parents=True, exist_ok=False)
+    python = _tools_python()  # fails before anything is written
     launcher = "torchrun" if world > 1 else "subprocess"
-    launch = {"run_id": run_id, "suite": suite, "kind": "micro", "launcher": launcher, "world_size": world,
-              "python": str(python), "created": time.time(), "spec": spec}
+    # The micro-benchmark's header names torch as its adapter and framework, and the workload it was derived from.
+    launch = LaunchRequest(
+        run_id=new_run_id("micro", suite), launcher=launcher, world_size=world, kind="micro", role=f"micro-{suite}",
+        adapter="torch", framework="torch", workload=spec.get("workload") or {},
+        workload_hash=spec.get("workload_hash", ""), problem_hash=spec.get("problem_hash", ""), python=str(python),
+        suite=suite, spec=spec, created=time.time())
+    run_dir = Path(out) / launch.run_id
+    run_dir.mkdir(parents=True, exist_ok=False)
     RunDir(run_dir).write_launch(launch)
     if progress:
         progress({"type": "start", "run_dir": str(run_dir), "suite": suite, "world_size": world})
     cmd = worker_command(launcher, python, run_dir, per_node=world, module="llmadapt.runtime.microbench")
     failures: list[Failure] = []
     try:
-        failures = supervise(cmd, env=worker_env(world, REFERENCE_ENVIRONMENT), log=RunDir(run_dir).worker_log,
-                              tail=run_dir / "rank-00000.jsonl", timeout=timeout, memory_limit_bytes=None,
+        failures = supervise(cmd, env=worker_env(world, TOOLS_ENVIRONMENT), log=RunDir(run_dir).worker_log,
+                              tail=RunDir(run_dir).rank_file(0), timeout=timeout, memory_limit_bytes=None,
                               progress=progress)
     except KeyboardInterrupt:
         failures = [Failure(cause="interrupted", message="interrupted (Ctrl-C) in the orchestrator")]
@@ -255,7 +258,7 @@ def _start(suite: str, spec: dict[str, Any], out: str | Path, world: int = 1, ti
         raise
     write_launcher_failures(run_dir, failures)
     result = read_micro(run_dir)
-    (run_dir / "micro.json").write_text(json.dumps(result.to_dict(), indent=2))
+    RunDir(run_dir).micro_file.write_text(json.dumps(result.to_dict(), indent=2))
     return result
 
 
@@ -267,9 +270,9 @@ def read_micro(run_dir: str | Path) -> MicroResult:
     launch_path = RunDir(run_dir).launch_file
     if not launch_path.is_file():
         raise LlmadaptError(f"{run_dir} is not a micro-benchmark run directory (no launch.json)")
-    launch = json.loads(launch_path.read_text())
-    if launch.get("kind") != "micro":
-        raise LlmadaptError(f"{run_dir} is not a micro-benchmark run (a {launch.get('role', 'workload')} run)")
+    launch = RunDir(run_dir).read_launch()
+    if launch.kind != "micro":
+        raise LlmadaptError(f"{run_dir} is not a micro-benchmark run (a {launch.role or 'workload'} run)")
     records = load_records(run_dir)
     headers = [r for r in records if r["type"] == "header"]
     head = min(headers, key=lambda h: h["rank"]) if headers else None
@@ -288,9 +291,9 @@ def read_micro(run_dir: str | Path) -> MicroResult:
     worker_failed = any(f.get("rank") is not None for f in failures)
     if worker_failed:  # the worker's own record says more than the launcher's exit code
         failures = [f for f in failures if not (f.get("rank") is None and f["cause"] in ("crash", "killed"))]
-    return MicroResult(run_dir=run_dir, suite=launch["suite"], status="failed" if failures or not head else "ok",
+    return MicroResult(run_dir=run_dir, suite=launch.suite, status="failed" if failures or not head else "ok",
                        device_name=device.get("name"), device_kind=device.get("kind"),
-                       device_memory_bytes=device.get("memory_bytes"), world_size=launch.get("world_size", 1),
+                       device_memory_bytes=device.get("memory_bytes"), world_size=launch.world_size,
                        peaks=peaks, ops=ops, peak_runs=peak_runs, comm=comm, unsupported=unsupported,
                        failures=failures)
 

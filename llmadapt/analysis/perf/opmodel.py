@@ -29,7 +29,7 @@ from llmadapt.spec import Workload
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-QUANT_BYTES = {"int8": 1.0 + 0.0, "nf4": 0.5 + 4 / 64}  # nf4: 4-bit codes + one fp32 absmax per 64 weights
+QUANT_BYTES = {"int8": 1.0 + 0.0, "nf4": 0.5 + 4 / 64, "fp4": 0.5 + 4 / 64}  # 4-bit codes + one fp32 absmax per 64
 
 
 LORA_DIMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from llmadapt.analysis.perf.estimate import GIB
-from llmadapt.analysis.table import text_table
 from llmadapt.contract.perf import Estimate, Fit, Validation
 from llmadapt.contract.schema import to_json
+from llmadapt.texttable import text_table
 
 
 def render(est: Estimate) -> str:

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 from llmadapt.contract.perf import Fit, FitPoint
 from llmadapt.contract.rundir import RunDir
-from llmadapt.errors import LlmadaptError
+from llmadapt.errors import LlmadaptError, not_a_file
 
 GB = 1e9
 
@@ -228,7 +228,8 @@ def read_points(path: str | Path, columns: tuple[str, ...]) -> list[dict[str, fl
     """Rows from a CSV (with a header) or JSON (a list of objects, or of lists in ``columns`` order)."""
     path = Path(path)
     if not path.is_file():
-        raise LlmadaptError(f"{path}: no such data file")
+        raise LlmadaptError(f"{path}: " + ("is a folder, expected a data file" if path.is_dir() else
+                                           "no such data file"))
     text = path.read_text()
     rows: list[dict[str, Any]]
     if path.suffix.lower() == ".json":
@@ -273,10 +274,10 @@ def throughput_points_from_runs(run_dirs: Iterable[str | Path]) -> list[tuple[fl
         summary_p, launch_p = RunDir(d).summary_file, RunDir(d).launch_file
         if not summary_p.is_file() or not launch_p.is_file():
             raise LlmadaptError(f"{d} is not a run directory (no summary.json and launch.json)")
-        summary, launch = json.loads(summary_p.read_text()), json.loads(launch_p.read_text())
+        summary, launch = json.loads(summary_p.read_text()), RunDir(d).read_launch()
         if summary.get("status") != "ok" or not summary.get("samples_per_s"):
             raise LlmadaptError(f"{d}: the run did not complete (status {summary.get('status')})")
-        w = Workload.from_dict(launch["workload"])
+        w = Workload.from_dict(launch.workload)
         out.append((float(w.train.global_batch), sparsity_of(w.model), float(summary["samples_per_s"]["mean"])))
     return out
 

@@ -7,7 +7,7 @@ All are real CPU equivalents (no faked type or device string), hence kind ``cpu-
 
 from __future__ import annotations
 
-from llmadapt.contract import Patch
+from llmadapt.adapter import Patch
 
 FRAMEWORK = "colossalai"
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llmadapt import AdapterInfo, EnvironmentSpec, Supports, hookimpl
+from llmadapt.adapter import AdapterInfo, EnvironmentSpec, Supports, hookimpl
 
 from . import __version__
 
@@ -59,7 +59,7 @@ PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
 
 
 # `llmadapt env create colossalai` runs both pip calls. transformers 4.51.3 cannot write the canonical
-# checkpoint, so the orchestrator builds it with the reference environment first (builds_checkpoint).
+# checkpoint, so the orchestrator builds it with the core's tools environment first (builds_checkpoint).
 ENVIRONMENT = EnvironmentSpec(name="colossalai", requirements=REQUIREMENTS, no_deps_requirements=NO_DEPS_REQUIREMENTS,
                               local_packages=(PACKAGE_DIR,), builds_checkpoint=False)
 

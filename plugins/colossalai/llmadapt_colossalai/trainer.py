@@ -13,11 +13,9 @@ under pp) over ``loss_tokens_global`` so that the gradients equal the reference'
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 
-from llmadapt.adapter import FineTuner, StepResult, Trainer
-from llmadapt.contract import Phase, Span
+from llmadapt.adapter import FineTuner, Phase, Span, StepResult, Trainer
 
 from . import cpu_patches
 from .plugin import booster_plugin
@@ -79,7 +77,7 @@ class ColossalAITrainer(Trainer):
         optimizer = self._make_optimizer([q for q in model.parameters() if q.requires_grad])
         self.model, self.optimizer, *_ = self.booster.boost(model, optimizer)
         if lazy:
-            from llmadapt.modelfolder import INDEX, WEIGHTS
+            from llmadapt.adapter.weights import INDEX, WEIGHTS
 
             index = ctx.checkpoint / INDEX
             self.booster.load_model(self.model, str(index if index.is_file() else ctx.checkpoint / WEIGHTS))
@@ -242,10 +240,8 @@ class ColossalAITrainer(Trainer):
             phases = self._pipeline_step(batch, loss_sum, spans)
         else:
             phases = self._plain_step(batch, loss_sum, spans)
-        t0 = time.monotonic_ns()
-        with ctx.phase("optimizer", phases):
+        with ctx.phase("optimizer", phases, spans=spans):
             self.optimizer.step()
-        spans.append(Span("optimizer", t0, time.monotonic_ns()))
         if dist.is_initialized() and dist.get_world_size() > 1:
             if self.pipeline:  # only the last stage has the loss; count each data-parallel rank once
                 if not (self.last_stage and self.tp_rank == 0):
@@ -261,30 +257,23 @@ class ColossalAITrainer(Trainer):
     def _plain_step(self, batch, loss_sum, spans) -> list[Phase]:
         ctx = self.ctx
         scale = self._dp_size / batch.loss_tokens_global
-        forward = backward = 0.0
+        phases: list[Phase] = []
         last = len(batch.micro_batches) - 1
         for i, mb in enumerate(batch.micro_batches):
             sync = self.booster.no_sync(self.model, self.optimizer) if self.skip_sync and i < last else nullcontext()
             input_ids, labels = mb.input_ids.to(ctx.device), mb.labels.to(ctx.device)
             with sync:
-                ctx.synchronize()
-                t0 = time.monotonic_ns()
-                if self.experts:
-                    self.experts.counting = True
-                logits = self.model(input_ids=input_ids).logits
-                if self.experts:
-                    self.experts.counting = False
-                token_loss = self._token_loss(logits, labels)
-                ctx.synchronize()
-                t1 = time.monotonic_ns()
-                self.booster.backward(token_loss * scale, self.optimizer)
-                ctx.synchronize()
-                t2 = time.monotonic_ns()
-            forward += (t1 - t0) / 1e9
-            backward += (t2 - t1) / 1e9
-            spans += [Span(f"forward {i}", t0, t1), Span(f"backward {i}", t1, t2)]
+                with ctx.phase("forward", phases, spans=spans, span=f"forward {i}"):
+                    if self.experts:
+                        self.experts.counting = True
+                    logits = self.model(input_ids=input_ids).logits
+                    if self.experts:
+                        self.experts.counting = False
+                    token_loss = self._token_loss(logits, labels)
+                with ctx.phase("backward", phases, spans=spans, span=f"backward {i}"):
+                    self.booster.backward(token_loss * scale, self.optimizer)
             loss_sum += token_loss.detach().double()
-        return [Phase("forward", forward, "llmadapt"), Phase("backward", backward, "llmadapt")]
+        return phases
 
     def _pipeline_step(self, batch, loss_sum, spans) -> list[Phase]:
         import torch
@@ -301,15 +290,12 @@ class ColossalAITrainer(Trainer):
             sums.append(token_loss.detach().double())
             return token_loss * scale
 
-        ctx.synchronize()
-        t0 = time.monotonic_ns()
-        self.booster.execute_pipeline(iter([data]), self.model, criterion, self.optimizer, return_loss=False)
-        ctx.synchronize()
-        t1 = time.monotonic_ns()
-        spans.append(Span("pipeline forward+backward (1F1B)", t0, t1))
+        phases: list[Phase] = []
+        with ctx.phase("forward_backward", phases, spans=spans, span="pipeline forward+backward (1F1B)"):
+            self.booster.execute_pipeline(iter([data]), self.model, criterion, self.optimizer, return_loss=False)
         for s in sums:
             loss_sum += s
-        return [Phase("forward_backward", (t1 - t0) / 1e9, "llmadapt")]
+        return phases
 
     def save_pretrained(self, folder, adapter_only: bool = False) -> None:  # no LoRA save here (refused)
         """ColossalAI's own checkpoint IO for the plugin in use (it gathers tensor-parallel slices and FSDP shards),

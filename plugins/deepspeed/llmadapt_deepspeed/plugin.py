@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llmadapt import AdapterInfo, EnvironmentSpec, Supports, hookimpl
+from llmadapt.adapter import AdapterInfo, EnvironmentSpec, Supports, hookimpl
 
 from . import __version__
 
@@ -100,7 +100,7 @@ SUPPORTS = Supports(
     flash_attention=True,
     # QLoRA: bitsandbytes nf4 base weights under the engine, as the reference loads them. (LLM.int8 base
     # weights ran too, by hand, but no test exercises them: not declared.)
-    quantization=("none", "nf4"),
+    quantization=("none", "nf4", "fp4"),
     lora=True,
     moe=True,
     # torch.optim (default, nothing compiles) or DeepSpeedCPUAdam (C++, JIT-compiled once per machine).

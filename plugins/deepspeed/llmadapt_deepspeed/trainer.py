@@ -20,8 +20,7 @@ import time
 from contextlib import nullcontext
 from typing import Any
 
-from llmadapt.adapter import FineTuner, StepResult, Trainer
-from llmadapt.contract import Comm, Metric, Patch, Phase, Span, bandwidths
+from llmadapt.adapter import Comm, FineTuner, Metric, Patch, Phase, Span, StepResult, Trainer, bandwidths
 
 from .config import ADAM_BETAS, ADAM_EPS, build_config, client_cpu_adam, expected_optimizer, gradient_accumulation_steps
 from .plugin import CPU_ADAM_ON_CUDA, FP16_ON_CPU
@@ -88,8 +87,8 @@ class DeepSpeedTrainer(Trainer):
             from transformers import BitsAndBytesConfig
 
             kwargs["quantization_config"] = (
-                BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
-                if quant == "nf4" else BitsAndBytesConfig(load_in_8bit=True))
+                BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_compute_dtype=torch.float32)
+                if quant in ("nf4", "fp4") else BitsAndBytesConfig(load_in_8bit=True))
             kwargs["device_map"] = {"": ctx.device}
         self._zero_init = None
         if w.optimizations.zero_stage == 3 and quant == "none":
@@ -262,7 +261,7 @@ class DeepSpeedTrainer(Trainer):
         # DeepSpeed divides by gas and averages over the dp ranks: hand it the token-loss sum times both.
         scale = self.gas * ctx.world_size / batch.loss_tokens_global
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-        forward = backward = optimizer = 0.0
+        phases: list[Phase] = []
         spans: list[Span] = []
         if self.experts:
             self.experts.start_step()
@@ -270,33 +269,22 @@ class DeepSpeedTrainer(Trainer):
             input_ids, labels = mb.input_ids.to(ctx.device), mb.labels.to(ctx.device)
             profiler = self._start_flops_profile(batch.step, i)
             with self._attention_backend():
-                ctx.synchronize()
-                t0 = time.monotonic_ns()
-                if self.experts:
-                    self.experts.counting = True
-                logits = engine(input_ids=input_ids).logits
-                if self.experts:
-                    self.experts.counting = False
-                if profiler is not None:
-                    self._end_flops_profile(profiler, batch.step, input_ids.numel())
-                token_loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                             ignore_index=-100, reduction="sum")
-                ctx.synchronize()
-                t1 = time.monotonic_ns()
-                engine.backward(token_loss * scale)
-                ctx.synchronize()
-                t2 = time.monotonic_ns()
-            engine.step()  # DeepSpeed's optimizer step runs at the accumulation boundary (the last micro-batch)
-            ctx.synchronize()
-            t3 = time.monotonic_ns()
-            forward += (t1 - t0) / 1e9
-            backward += (t2 - t1) / 1e9
-            optimizer += (t3 - t2) / 1e9
-            spans += [Span(f"forward {i}", t0, t1), Span(f"backward {i}", t1, t2),
-                      Span(f"engine.step {i}", t2, t3, SOURCE)]
+                with ctx.phase("forward", phases, spans=spans, span=f"forward {i}"):
+                    if self.experts:
+                        self.experts.counting = True
+                    logits = engine(input_ids=input_ids).logits
+                    if self.experts:
+                        self.experts.counting = False
+                    if profiler is not None:
+                        self._end_flops_profile(profiler, batch.step, input_ids.numel())
+                    token_loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                 ignore_index=-100, reduction="sum")
+                with ctx.phase("backward", phases, spans=spans, span=f"backward {i}"):
+                    engine.backward(token_loss * scale)
+            # DeepSpeed's optimizer step runs at the accumulation boundary (the last micro-batch)
+            with ctx.phase("optimizer", phases, spans=spans, span=f"engine.step {i}", span_source=SOURCE):
+                engine.step()
             loss_sum += token_loss.detach().double()
-        phases = [Phase("forward", forward, "llmadapt"), Phase("backward", backward, "llmadapt"),
-                  Phase("optimizer", optimizer, "llmadapt")]
         timers = engine.get_wall_clock_timers()
         phases += [Phase(name, timers[name] / 1000.0, SOURCE) for name in ENGINE_TIMERS if name in timers]
         if ctx.world_size > 1:
@@ -439,7 +427,7 @@ def _set_extensions_dir() -> None:
         return
     from importlib import metadata
 
-    from llmadapt.host import state_dir
+    from llmadapt.adapter import state_dir
 
     tag = (f"deepspeed-{metadata.version('deepspeed')}-torch-{metadata.version('torch')}-"
            f"py{sys.version_info.major}.{sys.version_info.minor}")

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from llmadapt.modelfolder import content_hash
+from llmadapt.adapter.weights import content_hash
 
 from .gguf_file import CONVERTER_VERSION, ConversionError, write
 

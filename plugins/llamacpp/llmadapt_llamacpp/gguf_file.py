@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from llmadapt.modelfolder import read_header, shards
+from llmadapt.adapter.weights import read_header, shards
 
 from .plugin import tokenizer_problem
 

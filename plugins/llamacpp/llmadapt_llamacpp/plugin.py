@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llmadapt import AdapterInfo, EnvironmentSpec, Supports, hookimpl
+from llmadapt.adapter import AdapterInfo, EnvironmentSpec, Supports, hookimpl
 
 from . import __version__
 
@@ -33,7 +33,7 @@ ENVIRONMENT = EnvironmentSpec(
     local_packages=(str(Path(__file__).resolve().parents[1]),),
     # No llava/mtmd library: text models only. GGML_NATIVE: kernels for the CPU that builds (and runs) them.
     install_env=(("CMAKE_ARGS", "-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON"),),
-    builds_checkpoint=False,  # no torch or transformers here: the reference environment builds the checkpoint
+    builds_checkpoint=False,  # no torch or transformers here: the core's tools environment builds the checkpoint
 )
 
 PRECISIONS = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}

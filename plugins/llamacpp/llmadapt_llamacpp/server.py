@@ -38,12 +38,17 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from llmadapt.adapter import PlannedRequest, engine_popen_options, installed_versions, stop_engine
+from llmadapt.adapter import (
+    LlmadaptError,
+    Patch,
+    PlannedRequest,
+    RunDir,
+    engine_popen_options,
+    installed_versions,
+    state_dir,
+    stop_engine,
+)
 from llmadapt.adapter.sse import OpenAICompatibleServer
-from llmadapt.contract import Patch
-from llmadapt.contract.rundir import RunDir
-from llmadapt.errors import LlmadaptError
-from llmadapt.host import state_dir
 
 from .plugin import LLAMA_CPP_PYTHON, gguf_type
 
@@ -98,9 +103,10 @@ class LlamaCppServer(OpenAICompatibleServer):
         (llama-cpp-python's ConfigFileSettings; the GGUF path is filled in by the engine process)."""
         ctx, w = self.ctx, self.ctx.workload
         n = threads()
+        # absolute: the engine runs in the run folder, where a path relative to the caller's folder is not found
         return {
-            "checkpoint": str(ctx.checkpoint), "type": gguf_type(w), "cache": str(gguf_cache()),
-            "run_dir": str(ctx.run_dir),
+            "checkpoint": str(Path(ctx.checkpoint).absolute()), "type": gguf_type(w),
+            "cache": str(gguf_cache().absolute()), "run_dir": str(Path(ctx.run_dir).absolute()),
             "server": {
                 "host": "127.0.0.1", "port": ctx.port, "interrupt_requests": False,
                 "models": [{
@@ -136,10 +142,10 @@ class LlamaCppServer(OpenAICompatibleServer):
         found = self.installed()
         self._version = found.get("llama_cpp_python") or ""
         settings = self.settings()
-        settings_path = ctx.run_dir / "llamacpp-engine.json"
+        settings_path = Path(settings["run_dir"]) / "llamacpp-engine.json"  # absolute: the engine's cwd is the run's
         settings_path.write_text(json.dumps(settings, indent=2))
-        cmd = [str(ctx.python), "-m", "llmadapt_llamacpp.engine", str(settings_path)]
-        (ctx.run_dir / "engine.json").write_text(json.dumps({
+        cmd = [str(Path(ctx.python).absolute()), "-m", "llmadapt_llamacpp.engine", str(settings_path)]
+        RunDir(ctx.run_dir).engine_json.write_text(json.dumps({
             "engine": "llama.cpp", "version": self._version, "command": cmd, "settings": settings,
             "installed": found,
         }, indent=2))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from llmadapt.contract import Patch
+from llmadapt.adapter import Patch
 
 FRAMEWORK = "megatron-core"
 

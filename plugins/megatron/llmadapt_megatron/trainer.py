@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from llmadapt.adapter import FineTuner, StepResult, Trainer
+from llmadapt.adapter import FineTuner, Phase, StepResult, Trainer
 from llmadapt.adapter.breakdown import DATA_PARALLEL_WRAPPERS
-from llmadapt.contract import Phase
 
 from .convert import CONVERT_VERSION, hf_to_megatron, load_into, megatron_to_hf
 from .cpu_compat import Compat
@@ -182,9 +181,8 @@ class MegatronTrainer(Trainer):
 
         from safetensors.torch import save_file
 
+        from llmadapt.adapter import recorded_weights_hash, state_dir
         from llmadapt.adapter.weights import CheckpointWeights
-        from llmadapt.host import state_dir
-        from llmadapt.models import recorded_weights_hash
 
         ctx, m, p = self.ctx, self.ctx.workload.model, self.ctx.workload.parallelism
         where = dict(tp=p.tp, tp_rank=ps.get_tensor_model_parallel_rank(), pp=p.pp,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmadapt import AdapterInfo, hookimpl
+from llmadapt.adapter import AdapterInfo, hookimpl
 
 from . import __version__
 

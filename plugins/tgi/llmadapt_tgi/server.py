@@ -142,7 +142,8 @@ class TGIServer(_TGICommon, Server):
                 chunk, last = parse_stream_event(json_event(data))
                 yield chunk
             if not last:
-                raise RequestFailed("malformed", "the stream ended before TGI's last event (generated_text, details)")
+                raise RequestFailed("truncated", "truncated: the stream ended before TGI's last event (generated_text, "
+                                                 "details)")
 
 
 class TGIOpenAIServer(_TGICommon, OpenAICompatibleServer):
@@ -157,6 +158,7 @@ class TGIOpenAIServer(_TGICommon, OpenAICompatibleServer):
     api_key_env = API_KEY_ENV
     metrics_prefixes = METRICS_PREFIXES
     supports_ignore_eos = False
+    done_required = True  # TGI's /v1 streams always end with data: [DONE]
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -172,23 +174,12 @@ class TGIOpenAIServer(_TGICommon, OpenAICompatibleServer):
             body["prompt"] = [request.prompt]  # the spec's Prompt is an array of strings (one prompt, choice 0)
         return path, body
 
-    async def stream(self, session, request: PlannedRequest) -> AsyncIterator[Chunk]:
-        path, body = self.payload(request)
-        async with session.post(self.url(path), json=body, headers=self.headers()) as response:
-            if response.status != 200:
-                raise http_failure(response.status, await response.text())
-            async for data in sse_events(response):
-                if data.strip() == "[DONE]":
-                    return
-                event = json_event(data)
-                if "error" in event:
-                    error = event["error"]
-                    kind = event.get("error_type") or "error"
-                    if isinstance(error, dict):  # the OpenAI shape, {"error": {"message": ...}}
-                        error = error.get("message") or error
-                    raise RequestFailed("in_band", f"TGI {kind} error: {str(error)[:300]}")
-                yield self.parse_event(event)
-            raise RequestFailed("malformed", "the stream ended without data: [DONE]")
+    def in_band_error(self, event: dict[str, Any]) -> RequestFailed:
+        error = event["error"]
+        kind = event.get("error_type") or "error"
+        if isinstance(error, dict):  # the OpenAI shape, {"error": {"message": ...}}
+            error = error.get("message") or error
+        return RequestFailed("in_band", f"TGI {kind} error: {str(error)[:300]}")
 
     def parse_event(self, event: dict[str, Any]) -> Chunk:
         chunk = super().parse_event(event)

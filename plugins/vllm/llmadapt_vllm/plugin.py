@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llmadapt import AdapterInfo, EnvironmentSpec, Supports, hookimpl
+from llmadapt.adapter import AdapterInfo, EnvironmentSpec, Supports, hookimpl
 
 from . import __version__
 

@@ -21,10 +21,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from llmadapt.adapter import Chunk, PlannedRequest, engine_popen_options, installed_versions, stop_engine
+from llmadapt.adapter import (
+    Chunk,
+    LlmadaptError,
+    Patch,
+    PlannedRequest,
+    RunDir,
+    engine_popen_options,
+    installed_versions,
+    stop_engine,
+)
 from llmadapt.adapter.sse import OpenAICompatibleServer, field
-from llmadapt.contract import Patch
-from llmadapt.errors import LlmadaptError
 
 from .plugin import ENGINE_FLAGS, REMOVE_AFTER_INSTALL
 
@@ -143,8 +150,8 @@ class VLLMServer(OpenAICompatibleServer):
     def command(self, kv_cache_bytes: int) -> list[str]:
         ctx, w = self.ctx, self.ctx.workload
         return [
-            str(ctx.python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(ctx.checkpoint), "--served-model-name", self.served_model_name,
+            str(Path(ctx.python).absolute()), "-m", "vllm.entrypoints.openai.api_server",  # absolute: cwd is the run's
+            "--model", str(Path(ctx.checkpoint).absolute()), "--served-model-name", self.served_model_name,
             "--host", "127.0.0.1", "--port", str(ctx.port),
             "--dtype", DTYPES[w.precision], "--max-model-len", str(w.model.max_position_embeddings),
             "--seed", str(w.seed), "--kv-cache-memory-bytes", str(kv_cache_bytes),
@@ -177,7 +184,7 @@ class VLLMServer(OpenAICompatibleServer):
             ))
         kv = ctx.workload.serve.engine.kv_cache_bytes or int(os.environ.get(KV_CACHE_ENV) or KV_CACHE_BYTES)
         cmd = self.command(kv)
-        cache = ctx.run_dir / "vllm-cache"
+        cache = (ctx.run_dir / "vllm-cache").absolute()  # the engine runs in the run folder: not relative to it
         cache.mkdir(exist_ok=True)
         # vLLM puts its ZeroMQ IPC sockets and its gloo file store (vllm_dist_*) in TMPDIR. A socket path must fit
         # in 107 bytes, which a run directory may not: a short private directory, removed at stop.
@@ -192,11 +199,11 @@ class VLLMServer(OpenAICompatibleServer):
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }
-        (ctx.run_dir / "engine.json").write_text(json.dumps({
+        RunDir(ctx.run_dir).engine_json.write_text(json.dumps({
             "engine": "vllm", "version": self._version, "command": cmd, "env": extra,
             "kv_cache_memory_bytes": kv, "installed": found,
         }, indent=2))
-        self.log = open(ctx.run_dir / "engine.log", "wb")
+        self.log = open(RunDir(ctx.run_dir).engine_log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **extra},
                                      cwd=ctx.run_dir, **engine_popen_options())  # in our session: see there why
 

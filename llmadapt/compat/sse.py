@@ -12,5 +12,8 @@ from llmadapt.adapter.sse import (
     parse_prometheus,
     sse_events,
 )
+from llmadapt.compat import moved
+
+moved("llmadapt.sse", "llmadapt.adapter.sse", __name__)
 
 __all__ = ['OpenAICompatibleServer', 'sse_events', 'excerpt', 'malformed', 'json_event', 'field', 'http_failure', 'parse_prometheus']

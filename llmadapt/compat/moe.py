@@ -3,5 +3,8 @@
 New code imports from ``llmadapt.adapter.moe``; nothing inside llmadapt imports this module."""
 
 from llmadapt.adapter.moe import NEAR_TIE_RTOL, ExpertLoadCounter, all_reduce_counts, near_tie_count
+from llmadapt.compat import moved
+
+moved("llmadapt.moe", "llmadapt.adapter.moe", __name__)
 
 __all__ = ['ExpertLoadCounter', 'all_reduce_counts', 'near_tie_count', 'NEAR_TIE_RTOL']

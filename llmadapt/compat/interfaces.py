@@ -3,5 +3,8 @@
 New code imports from ``llmadapt.adapter``; nothing inside llmadapt imports this module."""
 
 from llmadapt.adapter import ROLES, AdapterInfo, EnvironmentSpec, FineTuner, Server, StepResult, Supports, Trainer
+from llmadapt.compat import moved
+
+moved("llmadapt.interfaces", "llmadapt.adapter", __name__)
 
 __all__ = ['ROLES', 'EnvironmentSpec', 'Supports', 'AdapterInfo', 'StepResult', 'Trainer', 'FineTuner', 'Server']

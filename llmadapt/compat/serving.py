@@ -13,9 +13,13 @@ from llmadapt.adapter.context import (
            WrongServer,
            engine_popen_options,
 )
+from llmadapt.compat import moved
 from llmadapt.contract.stats import serving_stats, vllm_bench_keys
 from llmadapt.runtime.loadgen import LoadGenerator
 from llmadapt.runtime.requests import plan_requests
+
+moved("llmadapt.serving", "llmadapt.adapter (and llmadapt.runtime.loadgen, llmadapt.runtime.requests, "
+      "llmadapt.contract.stats)", __name__)
 
 __all__ = ["Chunk", "LoadGenerator", "PlannedRequest", "RequestFailed", "ServeContext", "WrongServer",
            "engine_popen_options", "plan_requests", "serving_stats", "vllm_bench_keys"]

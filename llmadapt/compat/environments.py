@@ -2,6 +2,7 @@
 
 New code imports from ``llmadapt.launch.environments``; nothing inside llmadapt imports this module."""
 
+from llmadapt.compat import moved
 from llmadapt.host import state_dir
 from llmadapt.launch.environments import (
     create,
@@ -14,5 +15,7 @@ from llmadapt.launch.environments import (
     recipe_hash,
     status,
 )
+
+moved("llmadapt.environments", "llmadapt.launch.environments", __name__)
 
 __all__ = ['create', 'status', 'python_for', 'process_env', 'env_dir', 'prune', 'older_builds', 'recipe', 'recipe_hash', 'state_dir']

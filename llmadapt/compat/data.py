@@ -3,6 +3,9 @@
 New code imports from ``llmadapt.adapter.context``; nothing inside llmadapt imports this module."""
 
 from llmadapt.adapter.context import IGNORE, MicroBatch, Sample, StepBatch
+from llmadapt.compat import moved
 from llmadapt.runtime.data import TokenData
+
+moved("llmadapt.data", "llmadapt.adapter (TokenData: llmadapt.runtime.data)", __name__)
 
 __all__ = ['IGNORE', 'Sample', 'MicroBatch', 'StepBatch', 'TokenData']

@@ -2,6 +2,9 @@
 
 New code imports from ``llmadapt.launch.prepare``; nothing inside llmadapt imports this module."""
 
+from llmadapt.compat import moved
 from llmadapt.launch.prepare import checkpoint_dir, ensure_checkpoint
+
+moved("llmadapt.prepare", "llmadapt.launch.prepare", __name__)
 
 __all__ = ['ensure_checkpoint', 'checkpoint_dir']

@@ -1,0 +1,90 @@
+"""The model section: its shape (``ModelSpec``), the presets, and the recipe of a preset's canonical checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from llmadapt.errors import WorkloadError
+from llmadapt.spec.fields import at_least, choice
+
+FAMILIES = ("llama", "mixtral")
+
+
+@attrs.frozen
+class ModelSpec:
+    """Model shape. Decoder-only Llama-style (RMSNorm, rotary, SwiGLU, GQA); MoE when num_experts > 0."""
+
+    name: str = "custom"
+    """Preset name or 'custom'; a label only (not part of the workload hash)."""
+    family: str = attrs.field(default="llama", validator=choice(FAMILIES))
+    vocab_size: int = attrs.field(default=512, validator=at_least(2))
+    hidden_size: int = attrs.field(default=64, validator=at_least(1))
+    intermediate_size: int = attrs.field(default=176, validator=at_least(1))
+    num_layers: int = attrs.field(default=2, validator=at_least(1))
+    num_heads: int = attrs.field(default=4, validator=at_least(1))
+    num_kv_heads: int = attrs.field(default=2, validator=at_least(1))
+    max_position_embeddings: int = attrs.field(default=256, validator=at_least(1))
+    rope_theta: float = attrs.field(default=10000.0, validator=at_least(1.0))
+    norm_eps: float = 1e-5
+    num_experts: int = attrs.field(default=0, validator=at_least(0))
+    """0 for a dense model; otherwise experts per MoE layer (every layer is MoE)."""
+    experts_per_token: int = attrs.field(default=2, validator=at_least(1))
+    """Top-k routing: experts each token is sent to (MoE only)."""
+    tie_embeddings: bool = False
+    path: str | None = None
+    """A local Hugging Face model folder (config.json, safetensors, tokenizer.json): its weights and tokenizer
+    instead of a preset's random ones; the shape fields then come from its config.json. Not part of either hash
+    (the same folder elsewhere is the same model): its content is, as ``checksum``."""
+    checksum: str | None = None
+    """Content hash of the folder at ``path`` (config, weights index, shard hashes, tokenizer), recorded by
+    llmadapt when the workload is built and checked again before launch; not set by hand."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise WorkloadError("hidden_size", self.hidden_size, f"must be divisible by num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise WorkloadError("num_kv_heads", self.num_kv_heads, f"must divide num_heads={self.num_heads}")
+        if self.family == "mixtral" and self.num_experts < 1:
+            raise WorkloadError("num_experts", self.num_experts, "family 'mixtral' needs num_experts >= 1")
+        if self.family == "llama" and self.num_experts:
+            raise WorkloadError("num_experts", self.num_experts, "family 'llama' is dense: use 0 or family 'mixtral'")
+        if self.num_experts and self.experts_per_token > self.num_experts:
+            raise WorkloadError(
+                "experts_per_token", self.experts_per_token, f"must be <= num_experts={self.num_experts}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # Real shapes, from the published configs.
+    "llama2-7b": dict(family="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                      num_layers=32, num_heads=32, num_kv_heads=32, max_position_embeddings=4096),
+    "llama2-13b": dict(family="llama", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                       num_layers=40, num_heads=40, num_kv_heads=40, max_position_embeddings=4096),
+    "llama2-70b": dict(family="llama", vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+                       num_layers=80, num_heads=64, num_kv_heads=8, max_position_embeddings=4096),
+    "mixtral-8x7b": dict(family="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_layers=32, num_heads=32, num_kv_heads=8, max_position_embeddings=32768,
+                         rope_theta=1e6, num_experts=8, experts_per_token=2),
+    # Tiny shapes for CPU: same architecture, GQA included, seconds per run.
+    "tiny-llama": dict(family="llama", vocab_size=512, hidden_size=64, intermediate_size=176,
+                       num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=256),
+    "tiny-mixtral": dict(family="mixtral", vocab_size=512, hidden_size=64, intermediate_size=128,
+                         num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=256,
+                         rope_theta=1e6, num_experts=4, experts_per_token=2),
+}
+
+
+CHECKPOINT_RECIPE = 2
+"""How llmadapt builds a preset's canonical checkpoint (llmadapt.models); bump whenever the weights it writes for a
+preset and seed change (2: written streaming, in shards). A preset problem's identity includes it: the same preset
+and seed with other weights is another problem (tests/test_docs.py fails when a documented loss stops reproducing)."""

@@ -1,0 +1,272 @@
+"""Each llmadapt run as an MLflow run, written through the tracking client (mlflow-skinny) as the run goes.
+
+At the start: the run (named by its label), the workload's settings as parameters (``train.steps``,
+``model.name``, ...) and tags naming the llmadapt run. Per record: metrics with their units in the name
+(``step_time_s``, ``loss``, ``tokens_per_s``, ``ttft_ms``, ``telemetry/rss_bytes``, ``breakdown/<class>_s``),
+sent in batches. At the end: the summary's figures under ``summary.``, the tags ``llmadapt.status``,
+``llmadapt.problem_hash`` and ``llmadapt.workload_hash``, the run folder's files under the artifact folder
+``run/`` and the text of ``llmadapt show`` as ``report.txt``; the MLflow run ends FINISHED, or FAILED for a
+failed or diverged run, or KILLED when the orchestrator stopped.
+
+A tracking server that does not answer is said once, in one line, and the run goes on recorded locally as
+always (llmadapt.launch.sinks drops a sink that raises). mlflow's own HTTP client retries for minutes; this
+sink keeps to seconds unless ``MLFLOW_HTTP_REQUEST_*`` say otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import sys
+import time
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Iterator
+
+DEFAULT_EXPERIMENT = "llmadapt"
+"""The experiment runs go to unless ``MLFLOW_EXPERIMENT_NAME`` names another."""
+FLUSH_EVERY_S = 5.0
+PROBE_TIMEOUT_S = 5.0
+BATCH_METRICS = 1000  # MLflow's limits for one log_batch call
+BATCH_PARAMS = 100
+PARAM_VALUE_MAX = 6000
+# While the sink calls the client: HTTP retries and timeouts of seconds, and no "View run at" line on stdout
+# (a command's --json output is there).
+QUICK_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+              "MLFLOW_HTTP_REQUEST_TIMEOUT": "15", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+PARENT_RUN_VAR = "LLMADAPT_MLFLOW_PARENT_RUN_ID"
+END_STATUS = {"ok": "FINISHED", "degraded": "FINISHED", "failed": "FAILED", "diverged": "FAILED"}
+
+current_parent: ContextVar[tuple[str, str] | None] = ContextVar("llmadapt_mlflow_parent", default=None)
+"""(run id, experiment id) of the parent run that ``parent_run`` opened, if any."""
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def quick_http() -> Iterator[None]:
+    """mlflow's HTTP retries and timeout kept to seconds, and its printing off, while the sink calls the server
+    (settings the user made win)."""
+    added = {k: v for k, v in QUICK_HTTP.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+def check_answers(uri: str) -> None:
+    """An HTTP tracking URI must answer within seconds (any answer counts); raises ConnectionError in one line."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import requests
+
+    try:
+        requests.get(uri.rstrip("/") + "/health", timeout=PROBE_TIMEOUT_S)
+    except requests.Timeout:
+        why = f"no answer in {PROBE_TIMEOUT_S:.0f} s"
+    except requests.RequestException as exc:
+        why = "connection refused" if "refused" in str(exc).lower() else type(exc).__name__
+    else:
+        return
+    raise ConnectionError(f"MLflow tracking server {uri} answers nothing ({why}); the run is recorded locally only")
+
+
+def flat_params(settings: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """A nested settings dict as MLflow parameters with dotted names: {"train": {"steps": 3}} -> {"train.steps":
+    "3"}. Lists and empty tables as JSON; values cut at MLflow's limit."""
+    out: dict[str, str] = {}
+    for key, value in settings.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flat_params(value, name + "."))
+        else:
+            text = value if isinstance(value, str) else json.dumps(value, default=str)
+            out[name] = text[:PARAM_VALUE_MAX]
+    return out
+
+
+def metric_name(text: str) -> str:
+    """MLflow's metric names allow letters, digits, _ - . / : and spaces; anything else becomes _."""
+    return re.sub(r"[^\w\-./: ]", "_", text)
+
+
+def experiment_id(client, name: str) -> str:
+    from mlflow.exceptions import MlflowException
+
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException:  # made by another process meanwhile
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# -- the sink --------------------------------------------------------------------------------------------------------
+class MlflowSink:
+    """One llmadapt run's MLflow run: ``write(record)`` per record, ``close(summary)`` at the end."""
+
+    def __init__(self, uri: str, run: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        check_answers(uri)
+        self.client, self.run_dir = MlflowClient(tracking_uri=uri), Path(run["run_dir"])
+        self.metrics: list[Any] = []
+        self.counts = {"request": 0, "telemetry": 0}
+        self.anchor: tuple[int, int] | None = None  # (wall, monotonic) ns of rank 0's header
+        self.flushed = time.monotonic()
+        parent = current_parent.get()
+        tags = {"llmadapt.run_id": run["run_id"], "llmadapt.run_dir": str(self.run_dir.resolve()),
+                "llmadapt.adapter": str(run.get("adapter")), "llmadapt.world_size": str(run.get("world_size"))}
+        with quick_http():
+            if parent is not None:
+                tags["mlflow.parentRunId"], experiment = parent
+            elif os.environ.get(PARENT_RUN_VAR):
+                tags["mlflow.parentRunId"] = os.environ[PARENT_RUN_VAR]
+                experiment = self.client.get_run(tags["mlflow.parentRunId"]).info.experiment_id
+            else:
+                experiment = experiment_id(self.client, os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT)
+            made = self.client.create_run(experiment, run_name=run.get("label") or run["run_id"], tags=tags)
+            self.mlflow_run_id = made.info.run_id
+            params = [Param(k, v) for k, v in flat_params(run.get("workload") or {}).items()]
+            for i in range(0, len(params), BATCH_PARAMS):
+                self.client.log_batch(self.mlflow_run_id, params=params[i:i + BATCH_PARAMS])
+
+    def _when_ms(self, mono_ns: int | None) -> int:
+        if self.anchor and mono_ns:
+            return (self.anchor[0] + mono_ns - self.anchor[1]) // 1_000_000
+        return int(time.time() * 1000)
+
+    def _add(self, name: str, value: Any, step: int, when_ms: int) -> None:
+        from mlflow.entities import Metric
+
+        if _number(value):
+            self.metrics.append(Metric(metric_name(name), float(value), when_ms, step))
+
+    def write(self, record: dict[str, Any]) -> None:
+        kind = record.get("type")
+        if kind == "header" and record.get("rank", 0) == 0:
+            self.anchor = (record["wall_anchor_ns"], record["mono_anchor_ns"])
+        elif kind == "step":
+            step, when, seconds = record["step"], self._when_ms(record["end_ns"]), record["seconds"]
+            self._add("step_time_s", seconds, step, when)
+            self._add("loss", record.get("loss"), step, when)
+            if seconds:
+                self._add("tokens_per_s", record["tokens"] / seconds, step, when)
+                self._add("samples_per_s", record["samples"] / seconds, step, when)
+            memory = record.get("memory") or {}
+            self._add("memory_peak_bytes", memory.get("peak_allocated_bytes") or memory.get("peak_rss_bytes"), step,
+                      when)
+        elif kind == "request" and not record.get("warmup") and record.get("status") == "ok" and record.get("sent_ns"):
+            n, when = self.counts["request"], self._when_ms(record.get("end_ns"))
+            self.counts["request"] += 1
+            if record.get("first_token_ns"):
+                self._add("ttft_ms", (record["first_token_ns"] - record["sent_ns"]) / 1e6, n, when)
+            if record.get("end_ns"):
+                self._add("e2el_ms", (record["end_ns"] - record["sent_ns"]) / 1e6, n, when)
+        elif kind == "telemetry":
+            n, when = self.counts["telemetry"], self._when_ms(record.get("time_ns"))
+            self.counts["telemetry"] += 1
+            for key in ("cpu_percent", "rss_bytes", "gpu_util_percent", "gpu_memory_used_bytes", "power_w"):
+                self._add(f"telemetry/{key}", record.get(key), n, when)
+        elif kind == "breakdown" and not record.get("error"):
+            when = self._when_ms(None)
+            for c in record.get("modules", []):
+                self._add(f"breakdown/{c['name']}_s", c["seconds"], record["step"], when)
+        if len(self.metrics) >= BATCH_METRICS or (self.metrics and time.monotonic() - self.flushed > FLUSH_EVERY_S):
+            self.flush()
+
+    def flush(self) -> None:
+        pending, self.metrics = self.metrics, []
+        with quick_http():
+            for i in range(0, len(pending), BATCH_METRICS):
+                self.client.log_batch(self.mlflow_run_id, metrics=pending[i:i + BATCH_METRICS])
+        self.flushed = time.monotonic()
+
+    def close(self, summary: dict[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        status = END_STATUS.get(summary.get("status"), "KILLED") if summary else "KILLED"
+        try:
+            when = int(time.time() * 1000)
+            for key, value in summary.items():
+                if isinstance(value, dict):
+                    for stat, figure in value.items():
+                        self._add(f"summary.{key}.{stat}", figure, 0, when)
+                else:
+                    self._add(f"summary.{key}", value, 0, when)
+            self.flush()
+            tags = {f"llmadapt.{k}": str(summary[k]) for k in ("status", "problem_hash", "workload_hash", "adapter",
+                                                                "framework", "framework_version", "launcher")
+                    if summary.get(k) is not None}
+            with quick_http():
+                if tags:
+                    self.client.log_batch(self.mlflow_run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+                if self.run_dir.is_dir():
+                    self.client.log_artifacts(self.mlflow_run_id, str(self.run_dir), artifact_path="run")
+                if summary:
+                    self.client.log_text(self.mlflow_run_id, report(summary), "report.txt")
+        finally:
+            with quick_http():
+                self.client.set_terminated(self.mlflow_run_id, status)
+
+
+def report(summary: dict[str, Any]) -> str:
+    """The text ``llmadapt show`` prints for the run."""
+    from llmadapt.analysis.report import render_summary
+
+    try:
+        return render_summary(summary) + "\n"
+    except (KeyError, TypeError, ValueError) as exc:  # a summary show cannot read: the JSON instead
+        return f"(llmadapt show could not render this summary: {exc!r})\n" + json.dumps(summary, indent=1) + "\n"
+
+
+# -- several runs under one parent -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def parent_run(name: str, *, tags: dict[str, str] | None = None, uri: str | None = None) -> Iterator[str | None]:
+    """Every llmadapt run made inside the block (a comparison's cells, a sweep's points) becomes a child of one
+    MLflow run named ``name``; yields its run id, or None when no tracking URI is set or the server does not
+    answer (said in one line; the runs are made and recorded locally all the same)::
+
+        with parent_run("recompute on/off"):
+            llmadapt.compare("examples/tiny-llama.toml", ["torch"], matrix={"optimizations.recompute": ["none", "full"]})
+
+    Outside Python, ``LLMADAPT_MLFLOW_PARENT_RUN_ID`` names an existing run to put every run under.
+    """
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        yield None
+        return
+    try:
+        from mlflow.tracking import MlflowClient
+
+        check_answers(uri)
+        client = MlflowClient(tracking_uri=uri)
+        with quick_http():
+            experiment = experiment_id(client, os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT)
+            made = client.create_run(experiment, run_name=name, tags={"llmadapt.parent": "true", **(tags or {})})
+    except Exception as exc:  # noqa: BLE001 - tracking never stops the runs
+        print(f"warning: MLflow parent run {name!r} not made: {exc}", file=sys.stderr)
+        yield None
+        return
+    token = current_parent.set((made.info.run_id, experiment))
+    status = "FAILED"
+    try:
+        yield made.info.run_id
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        current_parent.reset(token)
+        with contextlib.suppress(Exception), quick_http():
+            client.set_terminated(made.info.run_id, status)

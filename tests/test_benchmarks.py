@@ -1,0 +1,240 @@
+"""Every script in benchmarks/ at its smallest size, so that a change elsewhere cannot silently break one.
+
+Each script runs in a subprocess, from a scratch folder, with its ``--smoke`` flag (its smallest size: seconds, not
+minutes): it must end with exit status 0 and print its report; where it writes JSON, the JSON is parsed and its keys
+checked. No figure is judged: at these sizes, on a shared machine, they mean little. A script that needs an adapter's
+environment (or the real GPU traces) is skipped, saying why, where that is not there. gpu_check.py's smoke pass is
+its CPU rehearsal, in tests/test_gpu_check.py. A new script needs an entry in SMOKE, or the first test fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmadapt.launch.environments import HTA_ENVIRONMENT, EnvironmentNotReadyError, python_for
+from llmadapt.testing import environments_unready
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+TRACES = ROOT.parent / "shared" / "data" / "kineto-gpu"  # as benchmarks/hta_crosscheck.py finds them
+
+# Each benchmark script: the test that runs its smoke pass (in this file, or FILE::TEST) and the flag that makes it
+# small there.
+SMOKE = {
+    "cli_startup.py": ("test_cli_startup", "--smoke"),
+    "overhead.py": ("test_overhead", "--smoke"),
+    "profile_overhead.py": ("test_profile_overhead", "--smoke"),
+    "loadgen.py": ("test_loadgen", "--smoke"),
+    "load_sweep.py": ("test_load_sweep", "--smoke"),
+    "vllm_crosscheck.py": ("test_vllm_crosscheck", "--smoke"),
+    "model_loading.py": ("test_model_loading", "--smoke"),
+    "repeat.py": ("test_repeat", "--smoke"),
+    "hta_crosscheck.py": ("test_hta_crosscheck", "--smoke"),
+    "independent_check.py": ("test_independent_check", "--smoke"),
+    "verdicts.py": ("test_verdicts", "--smoke"),
+    "store_scale.py": ("test_store_scale", "--smoke"),
+    "gpu_check.py": ("tests/test_gpu_check.py::test_the_gpu_check_rehearses_every_step_on_cpu", "--rehearse"),
+}
+
+
+def test_every_benchmark_has_a_smoke_pass():
+    scripts = sorted(p.name for p in BENCHMARKS.glob("*.py"))
+    missing = [s for s in scripts if s not in SMOKE]
+    assert not missing, (f"benchmarks without a smoke pass: {missing}: give each a smallest size (--smoke) and a test "
+                         "in tests/test_benchmarks.py (SMOKE)")
+    assert not [s for s in SMOKE if s not in scripts], "SMOKE names a script that is gone"
+    for script, (test, flag) in SMOKE.items():
+        assert f'"{flag}"' in (BENCHMARKS / script).read_text(), f"{script} has no {flag} option"
+        where, _, name = test.rpartition("::")
+        if where:
+            source = (ROOT / where).read_text()
+            assert f"def {name}(" in source and f"benchmarks/{script}" in source and f'"{flag}"' in source, (
+                f"{test} does not run benchmarks/{script} {flag}")
+        else:
+            assert callable(globals().get(name)), f"no {name} in this file for {script}"
+
+
+# -- running one ---------------------------------------------------------------------------------------------------
+def bench(script: str, *args: str, cwd: Path, timeout: float = 600) -> str:
+    """Run benchmarks/SCRIPT with ARGS in this interpreter, from ``cwd`` (temporary files there too); its stdout.
+    Fails, with the end of its output, unless it exits 0."""
+    scratch = cwd / "tmp"
+    scratch.mkdir(exist_ok=True)
+    env = {**os.environ, "TMPDIR": str(scratch), "TRANSFORMERS_VERBOSITY": "error",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, (f"{script} {' '.join(args)} exited {done.returncode}\n--- stdout\n"
+                                  f"{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-4000:]}")
+    return done.stdout
+
+
+def has(data: dict, *keys: str) -> None:
+    missing = [k for k in keys if k not in data]
+    assert not missing, f"missing {missing} in {sorted(data)}"
+
+
+def unready(*adapters: str):
+    why = environments_unready(*adapters)
+    return pytest.mark.skipif(bool(why), reason=why or "")
+
+
+def hta_unready() -> str | None:
+    try:
+        python_for(HTA_ENVIRONMENT)
+    except EnvironmentNotReadyError as exc:
+        return str(exc)
+    if not sorted(TRACES.glob("*.json.gz")):
+        return f"the real GPU traces are absent ({TRACES}: ../shared/data/kineto-gpu from the repository root)"
+    return None
+
+
+needs_torch_here = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")),
+    reason="this interpreter lacks torch or transformers (the development environment has them: make setup)")
+
+
+# -- the benchmarks ------------------------------------------------------------------------------------------------
+def test_cli_startup(tmp_path):
+    r = json.loads(bench("cli_startup.py", "--smoke", "--json", cwd=tmp_path))
+    has(r, "floor", "import_llmadapt", "commands", "ok")
+    assert r["repeat"] == 1 and set(r["commands"]) == {"--help", "adapters"}
+    for row in r["commands"].values():
+        has(row, "median_s", "over_floor_s", "loaded_heavy", "torch_loaded", "exit_codes")
+
+
+@needs_torch_here
+def test_overhead(tmp_path):
+    r = json.loads(bench("overhead.py", "--smoke", "--device", "cpu", "--json", cwd=tmp_path))
+    has(r, "llmadapt", "bare", "ratio_median", "ratio_paired", "round_ratios_median", "wall_per_run_s", "max_loss_diff")
+    assert r["rounds"] == 1 and r["steps_per_run"] == 2 and r["llmadapt"]["count"] == r["bare"]["count"] == 2
+
+
+@needs_torch_here
+def test_profile_overhead(tmp_path):
+    r = json.loads(bench("profile_overhead.py", "--smoke", "--json", cwd=tmp_path))
+    has(r, "loop", "profile", "telemetry")
+    for loop in r["loop"]:
+        has(loop, "step_s", "steps", "fixed_us", "cpu_fixed_us", "between_us", "data_us", "inside_clock_us")
+    assert [p["level"] for p in r["profile"]] == ["module", "operator"]
+    has(r["telemetry"], "sample_us", "step_s_off", "ratio_default_0.5s", "ratio_0.05s")
+
+
+def test_loadgen(tmp_path):
+    """Against the fake server; with vllm bench (its closed loop) where vLLM's environment is built: that client
+    is started in its environment as every other process is."""
+    saved = tmp_path / "loadgen.json"
+    text = bench("loadgen.py", "--smoke", "--save", str(saved), cwd=tmp_path)
+    assert "closed loop" in text and "targets:" in text
+    r = json.loads(saved.read_text())
+    has(r, "closed_loop", "open_loop", "targets", "passes", "plan", "vllm_bench")
+    assert r["plan"]["rounds"] == 1 and r["plan"]["requests"] == 20
+    ran = {(p["mode"], p["client"]) for p in r["passes"]}
+    assert {("closed", "llmadapt"), ("open", "llmadapt"), ("open", "timer only")} <= ran
+    assert all(p["completed"] == 20 for p in r["passes"] if p["client"] == "llmadapt")
+    if environments_unready("vllm") is None:
+        assert r["vllm_bench"] == "ready" and ("closed", "vllm bench") in ran
+        has(r["closed_loop"], "ratio", "ratio_per_round")
+
+
+@unready("hf")
+def test_load_sweep(tmp_path):
+    r = json.loads(bench("load_sweep.py", "--smoke", "--json", cwd=tmp_path))
+    has(r, "simulated", "real")
+    for s in r["simulated"]:
+        has(s, "shape", "capacity", "found", "probes", "scan")
+    real = r["real"]
+    assert real["engine"] == "hf" and [p["offered"] for p in real["sweep"]] == [4]
+    has(real["sweep"][0], "achieved", "ttft_p99_ms", "tpot_p99_ms", "send_lag_p99_ms", "valid")
+    has(real["sla"], "capacity", "fails_at", "boundary", "shape", "probes", "scan")
+    assert real["sla"]["maximum"] == 2 and real["sla"]["probes"]
+    # the text report, of the simulated part alone (a second)
+    assert "probes against" in bench("load_sweep.py", "--smoke", "--no-engine", cwd=tmp_path)
+
+
+@unready("vllm", "hf")
+def test_vllm_crosscheck(tmp_path):
+    """Both clients on one transformers-serve engine (vLLM's engine takes minutes to start on a CPU)."""
+    out = tmp_path / "crosscheck.json"
+    text = bench("vllm_crosscheck.py", "--smoke", "--engine", "hf", "--out", str(tmp_path / "work"), "--json",
+                 str(out), cwd=tmp_path)
+    assert "closed c=2" in text and "vllm bench" in text
+    r = json.loads(out.read_text())
+    has(r, "engine", "points", "requests", "work_dir")
+    (passes,) = r["points"].values()
+    assert [p["client"] for p in passes] == ["llmadapt", "vllm bench"]
+    for p in passes:
+        has(p, "completed", "failed", "cpu_ms_per_request", "server", *("ttft", "tpot", "itl", "e2el"))
+        assert p["completed"] == 4
+
+
+@needs_torch_here
+@unready("torch")
+def test_model_loading(tmp_path):
+    r = json.loads(bench("model_loading.py", "--smoke", "--json", cwd=tmp_path))
+    has(r, "model", "parameters", "weights_bytes", "write", "load")
+    assert r["model"]["hidden_size"] == 64 and r["model"]["num_layers"] == 1
+    for how in ("whole", "streaming"):
+        has(r["write"][how], "peak_rss_bytes", "seconds")
+    torch = r["load"]["torch"]
+    has(torch, "estimate", "step", "rank-00000", "rank-00001")
+    assert torch["step"] == "ok"
+    has(torch["rank-00000"], "setup_peak_rss_bytes", "setup_seconds", "first_step_seconds")
+
+
+@unready("torch")
+def test_repeat(tmp_path):
+    (row,) = json.loads(bench("repeat.py", "torch", "--smoke", "--out", str(tmp_path / "runs"), "--json",
+                              cwd=tmp_path))
+    has(row, "config", "ok", "teardown", "failed", "reasons", "wall_s")
+    assert row["times"] == 1 and row["ok"] + row["teardown"] + row["failed"] == 1
+    assert row["failed"] == 0, row["reasons"]
+
+
+@pytest.mark.skipif(bool(hta_unready()), reason=hta_unready() or "")
+def test_hta_crosscheck(tmp_path):
+    (row,) = json.loads(bench("hta_crosscheck.py", "--smoke", "--json", cwd=tmp_path))
+    has(row, "trace", "llmadapt", "hta")
+    for tool in ("llmadapt", "hta"):
+        has(row[tool], "span_ms", "idle_ms", "compute_ms", "non_compute_ms", "overlap_pct", "computation_ms")
+    table = bench("hta_crosscheck.py", "--smoke", cwd=tmp_path)
+    assert table.startswith("| trace | tool |") and "| hta |" in table
+
+
+@unready("torch")
+def test_independent_check(tmp_path):
+    out = tmp_path / "independent.json"
+    text = bench("independent_check.py", "--smoke", "--json", str(out), cwd=tmp_path)
+    assert re.search(r"^verdict ", text, re.M) and "not judged" in text
+    r = json.loads(out.read_text())
+    has(r, "classes", "within", "counts_per_run", "max_loss_difference", "step_seconds_median", "per_run")
+    assert r["runs"] == 1 and len(r["profiled_steps"]) == 1 and r["classes"]
+    has(r["classes"][0], "class", "llmadapt", "bare", "difference", "within", "count_llmadapt", "count_bare")
+
+
+@unready("torch")
+def test_verdicts(tmp_path):
+    out = tmp_path / "verdicts.json"
+    text = bench("verdicts.py", "--smoke", "--json", str(out), cwd=tmp_path)
+    assert "calibration:" in text and "not judged (--smoke)" in text
+    r = json.loads(out.read_text())
+    has(r, "counts", "verdicts", "load")
+    assert sorted(r["counts"]) == ["difference, loaded", "difference, quiet", "equal, loaded", "equal, quiet"]
+    assert len(r["verdicts"]) == 4 and all(v["verdict"] for v in r["verdicts"])
+
+
+@unready("torch")
+def test_store_scale(tmp_path):
+    r = json.loads(bench("store_scale.py", "--smoke", "--json", cwd=tmp_path))
+    has(r, "index_s", "reopen_s", "query_one_s", "query_name_s", "query_field_s", "query_all_s", "rescan_s",
+        "cli_list_s", "cli_list_all_s", "loadavg", "date")
+    assert r["runs"] == 100 and r["repeat"] == 1
+    assert r["cli_list_lines"] == 2 + 50 + 1 and r["cli_list_all_lines"] == 2 + 100 + 1  # head, rule; rows; count

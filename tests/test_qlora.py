@@ -1,0 +1,98 @@
+"""Quantized fine-tunes end to end: a QLoRA run (bitsandbytes 4-bit nf4 or fp4, or 8-bit base weights, LoRA on
+top) is saved as a plain model folder, LoRA merged into the base weights dequantized to the dtype they were loaded
+in; evaluation before and after reads that folder, and the hf engine serves it.
+
+Tolerances. A 4-bit layer computes with its weight dequantized (bitsandbytes' CPU path: dequantize, then a plain
+matmul), so the saved folder's forward pass is the trained model's up to float reassociation of the LoRA term
+(B A x added before or after the matmul): logits within 1e-4. An 8-bit layer also quantizes its activations
+(LLM.int8()), which the saved fp32 folder does not: logits within 5% of their spread. A saving bug (a weight left
+quantized, LoRA not merged, the wrong scale) moves logits by far more than either: the test shows it by merging
+without LoRA's update.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from llmadapt import Workload, run
+from llmadapt.models import canonical_checkpoint
+from llmadapt.testing import environments_unready
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+QLORA = ["kind=finetune", "lora.rank=4", "lora.target_modules=[q_proj,v_proj,down_proj]", "train.steps=3",
+         "train.warmup_steps=1", "train.lr=0.01", "telemetry.interval_s=0"]
+
+
+def quantized_peft_model(quant: str):
+    """The canonical tiny Llama loaded as the reference adapter loads it for QLoRA, LoRA B made non-zero (as after
+    training) so that merging matters."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    w = Workload.from_file(EXAMPLES / "tiny-llama.toml")
+    config = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_compute_dtype=torch.float32)
+              if quant != "int8" else BitsAndBytesConfig(load_in_8bit=True))
+    base = AutoModelForCausalLM.from_pretrained(str(canonical_checkpoint(w.model, w.seed)), dtype=torch.float32,
+                                                quantization_config=config, device_map={"": "cpu"})
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    # In training mode, as trained (bitsandbytes' CPU inference path repacks 4-bit weights in blocks this tiny
+    # model's shapes do not divide into); dropout is 0 here, so the forward pass is the same.
+    return model.train()
+
+
+@pytest.mark.parametrize("quant, tolerance", [("nf4", 1e-4), ("fp4", 1e-4), ("int8", 0.05)])
+def test_a_quantized_lora_model_saves_as_the_model_it_computes(quant, tolerance, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmadapt.adapter import weights
+
+    model = quantized_peft_model(quant)
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+    weights.save_hf_model(model, tmp_path / "saved", write=True)
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "float32"
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"), dtype=torch.float32).eval()
+    assert not any(type(p).__name__ in ("Params4bit", "Int8Params") for p in saved.parameters())
+    with torch.no_grad():
+        served = saved(input_ids=ids).logits
+    limit = tolerance if quant != "int8" else tolerance * float(trained.std())
+    assert float((served - trained).abs().max()) <= limit
+
+    # a save that lost LoRA's update (the bug a wrong merge makes) is caught by the same tolerance
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+    weights.save_hf_model(model, tmp_path / "lost", write=True)
+    lost = AutoModelForCausalLM.from_pretrained(str(tmp_path / "lost"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert float((lost(input_ids=ids).logits - trained).abs().max()) > limit
+
+
+@pytest.mark.skipif(bool(environments_unready("torch")), reason=environments_unready("torch") or "")
+def test_a_qlora_fine_tune_is_saved_evaluated_before_and_after_and_served(tmp_path):
+    workload = Workload.from_file(EXAMPLES / "tiny-llama.toml").with_overrides(
+        [*QLORA, "optimizations.quantization=nf4", "eval.examples=4", f"save.path={tmp_path / 'qlora'}"])
+    result = run(workload, "torch", out=tmp_path / "runs", launcher="inline")
+    assert result.ok, result.summary.failures
+    steps = [e.step for e in result.summary.evaluations]
+    assert steps == [0, workload.train.total_steps]  # before and after
+    assert all(e.loss is not None for e in result.summary.evaluations)
+    assert result.summary.model_flops_per_token  # counted for QLoRA (frozen base: no weight gradients)
+    serve = Workload.from_file(EXAMPLES / "serve-tiny.toml").with_overrides(
+        [f"model.path={tmp_path / 'qlora'}", "serve.requests=4", "serve.warmup_requests=0", "serve.arrival.rate=4"])
+    served = run(serve, "hf", out=tmp_path / "runs")
+    assert served.ok, served.summary.failures
+    assert served.summary.serving.completed == 4
