@@ -2,7 +2,7 @@
 test_breakdown.py: DeepSpeed ZeRO 0-3 with and without optimizer offload and recomputation, Megatron-core's
 pipeline and data parallelism and its distributed optimizer, ColossalAI's ZeRO-3 and hybrid (tensor-parallel)
 plugins, torch with recomputation. Each rank's profiled steps are held to the bound of test_breakdown's
-``assert_attributed``: named module classes hold at least 95% of the step (median of three profiled steps, a
+``assert_attributed``: named module classes hold at least 95% of the step (the best of three profiled steps, a
 core's wait taken off), operator 'other' at most 5% of operator time. A framework's machinery that the taxonomy
 missed lands in 'other' on every step, busy machine or not, and fails this. One comparison per stack, each layout
 a real run on gloo."""
