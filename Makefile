@@ -7,7 +7,7 @@ PLUGINS := examples/adapter-plain examples/sink-tensorboard plugins/openai plugi
 # llamacpp first: it compiles llama.cpp (the longest build), so it starts while the others download.
 ENVS    := llamacpp torch plain megatron deepspeed vllm colossalai hta mlflow
 
-.PHONY: demo test envs setup reference
+.PHONY: demo test envs setup reference api
 
 $(BIN)/.installed: pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PYTHON) -m venv $(VENV)
@@ -46,3 +46,7 @@ REFERENCE_MODULES := llmadapt.adapter llmadapt.adapter.hookspecs llmadapt.adapte
 reference: setup
 	$(BIN)/python docs/supports_table.py
 	$(BIN)/pdoc -o docs/reference $(REFERENCE_MODULES)
+
+# The stable API's record (docs/public-api.txt), after a deliberate change to it (CHANGELOG.md's policy).
+api: setup
+	$(BIN)/python docs/public_api.py

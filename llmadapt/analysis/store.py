@@ -48,6 +48,8 @@ import attrs
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, StorageError, os_error_line
 
+__all__ = ["Query", "RunStore", "StoredRun"]
+
 DB_NAME = "llmadapt-runs.sqlite"
 STORE_VERSION = "4"
 """The index's own layout: a store of another version is rebuilt from the folders (3: running, incomplete and
