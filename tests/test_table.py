@@ -141,3 +141,38 @@ def test_the_ascii_layout_is_richs():
         plain += all(texttable._PRINTABLE_ASCII.fullmatch(c) for c in head + sum(body, [])) and all(
             any(column) for column in zip(head, *body))
     assert 50 < plain < 400  # both ways were taken
+
+
+def test_a_narrow_terminal_gets_the_columns_read_most_and_is_told_what_was_left_out():
+    """Width given (a terminal): columns leave in NARROW_DROP's order until the table fits, and a line under it
+    names them; --columns chooses instead (by key or title, any case; an unknown one is one line listing the
+    known); no width (a file, a pipe, the docs' transcripts): every column."""
+    import pytest
+
+    from llmadapt.analysis.compare import Comparison, Row, column_keys
+    from llmadapt.errors import LlmadaptError
+
+    metrics = {"devices": 1, "step_p50_s": 0.0123, "step_p90_s": 0.0151, "tokens_per_s": 41234.0,
+               "samples_per_s": 80.5, "peak_memory_mib": 512.0, "first_loss": 6.2409, "last_loss": 5.9876,
+               "parity_delta": 1.2e-7}
+    rows = [Row(label=f"deepspeed dp2 zero{z} offload=optimizer", adapter="deepspeed", variant="", run_dir=None,
+                status="ok", problem_hash="p" * 64, metrics=metrics) for z in (1, 2, 3)]
+    c = Comparison(rows)
+    full = c.table().splitlines()
+    assert "step p90 s" in full[0] and "left out" not in "\n".join(full)
+    wide = max(map(len, full[:5]))
+    narrow = c.table(width=wide - 1).splitlines()
+    assert max(map(len, narrow[:5])) <= wide - 1
+    assert "step p90 s" not in narrow[0] and "tokens/s" in narrow[0] and "last loss" in narrow[0]
+    assert narrow[5] == ("left out to fit %d columns: step p90 s (--columns to choose, --json for all)" % (wide - 1))
+    tight = c.table(width=110).splitlines()
+    assert max(map(len, tight[:5])) <= 110, tight
+    assert tight[5].startswith("left out to fit 110 columns: step p90 s, samples/s, first loss, peak mem MiB (")
+    # what is read most stays, wider than the terminal or not (the terminal wraps it)
+    assert c.table(width=60).splitlines()[0].split() == tight[0].split() == [
+        "problem", "run", "status", "step", "p50", "s", "tokens/s", "last", "loss", "parity", "delta"]
+    assert c.table(width=wide).splitlines() == full  # fits: nothing left out
+    chosen = c.table(columns=["Tokens/s", "step_p50_s"], width=40).splitlines()
+    assert chosen[0].split() == ["problem", "run", "status", "tokens/s", "step", "p50", "s"]
+    with pytest.raises(LlmadaptError, match=r"^unknown column 'tok/s': choose from step_p50_s, step_p90_s"):
+        column_keys(["tok/s"])

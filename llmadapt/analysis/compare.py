@@ -115,6 +115,26 @@ EXPERT_COLUMNS = [("expert_cv", "expert CV", ".3f"), ("expert_max_over_mean", "e
                   ("expert_idle", "idle experts", ".2f")]
 
 
+# A narrow terminal: the columns left out first, in this order, until the table fits (--columns chooses instead)
+NARROW_DROP = ["step_p90_s", "samples_per_s", "first_loss", "hfu", "eval_expert_cv", "expert_idle",
+               "expert_max_over_mean", "peak_memory_mib", "eval_loss_before",
+               "ttft_p99_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2el_p99_ms", "e2el_p50_ms",
+               "tpot_p50_ms", "valid"]
+
+
+def column_keys(names: list[str]) -> list[str]:
+    """The metric keys of columns named by key or by title (``tokens_per_s`` or ``tokens/s``, any case); an
+    unknown name is one line listing the known ones."""
+    known = {}
+    for key, title, _ in TRAIN_COLUMNS + SERVE_COLUMNS + EXPERT_COLUMNS + EVAL_COLUMNS + UTILISATION_COLUMNS:
+        known[key.lower()] = known[title.lower()] = key
+    unknown = [n for n in names if n.strip().lower() not in known]
+    if unknown:
+        raise LlmadaptError(f"unknown column {', '.join(map(repr, unknown))}: choose from "
+                            + ", ".join(dict.fromkeys(known.values())))
+    return [known[n.strip().lower()] for n in names]
+
+
 def _expert_columns(layers) -> dict[str, float]:
     if not layers:
         return {}
@@ -190,13 +210,36 @@ class Comparison:
                 out[r.status if r.status in out else "failed"] += 1
         return out
 
-    def table(self) -> str:
+    def table(self, *, columns: list[str] | None = None, width: int | None = None) -> str:
+        """The table and the lines under it. ``columns``: the metric columns to show (keys or titles, see
+        ``column_keys``); ``width``: a terminal's width, which the table is narrowed to by leaving columns out
+        (NARROW_DROP's order), saying which."""
         serve = any("request_throughput" in r.metrics for r in self.rows)
-        columns = SERVE_COLUMNS if serve else TRAIN_COLUMNS
+        shown = SERVE_COLUMNS if serve else TRAIN_COLUMNS
         if any("expert_cv" in r.metrics for r in self.rows):
-            columns = columns + EXPERT_COLUMNS
-        columns = columns + [c for c in EVAL_COLUMNS if any(c[0] in r.metrics for r in self.rows)]
-        columns = columns + [c for c in UTILISATION_COLUMNS if any(r.metrics.get(c[0]) is not None for r in self.rows)]
+            shown = shown + EXPERT_COLUMNS
+        shown = shown + [c for c in EVAL_COLUMNS if any(c[0] in r.metrics for r in self.rows)]
+        shown = shown + [c for c in UTILISATION_COLUMNS if any(r.metrics.get(c[0]) is not None for r in self.rows)]
+        if columns is not None:
+            chosen = column_keys(columns)
+            every = TRAIN_COLUMNS + SERVE_COLUMNS + EXPERT_COLUMNS + EVAL_COLUMNS + UTILISATION_COLUMNS
+            shown = [next(c for c in every if c[0] == key) for key in dict.fromkeys(chosen)]
+        lines, left_out = self._lines(shown), []
+        for key in NARROW_DROP if width is not None and columns is None else []:
+            if max(map(len, lines[:len(self.rows) + 2])) <= width:
+                break
+            if any(c[0] == key for c in shown):
+                shown = [c for c in shown if c[0] != key]
+                left_out.append(next(title for k, title, _ in TRAIN_COLUMNS + SERVE_COLUMNS + EXPERT_COLUMNS
+                                     + EVAL_COLUMNS + UTILISATION_COLUMNS if k == key))
+                lines = self._lines(shown)
+        if left_out:
+            lines.insert(len(self.rows) + 2, f"left out to fit {width} columns: {', '.join(left_out)} "
+                                             "(--columns to choose, --json for all)")
+        return "\n".join(lines)
+
+    def _lines(self, columns: list[tuple[str, str, str]]) -> list[str]:
+        serve = any("request_throughput" in r.metrics for r in self.rows)
         problems = {h: f"P{i}" for i, h in enumerate(self.problems(), 1)}
         head = ["problem", "run", "status"] + [title for _, title, _ in columns]
         uncertain = any(r.estimates for r in self.rows)
@@ -233,7 +276,7 @@ class Comparison:
             lines += self.scaling_lines(problems)
         if self.partial:
             lines.append(f"partial: {len(self.pending)} run(s) not made: {', '.join(dict.fromkeys(self.pending))}")
-        return "\n".join(lines)
+        return lines
 
     def verdict_lines(self, problems: dict[str, str], key: str) -> list[str]:
         """Per problem with two or more rows: the fastest row (lowest headline median), the rows that cannot be

@@ -147,6 +147,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--max-rounds", type=int, default=10, metavar="N", help="the most rounds --settle runs (default 10)")
     p.add_argument("--seed", type=int, metavar="N",
                    help="the seed of the rounds' shuffled order (default: drawn, and printed under the table)")
+    p.add_argument("--columns", metavar="LIST", type=lambda v: [c for c in v.split(",") if c.strip()],
+                   help="the metric columns to show, by key or title, comma-separated, e.g. 'step p50 s,tokens/s' "
+                        "(default: all; on a narrow terminal the least read are left out, saying which)")
     p.add_argument("--baseline", metavar="CELL",
                    help="the row the others are set against: a cell as given (torch, 'megatron:parallelism.tp=2') "
                         "or a row's label (default: each problem's first row)")

@@ -87,6 +87,10 @@ def cmd_compare(args) -> int:
         from llmadapt.analysis.htmlreport import check_output
 
         check_output(args.report)
+    if args.columns is not None:  # a misspelt column is found now too
+        from llmadapt.analysis.compare import column_keys
+
+        column_keys(args.columns)
 
     if args.runs is not None:
         given = [flag for flag, on in (("a workload file", args.workload), ("--adapters", args.adapters),
@@ -120,7 +124,9 @@ def cmd_compare(args) -> int:
                                  log=None if on_cell else lambda m: print(m, file=sys.stderr, flush=True),
                                  **run_options(args))
     shown = _printable_rows(comparison)
-    text = shown.table()
+    # A terminal narrower than the table gets the columns read most; a file or pipe gets every column
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() and not args.json else None
+    text = shown.table(columns=args.columns, width=width)
     if args.breakdown:
         text += "\n\n" + shown.breakdown_table()
     data = comparison.to_dict()
