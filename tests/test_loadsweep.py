@@ -181,6 +181,51 @@ def test_a_search_whose_first_probe_is_invalid_says_why_and_what_to_change(monke
     assert "serve.send_spin_ms=0" in r.note and "docs/serving.md" in r.note
 
 
+def test_an_interrupted_sla_search_resumes_from_its_probes(monkeypatch, tmp_path):
+    """The same search run again with the same out replays the probes that ended (not run again) and goes on from
+    them to the answer an uninterrupted search finds; another workload's interrupted search is left as it is."""
+    from llmadapt.errors import Terminated
+
+    capacity = lambda load, repeat: 100 * load  # noqa: E731
+    _simulate(monkeypatch, capacity)
+    whole = _search(tmp_path / "whole")
+    ran: list[tuple[float, int]] = []
+    simulated = loadsweep._run_points
+
+    def stopped_at_the_sixth(workload, info, out, engine_dir, timeout, progress, choose):
+        done = []
+        while (pick := choose(done)) is not None:
+            if len(done) == 5:
+                raise Terminated("terminated by SIGTERM")
+            ran.append((pick[0].value, pick[1]))
+            done.append(_Simulated(pick[0].value, pick[1]))
+        return []
+
+    monkeypatch.setattr(loadsweep, "_run_points", stopped_at_the_sixth)
+    with pytest.raises(Terminated):
+        _search(tmp_path / "runs")
+    (path,) = (tmp_path / "runs").glob("*-sim-sla-*/sla.json")
+    assert json.loads(path.read_text())["state"] == "interrupted" and len(json.loads(path.read_text())["probes"]) == 5
+
+    def counting(workload, info, out, engine_dir, timeout, progress, choose):
+        done = simulated(workload, info, out, engine_dir, timeout, progress, choose)
+        ran.extend((load.value, repeat) for load, repeat, _ in done)
+        return done
+
+    monkeypatch.setattr(loadsweep, "_run_points", counting)
+    notes: list[str] = []
+    other = sla_search(Workload(kind="serve").with_overrides(["serve.requests=7"]), _Info(), [Objective.parse("ttft_p99_ms<=730")], "rate",
+                       tmp_path / "runs", start=1.0, maximum=1024.0, progress=lambda r: notes.append(r["text"]))[0]
+    assert other != path.parent and notes == [f"{path}: an interrupted sla of another workload: left as it is"]
+    del ran[5:]
+    resumed = _search(tmp_path / "runs")
+    assert [(p.load, p.repeat) for p in resumed.probes] == [(p.load, p.repeat) for p in whole.probes]
+    assert ran == [(p.load, p.repeat) for p in whole.probes]  # each probe ran once: the first five before, the rest now
+    assert (resumed.capacity, resumed.above, resumed.passes_at_capacity) == (whole.capacity, whole.above, "2/2")
+    final = json.loads(path.read_text())
+    assert final["state"] == "finished" and len(final["probes"]) == len(whole.probes)
+
+
 def _cmd_load_sweep(monkeypatch, tmp_path, figures: list[dict], capsys) -> tuple[int, str]:
     """`load-sweep` over simulated points with these figures: (exit code, what it printed)."""
     import argparse
@@ -243,9 +288,10 @@ main(sys.argv[1:])
 """
 
 
-def test_sigterm_mid_sweep_leaves_a_readable_partial_result_and_no_pid_file(tmp_path):
+def test_sigterm_mid_sweep_leaves_a_readable_partial_result_and_no_pid_file_and_resumes(tmp_path):
     """load-sweep.json is written as each point ends: SIGTERM mid-sweep leaves the points that ended, marked as
-    interrupted, and the engine's pid file goes with the engine."""
+    interrupted, and the engine's pid file goes with the engine. A sweep of another workload in the same --out
+    leaves it as it is; the same command again resumes it: only the loads missing run."""
     import os
     import signal
     import time
@@ -261,9 +307,9 @@ def test_sigterm_mid_sweep_leaves_a_readable_partial_result_and_no_pid_file(tmp_
         "output_len": {"mean": 4}, "request_timeout_s": 10.0, "scrape_interval_s": 0.2}})
     path = tmp_path / "w.json"
     path.write_text(json.dumps(w.to_dict()))
-    proc = subprocess.Popen([sys.executable, str(script), "load-sweep", str(path), "--adapters", "openai",
-                             "--concurrencies", "1,2,3,4,5,6,7,8", "--out", str(tmp_path / "runs")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interruptible)
+    command = [sys.executable, str(script), "load-sweep", str(path), "--adapters", "openai", "--concurrencies",
+               "1,2,3,4,5,6,7,8", "--out", str(tmp_path / "runs")]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interruptible)
     sweep = None
     for _ in range(1200):  # until two points have ended (a hang guard, not a timing)
         sweep = next((tmp_path / "runs").glob("*-load-sweep-*/load-sweep.json"), None)
@@ -279,6 +325,23 @@ def test_sigterm_mid_sweep_leaves_a_readable_partial_result_and_no_pid_file(tmp_
     assert len(data["points"]) >= 2 and all(p["status"] == "ok" for p in data["points"])
     assert not (sweep.parent / "engine.pid").exists()
     assert not os.path.exists(sweep.parent / "load-sweep.tmp")
+    assert f"what ended is in {sweep}; run the same command again (same --out) to resume it" in err.decode()
+
+    other = subprocess.run([*command[:-4], "--concurrencies", "1", *command[-2:], "--set", "serve.requests=5"],
+                           capture_output=True, text=True, timeout=300)
+    assert other.returncode in (0, 1) and "FAILED" not in other.stdout, other.stderr[-2000:]  # 1: client behind
+    assert f"{sweep}: an interrupted load-sweep of another workload: left as it is" in other.stderr
+    assert json.loads(sweep.read_text()) == data and len(list(sweep.parent.parent.glob("*-load-sweep-*"))) == 2
+
+    kept = {p["load"]: p["run_dir"] for p in data["points"]}
+    runs = set((tmp_path / "runs").glob("*/launch.json"))
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode in (0, 1) and "FAILED" not in again.stdout, again.stderr[-2000:]
+    assert f"resuming {sweep}: {len(kept)} point(s) that ended there are kept, not run again" in again.stderr
+    done = json.loads(sweep.read_text())
+    assert done["state"] == "finished" and [p["load"] for p in done["points"]] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert all(p["run_dir"] == kept[p["load"]] for p in done["points"] if p["load"] in kept)
+    assert len(set((tmp_path / "runs").glob("*/launch.json")) - runs) == 8 - len(kept)  # only the missing loads ran
 
 
 # -- for real -------------------------------------------------------------------------------------------------------

@@ -41,6 +41,8 @@ def _engines(args) -> list[tuple[Any, Any]]:
 def _progress(record: dict[str, Any]) -> None:
     if record.get("type") == "start":
         print(f"  {record['adapter']}: {record['label']} -> {record['run_dir']}", file=sys.stderr, flush=True)
+    elif record.get("type") == "note":  # resuming an interrupted series, or where an interrupted one is
+        print(f"  {record['text']}", file=sys.stderr, flush=True)
 
 
 def cmd_load_sweep(args) -> int:

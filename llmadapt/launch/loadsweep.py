@@ -12,6 +12,11 @@ moves the bracket down). Beside the bracket it fits the objectives' margin again
 (non-increasing) regression, which gives a boundary estimate robust to one noisy probe and says whether the
 boundary is smooth or a cliff. Every probe is in the search's history (sla.json), in order.
 
+Both resume: run the same command again with the same ``out`` and an interrupted series there (its file not
+``"finished"``) of the same engine, adapter version, workload, machine and kind of load goes on in its folder: the
+points that ended in it are not run again (a sweep runs the loads missing; a search is replayed through them and
+continues where it stopped). An interrupted series of another workload is left as it is, and said so.
+
 It is over 400 lines because both ways of choosing load points (a sweep, the search) share one way of running them
 against one engine and of judging them (objectives, margins, the isotonic fit): one file to read for serving at
 several loads.
@@ -29,6 +34,7 @@ from typing import Any, Callable
 import attrs
 
 from llmadapt.contract.launch import new_run_id
+from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
 from llmadapt.launch.serve import LoadPoint, check_reachable, engine_launch, new_point, serve_points
 from llmadapt.launch.summary import RunResult
@@ -211,11 +217,99 @@ def isotonic_decreasing(xs: list[float], ys: list[float]) -> list[float]:
     return [value[x] for x in xs]
 
 
-# -- running points ----------------------------------------------------------------------------------------------
+# -- running points, and resuming them ---------------------------------------------------------------------------
 def _engine_dir(out: Path, adapter: str, what: str) -> Path:
     folder = Path(out) / new_run_id(adapter, what)
     folder.mkdir(parents=True, exist_ok=False)
     return folder
+
+
+@attrs.frozen
+class _Recorded:
+    """A point that ended in an interrupted series being resumed: its figures, as that series wrote them."""
+
+    figures: dict[str, Any]
+
+
+def _figures(result) -> dict[str, Any]:
+    return dict(result.figures) if isinstance(result, _Recorded) else point_figures(result)
+
+
+def _identity(workload: Workload, info, kind: str) -> dict[str, Any]:
+    """What a series must share with an interrupted one to resume it (its file holds these keys)."""
+    from llmadapt.host import node_name
+
+    return {"adapter": info.name, "adapter_version": getattr(info, "version", None),
+            "workload_hash": workload.content_hash, "machine": node_name(), "kind": kind}
+
+
+_DIFFERS = {"adapter_version": "adapter version", "workload_hash": "workload", "machine": "machine",
+            "kind": "kind of load"}
+
+
+def _note(progress, text: str) -> None:
+    if progress:
+        progress({"type": "note", "text": text})
+
+
+def _resumable(out: Path, what: str, name: str, identity: dict[str, Any],
+               progress) -> tuple[Path | None, dict[tuple[float, int], dict[str, Any]]]:
+    """The newest interrupted series in OUT of this identity (folder, its points that ended by (load, repeat)), or
+    (None, {}). An interrupted one of another workload (version, machine, kind) is left as it is, and said so."""
+    for path in sorted(Path(out).glob(f"*-{identity['adapter']}-{what}-*/{name}"), reverse=True):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or data.get("state") not in ("running", "interrupted"):
+            continue
+        differs = [_DIFFERS.get(k, k) for k, v in identity.items() if data.get(k) != v]
+        if differs:
+            _note(progress, f"{path}: an interrupted {what} of another {', '.join(differs)}: left as it is")
+            continue
+        points = data.get("points") or [{**p.get("figures", {}), "load": p.get("load"), "repeat": p.get("repeat")}
+                                        for p in data.get("probes", [])]
+        recorded = {(float(p["load"]), int(p["repeat"])): {k: v for k, v in p.items()
+                                                           if k not in ("load", "kind", "repeat")}
+                    for p in points if p.get("status") in ("ok", "degraded")
+                    and (not p.get("run_dir") or Path(p["run_dir"]).is_dir())}
+        log = RunDir(path.parent).engine_log
+        if log.is_file():  # the engine started again writes a log of its own
+            log.rename(next(log.with_name(f"{log.name}.{i}") for i in range(1, 10**6)
+                            if not log.with_name(f"{log.name}.{i}").exists()))
+        _note(progress, f"resuming {path}: {len(recorded)} point(s) that ended there are kept, not run again")
+        return path.parent, recorded
+    return None, {}
+
+
+class _Replay:
+    """A ``choose`` that gives the points an interrupted series measured (``recorded``) to ``choose`` as results,
+    without running them, and passes on only the points still to run."""
+
+    def __init__(self, choose: Callable[[list[Any]], tuple[Load, int] | None],
+                 recorded: dict[tuple[float, int], dict[str, Any]]) -> None:
+        self.choose, self.recorded = choose, dict(recorded)
+        self.given: list[_Recorded | None] = []  # per pick in order: its record, or None (it runs)
+
+    def merged(self, ran: list[Any]) -> list[Any]:
+        """Every point's result so far, in the order chosen: the recorded ones and those run."""
+        out, left = [], iter(ran)
+        for record in self.given:
+            result = record if record is not None else next(left, None)
+            if result is None:
+                break
+            out.append(result)
+        return out
+
+    def __call__(self, ran: list[Any]) -> tuple[Load, int] | None:
+        while True:
+            pick = self.choose(self.merged(ran))
+            if pick is None:
+                return None
+            figures = self.recorded.pop((pick[0].value, pick[1]), None)
+            self.given.append(None if figures is None else _Recorded(figures))
+            if figures is None:
+                return pick
 
 
 def _run_points(workload: Workload, info, out: Path, engine_dir: Path, timeout: float | None, progress,
@@ -250,20 +344,22 @@ def load_sweep(workload: Workload, info, loads: Loads, out: Path, *, repeat: int
     """Every load in order, ``repeat`` times each, against one engine; a geometric series continues until the
     engine saturates (achieved request rate below 90% of the offered rate; or, for concurrencies, under 5% more
     throughput than the best lower one) or passes its maximum. Writes load-sweep.json in the sweep's folder
-    (which also holds the engine's log) and returns the folder and the points."""
-    engine_dir = _engine_dir(out, info.name, "load-sweep")
+    (which also holds the engine's log) and returns the folder and the points. An interrupted sweep of the same
+    identity in ``out`` is resumed (the module's docstring)."""
+    identity = _identity(workload, info, loads.kind)
+    engine_dir, recorded = _resumable(out, "load-sweep", "load-sweep.json", identity, progress)
+    engine_dir = engine_dir or _engine_dir(out, info.name, "load-sweep")
     series = [Load(loads.kind, v) for v in loads.values]
     picks: list[tuple[Load, int]] = []
 
     def save(done: list[RunResult], state: str) -> None:
-        points = [SweepPoint(load, rep, point_figures(r)) for (load, rep), r in zip(picks, done)]
-        _write(engine_dir / "load-sweep.json", {"adapter": info.name, "kind": loads.kind, "state": state,
-                                                "points": [p.to_dict() for p in points]})
+        points = [SweepPoint(load, rep, _figures(r)) for (load, rep), r in zip(picks, done)]
+        _write(engine_dir / "load-sweep.json", {**identity, "state": state, "points": [p.to_dict() for p in points]})
 
     def choose(done: list[RunResult]) -> tuple[Load, int] | None:
         save(done, "running")  # as each point ends: an interrupted sweep leaves what it measured
         if loads.factor is not None and done and picks[-1][1] == repeat - 1:  # a load's last repeat is in
-            so_far = [SweepPoint(load, rep, point_figures(r)) for (load, rep), r in zip(picks, done)]
+            so_far = [SweepPoint(load, rep, _figures(r)) for (load, rep), r in zip(picks, done)]
             if _saturated(so_far, loads.kind):
                 return None
         index, rep = divmod(len(done), repeat)
@@ -279,18 +375,18 @@ def load_sweep(workload: Workload, info, loads: Loads, out: Path, *, repeat: int
         picks.append((series[index], rep))
         return picks[-1]
 
+    replay = _Replay(choose, recorded)
     try:
-        ran = _run_points(workload, info, out, engine_dir, timeout, progress, choose)
+        ran = _run_points(workload, info, out, engine_dir, timeout, progress, replay)
     except KeyboardInterrupt as exc:  # the points that ended are in the file; the interrupted one is in its folder
-        _mark_interrupted(engine_dir / "load-sweep.json", exc)
+        _mark_interrupted(engine_dir / "load-sweep.json", exc, progress)
         raise
-    points = [SweepPoint(load, rep, point_figures(r)) for load, rep, r in ran]
-    _write(engine_dir / "load-sweep.json", {"adapter": info.name, "kind": loads.kind, "state": "finished",
-                                            "points": [p.to_dict() for p in points]})
+    points = [SweepPoint(load, rep, _figures(r)) for (load, rep), r in zip(picks, replay.merged([r for *_, r in ran]))]
+    _write(engine_dir / "load-sweep.json", {**identity, "state": "finished", "points": [p.to_dict() for p in points]})
     return engine_dir, points
 
 
-def _mark_interrupted(path: Path, exc: KeyboardInterrupt) -> None:
+def _mark_interrupted(path: Path, exc: KeyboardInterrupt, progress) -> None:
     """The file written as each point ended, marked as a partial result of an interrupted series."""
     from llmadapt.launch.supervise import interrupt_text
 
@@ -299,8 +395,11 @@ def _mark_interrupted(path: Path, exc: KeyboardInterrupt) -> None:
     except (OSError, ValueError):
         data = {}
     data.update(state="interrupted", note=f"{interrupt_text(exc)}: the points that ended before it are here; the "
-                                          "interrupted one has its partial summary in its own run folder")
+                                          "interrupted one has its partial summary in its own run folder; the same "
+                                          "command with the same --out resumes it")
     _write(path, data)
+    _note(progress, f"{interrupt_text(exc)}: what ended is in {path}; run the same command again (same --out) to "
+                    "resume it")
 
 
 def _saturated(points: list[SweepPoint], kind: str) -> bool:
@@ -360,8 +459,10 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
                timeout: float | None = None, progress=None) -> tuple[Path, SlaResult]:
     """The highest load meeting every objective, against one engine (see the module's docstring). Writes
     sla.json (the objectives, every probe in order, the answer) after every probe; returns its folder and the
-    result."""
-    engine_dir = _engine_dir(out, info.name, "sla")
+    result. An interrupted search of the same identity in ``out`` is resumed (the module's docstring)."""
+    identity = _identity(workload, info, kind)
+    engine_dir, recorded = _resumable(out, "sla", "sla.json", identity, progress)
+    engine_dir = engine_dir or _engine_dir(out, info.name, "sla")
     probes: list[Probe] = []
     picks: list[tuple[float, int, str]] = []
     state: dict[str, Any] = {"lo": None, "hi": None, "phase": "probe", "note": ""}
@@ -383,7 +484,7 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
 
     def take(done: list[RunResult]) -> None:
         for (load, repeat, phase), r in zip(picks[len(probes):], done[len(probes):]):
-            figures = point_figures(r)
+            figures = _figures(r)
             m, why = margin(figures, objectives)
             probes.append(Probe(load, repeat, phase, figures, m, why, m >= 0))
 
@@ -395,7 +496,7 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
 
     def decide() -> tuple[Load, int] | None:
         result = _sla_result(info.name, kind, objectives, probes, state, start, resolution, repeats)
-        _write(engine_dir / "sla.json", attrs.asdict(result))
+        _write(engine_dir / "sla.json", {**attrs.asdict(result), **identity, "state": "running"})
         if not probes:
             return pick(start, "probe")
         if len(probes) == 1 and client_behind(probes[0].figures):  # nothing was measured: a lower load says no more
@@ -441,16 +542,17 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
             return pick(lo, "repeat")
         return None
 
+    replay = _Replay(choose, recorded)
     try:
-        ran = _run_points(workload, info, out, engine_dir, timeout, progress, choose)
+        ran = _run_points(workload, info, out, engine_dir, timeout, progress, replay)
     except KeyboardInterrupt as exc:  # sla.json holds every probe that ended (written as each did)
-        _mark_interrupted(engine_dir / "sla.json", exc)
+        _mark_interrupted(engine_dir / "sla.json", exc, progress)
         raise
-    take([r for _, _, r in ran])  # a series the engine ended early: its last point was never given to choose
+    take(replay.merged([r for *_, r in ran]))  # a series the engine ended early: its last point never went to choose
     if not state.get("finished"):
         state["note"] = "the engine stopped the search early (its start failed, or it died: see the last run)"
     result = _sla_result(info.name, kind, objectives, probes, state, start, resolution, repeats)
-    _write(engine_dir / "sla.json", attrs.asdict(result))
+    _write(engine_dir / "sla.json", {**attrs.asdict(result), **identity, "state": "finished"})
     return engine_dir, result
 
 
