@@ -9,6 +9,9 @@ a real run on gloo."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from test_breakdown import THREE, assert_attributed, records_of, workload
 
@@ -39,6 +42,10 @@ def test_every_layout_of_a_stack_names_where_its_step_goes(stack, tmp_path):
         pytest.skip(reason)
     table = compare(workload("tiny-llama", *THREE), cells=LAYOUTS[stack], out=tmp_path)
     assert [r.status for r in table.rows] == ["ok"] * len(LAYOUTS[stack]), table.table()
+    # Every layout reports the gradient norm over all its shards: the first step's (same weights, same data) agrees
+    # to the reduction-order noise (about 1e-6 relative); a norm over one rank's shard or stage is 10% or more off.
+    first = [json.loads((Path(row.run_dir) / "summary.json").read_text())["grad_norms"][0] for row in table.rows]
+    assert first == pytest.approx([first[0]] * len(first), rel=1e-5), dict(zip(LAYOUTS[stack], first))
     for row in table.rows:
         world = int(row.metrics["devices"])
         for rank in range(world):

@@ -5,6 +5,9 @@ from the first step: the same outcome.
 
 How a loss is made non-finite for real: a learning rate of 1e30 makes Adam's first update (about lr in size,
 whatever the gradient) overflow the weights, so step 1's loss is NaN; step 0 ran on the initial weights.
+A gradient norm without the loss: one row of lm_head at 1e20 makes that token's logit huge, the loss about
+1e20 (finite in fp32) and the gradients behind it about 1e21, whose squares overflow fp32: the norm is inf.
+Adam would take that step quietly (its second moment is inf, its update 0), so only the norm tells.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_model_folder import TRAIN, save_model_folder
 
 from llmadapt import Workload, run
@@ -43,7 +47,8 @@ def test_going_on_past_a_nan_loss_runs_every_step_and_still_reads_diverged(tmp_p
         [*SHORT, "train.lr=1e30", "train.on_nonfinite=continue"])
     s = run(workload, "torch", out=tmp_path, launcher="inline").summary
     assert s.status == "diverged" and s.steps_completed == 4 and not s.failures
-    assert s.warnings == ["the loss was not finite at 3 step(s), the first at step 1"]
+    assert s.warnings == ["the loss was not finite at 3 step(s), the first at step 1",
+                          "the gradient norm was not finite at 3 step(s), the first at step 1"]
     # going on or not is not the problem: the same problem hash; the workload's own hash differs (it runs more)
     stop = Workload.from_file(EXAMPLES / "tiny-llama.toml").with_overrides([*SHORT, "train.lr=1e30"])
     assert workload.problem_hash == stop.problem_hash and workload.content_hash != stop.content_hash
@@ -82,3 +87,26 @@ def test_compare_shows_a_diverged_row_and_does_not_judge_it(tmp_path):
     assert "1 ok, 1 diverged, 0 failed" in table
     diverged = next(r for r in comparison.rows if r.status == "diverged")
     assert "the loss is nan at step 1" in diverged.note
+
+
+def test_an_infinite_gradient_norm_behind_a_finite_loss_stops_the_run_as_diverged(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = save_model_folder(tmp_path / "steep")
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    with torch.no_grad():
+        model.lm_head.weight[5] = 1e20
+    model.save_pretrained(str(folder), max_shard_size="40KB")
+    workload = Workload().with_overrides([f"model.path={folder}", *TRAIN])
+    s = run(workload, "torch", out=tmp_path / "runs", launcher="inline").summary
+    assert s.status == "diverged"
+    assert math.isfinite(s.losses[0]) and s.grad_norms == [math.inf]
+    (failure,) = s.failures
+    assert (failure.cause, failure.step, failure.rank) == ("diverged", 0, 0)
+    assert "the gradient norm is inf at step 0 on rank 0" in failure.message
+
+
+def test_every_step_reports_the_gradient_norm_it_stepped_with(tmp_path):
+    s = run(Workload.from_file(EXAMPLES / "tiny-llama.toml").with_overrides(SHORT), "torch", out=tmp_path,
+            launcher="inline").summary
+    assert s.status == "ok" and len(s.grad_norms) == 4 and all(0 < n < 100 for n in s.grad_norms), s.grad_norms

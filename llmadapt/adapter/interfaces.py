@@ -29,6 +29,9 @@ class StepResult:
     comms: list[Comm] = attrs.Factory(list)
     """The framework's own collective records for this step (written as 'comm' records)."""
     metrics: list[Metric] = attrs.Factory(list)
+    grad_norm: float | None = None
+    """Global L2 norm of the gradients the optimizer step received, over every rank's shard, as the framework
+    reduces it (the value it would clip by). A NaN or infinite norm ends the run as 'diverged'."""
 
 
 class Trainer(abc.ABC):

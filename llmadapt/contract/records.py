@@ -21,7 +21,7 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.9"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.10"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
@@ -29,7 +29,7 @@ SCHEMA_VERSION = "1.9"  # 1.1: end records, summary warnings; 1.2: client_load r
 # 1.7: interference records and the summary's interference; the topology's threads;
 # 1.8: the 'diverged' status and failure cause; the step's run_delay_s and the interference summary's step
 # waits; serving's 'degraded' status and the request's 'truncated'; 1.9: the launch record (launch.json, typed:
-# llmadapt.contract.launch)
+# llmadapt.contract.launch); 1.10: the step's grad_norm and the summary's grad_norms
 
 
 @attrs.frozen
@@ -189,6 +189,9 @@ class Step:
     run_delay_s: float | None = None
     """Of the step, the time the rank's training thread was runnable but waiting for a core (Linux's schedstat
     run delay, read before and after the clock); None where not known."""
+    grad_norm: float | None = None
+    """Global L2 norm of the gradients the optimizer step received (every rank's shard, the framework's own
+    reduction); None where the adapter does not report one."""
     type: Literal["step"] = "step"
 
 
@@ -695,9 +698,9 @@ class Summary:
 
     run_id: str
     status: Literal["ok", "failed", "diverged", "degraded"]
-    """'diverged': a loss was NaN or infinite (the failures name the first step and rank). 'degraded' (serving):
-    the run measured, but a larger share of its requests failed or were truncated than serve.max_failed_share
-    allows (default 0: any)."""
+    """'diverged': a loss or gradient norm was NaN or infinite (the failures name the first step and rank).
+    'degraded' (serving): the run measured, but a larger share of its requests failed or were truncated than
+    serve.max_failed_share allows (default 0: any)."""
     role: str
     adapter: str
     framework: str
@@ -748,5 +751,7 @@ class Summary:
     """Hardware FLOPs utilisation: MFU with recomputation counted; None where MFU is."""
     interference: InterferenceSummary | None = None
     """Training runs: whether the machine was quiet while the steps were measured, and what disturbed them."""
+    grad_norms: list[float | None] | None = None
+    """Training runs whose adapter reports it: the global gradient norm at every completed step, by step index."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["summary"] = "summary"

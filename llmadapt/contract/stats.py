@@ -70,6 +70,7 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest)
     # A step counts as completed when every rank finished it.
     complete = sorted(i for i, by_rank in steps_by_index.items() if len(by_rank) == world)
     losses: list[float | None] = []
+    grad_norms: list[float | None] = []
     times, tokens_s, samples_s, tokens_per_step = [], [], [], None
     window_tokens, expert_loads, step_waits = 0, [], []  # over every step after warm-up, profiled ones too
     phase_sums: dict[str, list[float]] = defaultdict(list)
@@ -77,6 +78,8 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest)
         by_rank = steps_by_index[i]
         loss = next((by_rank[r]["loss"] for r in sorted(by_rank) if by_rank[r]["loss"] is not None), None)
         losses.append(loss)
+        grad_norms.append(next((by_rank[r]["grad_norm"] for r in sorted(by_rank)
+                                if by_rank[r].get("grad_norm") is not None), None))
         if by_rank[min(by_rank)]["warmup"]:
             continue
         # Every rank reports its data-parallel share; the tp*pp ranks of one replica share the same tokens.
@@ -128,11 +131,13 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest)
     if status == "failed" and not failures:
         failures.append(Failure(cause="crash", message="the run ended before every step completed"))
     nonfinite = [i for i, loss in zip(complete, losses) if loss is not None and not math.isfinite(loss)]
+    bad_norms = [i for i, norm in zip(complete, grad_norms) if norm is not None and not math.isfinite(norm)]
     if any(f.cause == "diverged" for f in failures):
         status = "diverged"
-    elif nonfinite:  # train.on_nonfinite = "continue": every step ran, and the loss still was not a number
+    elif nonfinite or bad_norms:  # train.on_nonfinite = "continue": every step ran, and still not a number
         status = "diverged"
-        warnings.append(f"the loss was not finite at {len(nonfinite)} step(s), the first at step {nonfinite[0]}")
+        warnings += [f"the {what} was not finite at {len(at)} step(s), the first at step {at[0]}"
+                     for what, at in (("loss", nonfinite), ("gradient norm", bad_norms)) if at]
     return Summary(
         run_id=run_id,
         status=status,
@@ -149,6 +154,7 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest)
         steps_completed=len(complete),
         measured_steps=len(times),
         losses=losses,
+        grad_norms=grad_norms if any(n is not None for n in grad_norms) else None,
         step_time_s=describe(times),
         tokens_per_s=tok_stats,
         samples_per_s=describe(samples_s),

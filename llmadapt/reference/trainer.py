@@ -62,7 +62,7 @@ class TorchTrainer(Trainer):
 
             model = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.is_cuda else None)
         self.model = model
-        params = [p for p in model.parameters() if p.requires_grad]
+        self.params = params = [p for p in model.parameters() if p.requires_grad]
         opt = w.train.optimizer
         if opt == "sgd":
             self.optimizer = torch.optim.SGD(params, lr=w.train.lr, weight_decay=w.train.weight_decay)
@@ -116,6 +116,8 @@ class TorchTrainer(Trainer):
                     (token_loss * scale).backward()
             loss_sum += token_loss.detach().double()
         with ctx.phase("optimizer", phases, spans=spans):
+            # DDP averaged the gradients over the ranks already: every rank's norm is the global one
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
             self.optimizer.step()
         if self.ddp:
             import torch.distributed as dist
@@ -123,8 +125,7 @@ class TorchTrainer(Trainer):
             dist.all_reduce(loss_sum)
         expert_load, ties = self.experts.global_counts_and_ties() if self.experts else (None, None)
         return StepResult(loss=loss_sum.item() / batch.loss_tokens_global, phases=phases, expert_load=expert_load,
-                          expert_near_ties=ties,
-                          spans=spans)
+                          expert_near_ties=ties, spans=spans, grad_norm=grad_norm.item())
 
 
 class TorchFineTuner(TorchTrainer, FineTuner):

@@ -178,13 +178,16 @@ def _train(worker: lifecycle.WorkerProcess, fault: dict[str, Any] | None, worklo
             memory=memory_snapshot(ctx), expert_load=result.expert_load, spans=list(result.spans),
             expert_near_ties=result.expert_near_ties, profiled=step_index in profiled,
             run_delay_s=None if None in (waited_before, waited_after) else (waited_after - waited_before) / 1e9,
+            grad_norm=(grad_norm := None if result.grad_norm is None else float(result.grad_norm)),
         ))
         for extra in (*([breakdown] if breakdown else []), *result.comms, *result.metrics):
             writer.write(extra if extra is breakdown else attrs.evolve(extra, step=step_index))
-        if not math.isfinite(loss) and nonfinite_at is None:
+        what = ("loss", loss) if not math.isfinite(loss) else \
+            ("gradient norm", grad_norm) if grad_norm is not None and not math.isfinite(grad_norm) else None
+        if what and nonfinite_at is None:
             nonfinite_at = step_index
             if workload.train.on_nonfinite == "stop":
-                raise lifecycle.Diverged(f"the loss is {loss} at step {step_index} on rank {place.rank} "
+                raise lifecycle.Diverged(f"the {what[0]} is {what[1]} at step {step_index} on rank {place.rank} "
                                          "(train.on_nonfinite = \"continue\" runs every step)")
         if step_index in profiled and dist_started:
             # Reading the profiler's events takes each rank its own time, after the clock stopped: the

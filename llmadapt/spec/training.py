@@ -41,8 +41,8 @@ class TrainSpec:
     (the framework's C++ CPU Adam, e.g. DeepSpeedCPUAdam, compiled at first use). The same update in exact
     arithmetic: a layout choice, not part of the problem hash."""
     on_nonfinite: str = attrs.field(default="stop", validator=choice(("stop", "continue")))
-    """A loss that is NaN or infinite: 'stop' ends the run there as 'diverged' (the step and rank named);
-    'continue' runs every step and the run still ends 'diverged'. Not part of the problem hash."""
+    """A loss or gradient norm that is NaN or infinite: 'stop' ends the run there as 'diverged' (the step and
+    rank named); 'continue' runs every step and the run still ends 'diverged'. Not part of the problem hash."""
 
     @property
     def total_steps(self) -> int:

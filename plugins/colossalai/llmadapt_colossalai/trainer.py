@@ -183,7 +183,9 @@ class ColossalAITrainer(Trainer):
             layer = type(model.model.layers[0])  # one FSDP unit per decoder layer, plus the root
             return TorchFSDPPlugin(sharding_strategy=ShardingStrategy.FULL_SHARD,
                                    auto_wrap_policy=ModuleWrapPolicy({layer}), mixed_precision=mixed)
-        common = dict(tp_size=p.tp, pp_size=p.pp, precision=w.precision, zero_stage=o.zero_stage, max_norm=0.0,
+        # max_norm inf: the optimizer reduces the gradient norm over its tp/pp/dp groups (what it would clip by)
+        # and clips nothing. (LowLevelZero computes it whatever max_norm is.)
+        common = dict(tp_size=p.tp, pp_size=p.pp, precision=w.precision, zero_stage=o.zero_stage, max_norm=float("inf"),
                       parallel_output=False,  # full logits: the adapter computes the contract's loss itself
                       make_vocab_size_divisible_by=1,  # no vocabulary padding (it would change the softmax)
                       overlap_communication=False)
@@ -241,7 +243,10 @@ class ColossalAITrainer(Trainer):
         else:
             phases = self._plain_step(batch, loss_sum, spans)
         with ctx.phase("optimizer", phases, spans=spans):
+            grad_norm = self._torch_grad_norm()
             self.optimizer.step()
+        if grad_norm is None:
+            grad_norm = self.optimizer.get_grad_norm()  # the ZeRO and hybrid optimizers' own, over their groups
         if dist.is_initialized() and dist.get_world_size() > 1:
             if self.pipeline:  # only the last stage has the loss; count each data-parallel rank once
                 if not (self.last_stage and self.tp_rank == 0):
@@ -251,8 +256,22 @@ class ColossalAITrainer(Trainer):
                 dist.all_reduce(loss_sum, group=self.dp_group)
         expert_load, ties = self.experts.global_counts_and_ties() if self.experts else (None, None)
         return StepResult(loss=loss_sum.item() / batch.loss_tokens_global, phases=phases, expert_load=expert_load,
-                          expert_near_ties=ties,
-                          spans=spans)
+                          expert_near_ties=ties, spans=spans,
+                          grad_norm=None if grad_norm is None else float(grad_norm))
+
+    def _torch_grad_norm(self):
+        """The gradient norm where the plugin leaves the optimizer to torch: DDP's gradients are averaged over the
+        ranks already; FSDP's root reduces its shards' norms (a max_norm of inf clips nothing)."""
+        import torch
+
+        if self.plugin_name == "TorchDDPPlugin":
+            return torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        if self.plugin_name == "TorchFSDPPlugin":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            root = next(m for m in self.model.modules() if isinstance(m, FullyShardedDataParallel))
+            return root.clip_grad_norm_(float("inf"))
+        return None
 
     def _plain_step(self, batch, loss_sum, spans) -> list[Phase]:
         ctx = self.ctx

@@ -148,6 +148,11 @@ class DeepSpeedTrainer(Trainer):
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params,
                                                                  optimizer=client, config=self.config)
         self._record_optimizer(expected_optimizer(w))
+        from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+
+        # ZeRO's and the bf16/fp16 optimizers reduce the gradient norm over every shard themselves; a plain torch
+        # optimizer under the engine (no ZeRO, fp32) has none: it is taken where the engine reduced the gradients.
+        self._norm_here = not isinstance(self.engine.optimizer, DeepSpeedOptimizer)
         self._flash = w.optimizations.flash_attention
         # Collectives of initialisation (parameter broadcasts) belong to no step: start counting after them.
         self._comms_seen: dict[tuple[str, int], int] = {}
@@ -283,8 +288,13 @@ class DeepSpeedTrainer(Trainer):
                     engine.backward(token_loss * scale)
             # DeepSpeed's optimizer step runs at the accumulation boundary (the last micro-batch)
             with ctx.phase("optimizer", phases, spans=spans, span=f"engine.step {i}", span_source=SOURCE):
+                if i == self.gas - 1 and self._norm_here:  # the engine reduced the gradients at this boundary
+                    grad_norm = torch.nn.utils.get_total_norm(
+                        [p.grad for p in engine.module.parameters() if p.grad is not None]).item()
                 engine.step()
             loss_sum += token_loss.detach().double()
+        if not self._norm_here:
+            grad_norm = float(engine.get_global_grad_norm())  # ZeRO's and the bf16 optimizer's own, every shard
         timers = engine.get_wall_clock_timers()
         phases += [Phase(name, timers[name] / 1000.0, SOURCE) for name in ENGINE_TIMERS if name in timers]
         if ctx.world_size > 1:
@@ -295,7 +305,7 @@ class DeepSpeedTrainer(Trainer):
         metrics, self._metrics = self._metrics, []
         return StepResult(loss=loss_sum.item() / batch.loss_tokens_global, phases=phases, expert_load=expert_load,
                           expert_near_ties=ties,
-                          spans=spans, comms=self._step_comms(), metrics=metrics)
+                          spans=spans, comms=self._step_comms(), metrics=metrics, grad_norm=grad_norm)
 
     def profiled_calls(self):
         # The engine's step is ZeRO's optimizer step; its backward adds ZeRO's gradient reduction to autograd's.

@@ -144,6 +144,7 @@ class MegatronTrainer(Trainer):
             post_process=self.last_stage, parallel_output=True, share_embeddings_and_output_weights=m.tie_embeddings,
             position_embedding_type="rope", rotary_base=m.rope_theta,
         )
+        _mark_tensor_parallel(model)
         self._load_rank_shard(model, ps)
         self.model_loaded()
         model.to(ctx.device)
@@ -264,10 +265,13 @@ class MegatronTrainer(Trainer):
                 forward_step_func=self._forward_step, data_iterator=data, model=[self.model], num_microbatches=n,
                 seq_length=seq, micro_batch_size=mb_size, decoder_seq_length=seq, forward_only=False)
             self.timers("optimizer", log_level=0).start()
-            ok, _grad_norm, _zeros = self.optimizer.step()
-            self.timers("optimizer", log_level=0).stop()
-            if not ok:
+            # optimizer.step() in its parts, to have the gradient norm without clipping (clip_grad=0 computes none):
+            # the norm over the model-parallel group (and the data-parallel one for the distributed optimizer).
+            if self.optimizer.prepare_grads():
                 raise RuntimeError("megatron's optimizer skipped the step (non-finite gradients)")
+            grad_norm = self.optimizer.get_grad_norm()
+            self.optimizer.step_with_ready_grads()
+            self.timers("optimizer", log_level=0).stop()
 
             local = sum(float(d["token_loss_sum"]) for d in losses) if self.last_stage else 0.0
             total = torch.tensor([local], dtype=torch.float64, device=ctx.device)
@@ -278,7 +282,7 @@ class MegatronTrainer(Trainer):
                     dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
             expert_load, ties = self.experts.global_counts_and_ties(self.tp) if self.experts else (None, None)
         return StepResult(loss=total.item() / batch.loss_tokens_global, phases=self._timer_phases(),
-                          expert_load=expert_load, expert_near_ties=ties)
+                          expert_load=expert_load, expert_near_ties=ties, grad_norm=float(grad_norm))
 
     def _timer_phases(self) -> list[Phase]:
         out = []
@@ -395,3 +399,24 @@ def megatron_module_class(name: str, type_name: str) -> str | None:
     if last == "mlp":
         return "mlp"  # its own code: the activation and gating product (split_module)
     return None
+
+
+def _mark_tensor_parallel(model) -> None:
+    """Mark each tensor-parallel layer's weight as split over the tensor-parallel ranks, as megatron-core does only
+    while it initialises the weight: with perform_initialization=False (the weights come from the checkpoint) the
+    mark is never set, every rank but the first takes its slice for a copy of the first's, and the gradient norm
+    (and clipping by it) sees half a tp=2 model. The partition stride (1) serves only to reassemble checkpoints,
+    which this adapter does itself (megatron_to_hf)."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        dim = 0 if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) else \
+            1 if isinstance(module, RowParallelLinear) else None
+        weight = getattr(module, "weight", None)
+        if dim is not None and weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
