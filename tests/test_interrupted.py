@@ -129,4 +129,42 @@ def test_an_interrupted_maxbatch_ends_its_file_with_a_partial_result(tmp_path):
     assert found.result.status == "failed" and found.result.max_batch == 2
     assert found.result.message.startswith("partial: the search was interrupted (terminated by SIGTERM) after 2 "
                                            "probe(s); max batch >= 2 per rank so far")
-    assert said[-1].endswith(f"is in {search / 'probes.jsonl'}")
+    assert said[-1].endswith(f"is in {search / 'probes.jsonl'}; the same command again (same --out) resumes it")
+
+
+def test_an_interrupted_maxbatch_resumes_without_probing_a_batch_twice(tmp_path):
+    """The same search again goes on in the interrupted one's folder: the batches probed are not probed again, and
+    it ends where an uninterrupted search does; a search with other settings leaves it as it is."""
+    from llmadapt import Workload
+    from llmadapt.analysis.perf.maxbatch import maxbatch, read_maxbatch
+    from llmadapt.contract.perf import Probe
+    from llmadapt.errors import Terminated
+
+    probed: list[int] = []
+    stop_at: list[int] = [8]
+
+    def probe(w, b, where):  # fits up to batch 20
+        if b in stop_at:
+            stop_at.clear()
+            raise Terminated("terminated by SIGTERM")
+        probed.append(b)
+        return Probe(batch=b, outcome="fits" if b <= 20 else "oom", run_dir="", message=None, steps_completed=2,
+                     peak_memory_bytes=None, step_time_s=None, samples_per_s=None, memory_limit_bytes=1 << 30,
+                     memory_limit_kind="RLIMIT_AS", seconds=0.0)
+
+    w, said = Workload.from_file(EXAMPLE), []
+
+    def search(**options):
+        return maxbatch(w, memory_limit_bytes=1 << 30, out=tmp_path, probe=probe, log=said.append, **options)
+
+    with pytest.raises(Terminated):
+        search()
+    (folder,) = tmp_path.iterdir()
+    other = search(steps=3).search_dir
+    assert other != folder and f"{folder}: an interrupted search with another steps: left as it is" in said
+    probed.clear()
+    found = search()
+    assert found.search_dir == folder and f"resuming {folder}: 3 probe(s) made there are not made again" in said
+    assert probed == [8, 16, 32, 24, 20, 22, 21]  # 1, 2 and 4 were probed before the interruption
+    assert found.result.status == "ok" and found.result.max_batch == 20 and found.result.probes == 10
+    assert [p.batch for p in read_maxbatch(folder).probes] == [1, 2, 4, *probed]

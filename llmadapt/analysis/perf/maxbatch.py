@@ -14,11 +14,16 @@ used. On GPU the device's own memory is the limit.
 The search directory holds ``probes.jsonl`` (a ``probe`` record per probe, written as it
 ends, then a ``maxbatch`` record) and each probe's run directory under ``probes/``. A search
 ended by Ctrl-C or SIGTERM still ends the file with its ``maxbatch`` record: status failed,
-its message starting "partial:", with the largest batch that fitted so far.
+its message starting "partial:", with the largest batch that fitted so far. Run the same search again (same
+``out``) and it resumes: a search folder there whose file ends partial (or with no result), of the same workload,
+adapter and version, cap, steps, launcher and machine (its ``search.json``), goes on, its probes that fitted or ran
+out of memory not run again; the file then holds the earlier probes, the partial result, the new probes and the
+final result.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -34,7 +39,7 @@ from llmadapt.contract.perf import MaxBatch, Probe
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json
 from llmadapt.errors import LlmadaptError
-from llmadapt.host import gpu_visible
+from llmadapt.host import gpu_visible, node_name
 from llmadapt.launch.settings import check_adapter_settings
 from llmadapt.spec import Workload
 from llmadapt.texttable import text_table
@@ -134,8 +139,16 @@ def maxbatch(workload: Workload | str | Path, adapter: str = "torch", *, memory_
     if probe is None and memory_limit_bytes is None and not gpu_visible():
         raise LlmadaptError("no GPU visible: on CPU, maxbatch needs --memory-limit SIZE, a per-worker address-space "
                             "cap (RLIMIT_AS) that makes running out of memory real (e.g. --memory-limit 2G)")
-    search_dir = Path(out) / new_run_id("maxbatch", w.content_hash[:8])
-    search_dir.mkdir(parents=True, exist_ok=False)
+    identity = json.loads(json.dumps({"workload_hash": w.content_hash, "adapter": adapter,
+                                      "adapter_version": info.version, "memory_limit_bytes": memory_limit_bytes,
+                                      "steps": steps, "warmup_steps": warmup_steps, "launcher": launcher,
+                                      "fault": fault, "machine": node_name()}))
+    say = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    search_dir, recorded = _resumable(Path(out), identity, say)
+    if search_dir is None:
+        search_dir = Path(out) / new_run_id("maxbatch", w.content_hash[:8])
+        search_dir.mkdir(parents=True, exist_ok=False)
+        (search_dir / "search.json").write_text(json.dumps(identity, indent=1))
     cap_kind = CAP_KIND if memory_limit_bytes else None
 
     def real_probe(pw: Workload, b: int, where: Path) -> Probe:
@@ -159,16 +172,19 @@ def maxbatch(workload: Workload | str | Path, adapter: str = "torch", *, memory_
     writer = JsonlWriter(search_dir / "probes.jsonl")
 
     def try_batch(b: int) -> str:
-        p = run_probe(probe_of(b), b, search_dir / "probes")
+        p = recorded.pop(b, None)
+        before = p is not None
+        if p is None:
+            p = run_probe(probe_of(b), b, search_dir / "probes")
         probes.append(p)
-        writer.write(p)
+        if not before:  # a probe resumed from the file is there already
+            writer.write(p)
         if capacity[0] is None and p.run_dir and RunDir(p.run_dir).summary_file.is_file():
-            import json
-
             dev = json.loads(RunDir(p.run_dir).summary_file.read_text()).get("device") or {}
             capacity[0] = dev.get("memory_bytes")
         if log:
-            extra = f" (peak {p.peak_memory_bytes / 2**20:,.0f} MiB)" if p.peak_memory_bytes else ""
+            extra = (f" (peak {p.peak_memory_bytes / 2**20:,.0f} MiB)" if p.peak_memory_bytes else "") + \
+                (" (probed before)" if before else "")
             log(f"  batch {b:>6}: {p.outcome}{extra}" + (f" - {p.message[:160]}" if p.message and p.outcome != "fits"
                                                          else ""))
         return p.outcome
@@ -228,13 +244,35 @@ def maxbatch(workload: Workload | str | Path, adapter: str = "torch", *, memory_
             (f", batch {fails} ran out of memory" if fails is not None else "")
         writer.write(outcome_record("failed", f"partial: the search was interrupted ({interrupt_text(exc)}) after "
                                               f"{len(probes)} probe(s); {known}"))
-        (log or (lambda m: print(m, file=sys.stderr, flush=True)))(
-            f"{interrupt_text(exc)}: the search so far ({len(probes)} probe(s); {known}) is in "
-            f"{search_dir / 'probes.jsonl'}")
+        say(f"{interrupt_text(exc)}: the search so far ({len(probes)} probe(s); {known}) is in "
+            f"{search_dir / 'probes.jsonl'}; the same command again (same --out) resumes it")
         raise
     finally:
         writer.close()
     return MaxBatchResult(search_dir=search_dir, result=result, probes=probes)
+
+
+def _resumable(out: Path, identity: dict, say: Callable[[str], None]) -> tuple[Path | None, dict[int, Probe]]:
+    """The newest search folder in OUT of this identity whose file ends partial (or has no result), and its probes
+    that fitted or ran out of memory by batch; else (None, {}). One of other settings is left as it is, said so."""
+    for path in sorted(out.glob(f"*-maxbatch-{identity['workload_hash'][:8]}-*/search.json"), reverse=True):
+        try:
+            theirs = json.loads(path.read_text())
+            records = read_jsonl(path.with_name("probes.jsonl"), check=False)
+        except (OSError, ValueError):
+            continue
+        results = [r for r in records if r.get("type") == "maxbatch"]
+        if not isinstance(theirs, dict) or (results and not str(results[-1].get("message")).startswith("partial:")):
+            continue
+        differs = [k for k, v in identity.items() if theirs.get(k) != v]
+        if differs:
+            say(f"{path.parent}: an interrupted search with another {', '.join(differs)}: left as it is")
+            continue
+        probes = {r["batch"]: Probe(**{k: v for k, v in r.items() if k != "type"}) for r in records
+                  if r.get("type") == "probe" and r.get("outcome") in ("fits", "oom")}
+        say(f"resuming {path.parent}: {len(probes)} probe(s) made there are not made again")
+        return path.parent, probes
+    return None, {}
 
 
 def _probe_workload(w: Workload, b: int, steps: int, warmup: int) -> Workload:
