@@ -261,7 +261,8 @@ def _resumable(out: Path, what: str, name: str, identity: dict[str, Any],
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if not isinstance(data, dict) or data.get("state") not in ("running", "interrupted"):
+        if not isinstance(data, dict) or data.get("state") not in ("running", "interrupted") \
+                or data.get("adapter") != identity["adapter"]:  # the glob also finds a tgi-openai's for openai
             continue
         differs = [_DIFFERS.get(k, k) for k, v in identity.items() if data.get(k) != v]
         if differs:
