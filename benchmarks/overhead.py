@@ -8,7 +8,8 @@ Both sides run in this one process, on the same device, with the same thread cou
   loaded with transformers (fp32, eager attention unless the workload asks for flash
   attention), the same optimizer and learning rate, the same batches from TokenData, the same
   loss (sum-reduced cross entropy / loss-bearing tokens of the global batch, summed over
-  micro-batches), backward and optimizer.step, each step timed with time.perf_counter.
+  micro-batches), backward, the gradient norm (what a training loop logs and clips by; the
+  reference adapter reports it) and optimizer.step, each step timed with time.perf_counter.
 
 Both exclude the workload's warm-up steps. After one untimed priming pass of each side
 (imports, checkpoint build), the sides alternate in rounds, in ABBA order (llmadapt, bare,
@@ -130,6 +131,7 @@ def run_bare(workload, device) -> dict:
                                    ignore_index=-100, reduction="sum")
             (loss / batch.loss_tokens_global).backward()
             total += loss.detach().double()
+        torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
         optimizer.step()
         losses.append(total.item() / batch.loss_tokens_global)
         sync()

@@ -61,6 +61,9 @@ class TorchTrainer(Trainer):
             from torch.nn.parallel import DistributedDataParallel
 
             model = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.is_cuda else None)
+        # Train mode once: nothing in a run switches it off (evaluation loads the saved model apart),
+        # and train() walks every module: a cost in every step, not in a bare loop.
+        model.train()
         self.model = model
         self.params = params = [p for p in model.parameters() if p.requires_grad]
         opt = w.train.optimizer
@@ -89,7 +92,6 @@ class TorchTrainer(Trainer):
         import torch.nn.functional as F
 
         ctx, model = self.ctx, self.model
-        model.train()
         self.optimizer.zero_grad(set_to_none=True)
         scale = ctx.world_size / batch.loss_tokens_global  # DDP averages over ranks: undo that
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)

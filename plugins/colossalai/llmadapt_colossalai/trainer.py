@@ -106,6 +106,9 @@ class ColossalAITrainer(Trainer):
             # After boosting: shardformer swaps the MoE blocks (EPMixtralSparseMoeBlock keeps the HF gate).
             self.experts = ExpertLoadCounter(self.model, w.model.num_experts)
         self.vocab = w.model.vocab_size
+        # Train mode once: nothing in a run switches it off (evaluation loads the saved model apart),
+        # and train() walks every module: a cost in every step, not in a bare loop.
+        self.model.train()
 
     def _patch_for_cpu(self) -> None:
         w = self.ctx.workload
@@ -232,7 +235,6 @@ class ColossalAITrainer(Trainer):
         import torch.distributed as dist
 
         ctx = self.ctx
-        self.model.train()
         self.optimizer.zero_grad()
         if self.experts:
             self.experts.start_step()

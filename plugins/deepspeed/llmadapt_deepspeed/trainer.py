@@ -153,6 +153,9 @@ class DeepSpeedTrainer(Trainer):
         # ZeRO's and the bf16/fp16 optimizers reduce the gradient norm over every shard themselves; a plain torch
         # optimizer under the engine (no ZeRO, fp32) has none: it is taken where the engine reduced the gradients.
         self._norm_here = not isinstance(self.engine.optimizer, DeepSpeedOptimizer)
+        # Train mode once: nothing in a run switches it off (evaluation loads the saved model apart),
+        # and train() walks every module: a cost in every step, not in a bare loop.
+        self.engine.train()
         self._flash = w.optimizations.flash_attention
         # Collectives of initialisation (parameter broadcasts) belong to no step: start counting after them.
         self._comms_seen: dict[tuple[str, int], int] = {}
@@ -262,7 +265,6 @@ class DeepSpeedTrainer(Trainer):
         ctx, engine = self.ctx, self.engine
         if len(batch.micro_batches) != self.gas:
             raise RuntimeError(f"got {len(batch.micro_batches)} micro-batches, DeepSpeed was configured for {self.gas}")
-        engine.train()
         # DeepSpeed divides by gas and averages over the dp ranks: hand it the token-loss sum times both.
         scale = self.gas * ctx.world_size / batch.loss_tokens_global
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)

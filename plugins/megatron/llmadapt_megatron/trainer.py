@@ -171,6 +171,9 @@ class MegatronTrainer(Trainer):
         self.config.no_sync_func = self.model.no_sync
         self.forward_backward = get_forward_backward_func()
         self._scale = 1.0
+        # Train mode once: nothing in a run switches it off (evaluation loads the saved model apart),
+        # and train() walks every module: a cost in every step, not in a bare loop.
+        self.model.train()
 
     # -- one step ------------------------------------------------------------------------------
     def _load_rank_shard(self, model, ps) -> None:
@@ -258,7 +261,6 @@ class MegatronTrainer(Trainer):
         if self.experts:
             self.experts.start_step()
         with self.compat.mode():
-            self.model.train()
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             losses = self.forward_backward(
