@@ -1,6 +1,6 @@
 """The serving conformance suite (llmadapt.testing.ServerConformance) on every serving adapter: the engines started
-here (hf, vllm, llamacpp; skipped, with the reason, where an environment is not built), and the attach-only ones
-against the project's protocol servers (openai: tests/fake_openai.py; tgi and tgi-openai: tests/fake_tgi.py).
+here (hf, vllm, llamacpp, and plain, the worked example; skipped, with the reason, where an environment is not
+built), and the attach-only ones against the project's protocol servers (openai: tests/fake_openai.py; tgi and tgi-openai: tests/fake_tgi.py).
 One engine per adapter, a handful of requests each."""
 
 import socket
@@ -56,6 +56,12 @@ class TestLlamaCpp(ServerConformance):
                          "llama-cpp-python's server answers a prompt longer than n_ctx with HTTP 200 and a stream "
                          "it ends empty, without an error event: the request reads as truncated, the engine's cause "
                          "never reaches the client"}
+
+
+class TestPlain(ServerConformance):
+    """The worked-example adapter (examples/adapter-plain): its own engine, importing only llmadapt.adapter."""
+
+    adapter = "plain"
 
 
 class TestOpenAI(ServerConformance):

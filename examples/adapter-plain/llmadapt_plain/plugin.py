@@ -34,8 +34,10 @@ def llmadapt_register_adapters(register):
         version=__version__,
         framework="torch",
         roles={"train": "llmadapt_plain.trainer:PlainTrainer",
-               "finetune": "llmadapt_plain.trainer:PlainFineTuner"},
+               "finetune": "llmadapt_plain.trainer:PlainFineTuner",
+               "serve": "llmadapt_plain.server:PlainServer"},
         environment=ENVIRONMENT,
         supports=Supports(precisions=("fp32",)),  # one rank, fp32, dense models, no LoRA
-        description="Worked example: transformers' model and a hand-written fp32 loop on one rank.",
+        description="Worked example: transformers' model and a hand-written fp32 loop on one rank; served by a "
+                    "hand-written greedy decoder over the OpenAI completions API.",
     ))
