@@ -135,6 +135,11 @@ def test_the_taxonomy_names_transformers_modules_and_operators():
         "_ReduceFromModelParallelRegion", "LinearFunctionForZeroStage3", "ProfilerStep#3")] == [
         "gradient_accumulation", "parameter_hooks", "parameter_hooks", "autograd", "autograd", "autograd",
         "framework_function", "framework_function", "other"]
+    # a quantized base (bitsandbytes' ops on the CPU basis): dequantising the weights is a class of its own
+    assert [operator_class(n) for n in (
+        "bitsandbytes::dequantize_4bit", "bitsandbytes::int8_mm_dequant", "bitsandbytes::int8_vectorwise_quant",
+        "bitsandbytes::gemm_4bit", "bitsandbytes::int8_linear_matmul", "bitsandbytes::optimizer_update_8bit")] == [
+        "dequantization", "dequantization", "dequantization", "gemm", "gemm", "other"]
 
 
 def test_study_a_splits_attention_mlp_and_moe_by_what_each_call_ran():

@@ -229,6 +229,10 @@ def operator_class(op_name: str) -> str:
         return coll
     if op_name in ("detach", "detach_"):  # autograd's view op, recorded without its aten:: prefix
         return "memory"
+    if op_name.startswith("bitsandbytes::"):  # a quantized base: its weights (de)quantized, its own matmuls
+        if "quant" in op_name:
+            return "dequantization"
+        return "gemm" if re.search(r"gemm|gemv|matmul|_mm\b", op_name) else "other"
     if not op_name.startswith("aten::"):
         if "AccumulateGrad" in op_name:
             return "gradient_accumulation"
