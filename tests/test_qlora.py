@@ -13,6 +13,7 @@ without LoRA's update.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -26,14 +27,14 @@ QLORA = ["kind=finetune", "lora.rank=4", "lora.target_modules=[q_proj,v_proj,dow
          "train.warmup_steps=1", "train.lr=0.01", "telemetry.interval_s=0"]
 
 
-def quantized_peft_model(quant: str):
-    """The canonical tiny Llama loaded as the reference adapter loads it for QLoRA, LoRA B made non-zero (as after
-    training) so that merging matters."""
+def quantized_peft_model(quant: str, example: str = "tiny-llama.toml"):
+    """The canonical tiny Llama (or another example's model) loaded as the reference adapter loads it for QLoRA,
+    LoRA B made non-zero (as after training) so that merging matters."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    w = Workload.from_file(EXAMPLES / "tiny-llama.toml")
+    w = Workload.from_file(EXAMPLES / example)
     config = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_compute_dtype=torch.float32)
               if quant != "int8" else BitsAndBytesConfig(load_in_8bit=True))
     base = AutoModelForCausalLM.from_pretrained(str(canonical_checkpoint(w.model, w.seed)), dtype=torch.float32,
@@ -79,6 +80,33 @@ def test_a_quantized_lora_model_saves_as_the_model_it_computes(quant, tolerance,
     lost = AutoModelForCausalLM.from_pretrained(str(tmp_path / "lost"), dtype=torch.float32).eval()
     with torch.no_grad():
         assert float((lost(input_ids=ids).logits - trained).abs().max()) > limit
+
+
+def test_a_quantized_mixtral_saves_in_the_published_layout(tmp_path):
+    """transformers 5 holds Mixtral's experts fused in memory (mlp.experts.gate_up_proj) and publishes them as
+    block_sparse_moe.experts.N.w1/w2/w3: a QLoRA save writes the published layout, which every loader and the
+    model-folder check read, and computes what the quantized model computed (tolerance as for nf4 above)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmadapt.adapter import weights
+    from llmadapt.modelfolder import shape_of
+
+    model = quantized_peft_model("nf4", "tiny-mixtral.toml")
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+    weights.save_hf_model(model, tmp_path / "saved", write=True)
+    names = set(weights.CheckpointWeights(tmp_path / "saved"))
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in names, sorted(names)[:8]
+    assert not any(".mlp.experts." in n for n in names)
+    w = Workload.from_file(EXAMPLES / "tiny-mixtral.toml")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the core adds the tokenizer to a saved model
+        shutil.copy(canonical_checkpoint(w.model, w.seed) / name, tmp_path / "saved" / name)
+    shape_of(tmp_path / "saved")  # the pre-launch check: raises on a tensor the config implies and the folder lacks
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert float((saved(input_ids=ids).logits - trained).abs().max()) <= 1e-4
 
 
 @pytest.mark.skipif(bool(environments_unready("torch")), reason=environments_unready("torch") or "")

@@ -99,12 +99,25 @@ def save_hf_model(model, folder: str | Path, *, write: bool, adapter_only: bool 
     config["dtype"] = str(dtype).removeprefix("torch.")
     if config.get("tie_word_embeddings"):
         merged.pop("lm_head.weight", None)  # tied: the embedding holds it, as save_pretrained writes it
+    merged = _published_layout(base, merged)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if getattr(base, "generation_config", None) is not None:
         base.generation_config.save_pretrained(str(folder))
     write_safetensors(folder, {k: v.to(dtype) if v.is_floating_point() else v for k, v in merged.items()})
+
+
+def _published_layout(base, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The state dict under the names and shapes ``save_pretrained`` writes. transformers 5 keeps some families
+    in another layout in memory than in their published checkpoints (Mixtral's experts fused into
+    ``mlp.experts.gate_up_proj``, published as ``block_sparse_moe.experts.N.w1/w3``) and reverts it on save;
+    a state dict written by hand must be reverted the same way. transformers 4 has one layout."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return state_dict
+    return dict(revert_weight_conversion(base, state_dict))
 
 
 def _quantized_modules(base) -> dict[str, Any]:
