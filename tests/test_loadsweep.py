@@ -529,8 +529,9 @@ def test_engine_arguments_are_checked_against_what_the_adapter_declares():
 @pytest.mark.parametrize("adapter, model", [("hf", []), ("vllm", ["model.hidden_size=128"])])
 def test_offline_throughput_beside_the_online_numbers(adapter, model, tmp_path):
     """serve.mode = 'offline': the same request plan handed at once to the engine's offline API (transformers'
-    generate, vLLM's LLM.generate), in one comparison with the online run: throughput only, every requested
-    token generated."""
+    generate, vLLM's LLM.generate), in one comparison with the online run: every requested token generated; with
+    each request's times too: TTFT from the call and TPOT (transformers: every token's time; vLLM: its request
+    stats, the first and last token's)."""
     _ready(adapter)
     if adapter == "vllm":
         from llmadapt_vllm.server import environment_problem
@@ -549,9 +550,17 @@ def test_offline_throughput_beside_the_online_numbers(adapter, model, tmp_path):
     rows = json.loads(stdout)["rows"]
     offline = rows[-1]
     assert offline["status"] == "ok" and offline["metrics"]["output_throughput"] > 0
-    assert offline["metrics"]["ttft_p50_ms"] is None  # an offline API shows no first token
     records = [r for r in read_jsonl(Path(offline["run_dir"]) / "rank-00000.jsonl") if r["type"] == "request"]
     assert len(records) == 6 and all(r["output_tokens"] == r["requested_output_tokens"] for r in records)
+    if adapter == "hf":  # generate's streamer times each step: a request's tokens, from the call to the last
+        for r in records:
+            assert len(r["chunk_ns"]) == r["output_tokens"], r
+            assert r["sent_ns"] < r["first_token_ns"] == r["chunk_ns"][0] <= r["chunk_ns"][-1] == r["end_ns"], r
+        assert offline["metrics"]["ttft_p50_ms"] > 0 and offline["metrics"]["tpot_p50_ms"] > 0
+    else:  # LLM.generate's request stats: when each request's first and last tokens came, not every token's
+        for r in records:
+            assert r["chunk_ns"] == [] and r["sent_ns"] < r["first_token_ns"] < r["end_ns"], r
+        assert offline["metrics"]["ttft_p50_ms"] > 0 and offline["metrics"]["tpot_p50_ms"] > 0
     header = next(r for r in read_jsonl(Path(offline["run_dir"]) / "rank-00000.jsonl") if r["type"] == "header")
     assert header["launcher"] == "offline" and header["workload"]["serve"]["mode"] == "offline"
     if adapter == "hf":

@@ -7,7 +7,7 @@ the hook alone, not the records, the workload or the plugin manager: `llmadapt a
 
 - declaration: ``AdapterInfo``, ``EnvironmentSpec``, ``Supports``, ``ROLES``, and ``TOOLS_ENVIRONMENT``, the
   core's tools environment (torch, transformers) that an adapter on plain torch may share
-- interfaces: ``Trainer``, ``FineTuner``, ``Server``, ``StepResult``
+- interfaces: ``Trainer``, ``FineTuner``, ``Server``, ``StepResult``; ``Generated`` (an offline engine's output)
 - context: ``WorkerContext``, ``StepBatch`` (``MicroBatch``, ``Sample``), ``ServeContext``, ``PlannedRequest``,
   ``Chunk``, ``RequestFailed``, ``WrongServer``
 - records a step or a run reports: ``Phase``, ``Span``, ``Patch``, ``Comm``, ``Metric``; ``bandwidths`` of a
@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     )
     from llmadapt.adapter.declaration import ROLES, TOOLS_ENVIRONMENT, AdapterInfo, EnvironmentSpec, Supports
     from llmadapt.adapter.hookspecs import hookimpl
-    from llmadapt.adapter.interfaces import FineTuner, Server, StepResult, Trainer
+    from llmadapt.adapter.interfaces import FineTuner, Generated, Server, StepResult, Trainer
     from llmadapt.adapter.moe import ExpertLoadCounter
     from llmadapt.adapter.plugins import adapters, check_supported, get_adapter
     from llmadapt.adapter.sse import OpenAICompatibleServer
@@ -75,7 +75,7 @@ _HOME = {
     **dict.fromkeys(["ROLES", "TOOLS_ENVIRONMENT", "AdapterInfo", "EnvironmentSpec", "Supports"],
                     "llmadapt.adapter.declaration"),
     "hookimpl": "llmadapt.adapter.hookspecs",
-    **dict.fromkeys(["FineTuner", "Server", "StepResult", "Trainer"], "llmadapt.adapter.interfaces"),
+    **dict.fromkeys(["FineTuner", "Generated", "Server", "StepResult", "Trainer"], "llmadapt.adapter.interfaces"),
     "ExpertLoadCounter": "llmadapt.adapter.moe",
     **dict.fromkeys(["adapters", "check_supported", "get_adapter"], "llmadapt.adapter.plugins"),
     "OpenAICompatibleServer": "llmadapt.adapter.sse",

@@ -1,5 +1,5 @@
 """The role interfaces an adapter's worker classes implement: ``Trainer``, ``FineTuner`` and ``Server``;
-and what a training step returns (``StepResult``). They run inside the adapter's own environment.
+what a training step returns (``StepResult``) and what an offline engine gives per request (``Generated``). They run inside the adapter's own environment.
 """
 
 from __future__ import annotations
@@ -32,6 +32,20 @@ class StepResult:
     grad_norm: float | None = None
     """Global L2 norm of the gradients the optimizer step received, over every rank's shard, as the framework
     reduces it (the value it would clip by). A NaN or infinite norm ends the run as 'diverged'."""
+
+
+@attrs.frozen
+class Generated:
+    """What an offline engine's ``generate`` gives for one request (instead of the bare token count), where its
+    API says when the tokens came, on the monotonic clock (``time.monotonic_ns()``): each output token's time
+    (``token_ns``, the first at the end of its prefill), or only the first and the last token's. The run then
+    has the request's TTFT (from the call) and TPOT, and with every token's time its ITL, with the same
+    statistics as an online run."""
+
+    tokens: int
+    token_ns: list[int] = attrs.Factory(list)
+    first_token_ns: int | None = None
+    last_token_ns: int | None = None
 
 
 class Trainer(abc.ABC):

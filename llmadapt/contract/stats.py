@@ -277,8 +277,8 @@ def serving_stats(records: list[dict[str, Any]], workload: Workload):
     else:
         duration = 0.0
     ms = 1e-6
-    offline = workload.serve.mode == "offline"  # one call for all: no request's own times, throughput only
-    timed = [] if offline else ok
+    offline = workload.serve.mode == "offline"  # one call for all: request times only where the engine gave them
+    timed = [r for r in ok if r["first_token_ns"] is not None] if offline else ok
     ttft = [(r["first_token_ns"] - r["sent_ns"]) * ms for r in timed]
     e2el = [(r["end_ns"] - r["sent_ns"]) * ms for r in timed]
     tpot = [((r["end_ns"] - r["first_token_ns"]) * ms) / (r["output_tokens"] - 1)
@@ -323,8 +323,9 @@ def serving_stats(records: list[dict[str, Any]], workload: Workload):
         cpu = f" (client CPU {cpu_per_request:.2f} ms per request)" if cpu_per_request is not None else ""
         valid, why = False, "invalid: " + "; ".join(problems) + cpu
     elif offline:
-        valid, why = True, ("offline: the whole request set handed to the engine's offline API at once; throughput "
-                            "only (no request's first token or end is seen)")
+        valid, why = True, ("offline: the whole request set handed to the engine's offline API at once; " + (
+            "TTFT from the call (the wait for a request's batch and its prefill), TPOT and ITL from the times the "
+            "engine gave each token" if timed else "throughput only (the engine's API gives no request's times)"))
     elif workload.serve.arrival.process == "closed":
         valid, why = True, "closed loop: requests are sent as slots free up (no schedule to fall behind)"
     else:

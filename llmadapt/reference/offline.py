@@ -1,10 +1,13 @@
 """The reference adapter's offline engine: transformers' batch generation (``generate``) in the reference
 environment, fp32 or bf16, greedy. Requests are grouped by requested output length, one ``generate`` call per
 group with the group's prompts left-padded into one batch, the length forced (``min_new_tokens`` =
-``max_new_tokens``): the throughput of plain batched generation, without continuous batching."""
+``max_new_tokens``): the throughput of plain batched generation, without continuous batching. A streamer notes
+when each decoding step's tokens came, so every request has its token times (its group's): TTFT from the call
+(the groups before it, then its prefill), TPOT and ITL."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 
@@ -27,12 +30,14 @@ class HFOffline:
 
         return f"transformers {transformers.__version__} (generate)"
 
-    def generate(self, requests) -> list[int]:
+    def generate(self, requests) -> list:
+        from llmadapt.adapter import Generated
+
         torch = self.torch
         groups: dict[int, list] = {}
         for r in requests:
             groups.setdefault(r.output_tokens, []).append(r)
-        made: dict[int, int] = {}
+        made: dict[int, Generated] = {}
         with torch.no_grad():
             for length, group in groups.items():
                 width = max(len(r.prompt_token_ids) for r in group)
@@ -40,10 +45,30 @@ class HFOffline:
                                     for r in group], device=self.device)
                 mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
                                      for r in group], device=self.device)
+                clock = _TokenClock()
                 out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=length,
-                                          min_new_tokens=length, do_sample=False, pad_token_id=self.pad)
+                                          min_new_tokens=length, do_sample=False, pad_token_id=self.pad,
+                                          streamer=clock)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 for r in group:
-                    made[r.index] = out.shape[1] - width
+                    tokens = out.shape[1] - width
+                    made[r.index] = Generated(tokens=tokens, token_ns=clock.times[:tokens])
         return [made[r.index] for r in requests]
+
+
+class _TokenClock:
+    """A ``generate`` streamer that notes when each step's tokens came out (generate hands it the prompt first,
+    then each step's new tokens, copied to the host: a CUDA step has finished when they arrive)."""
+
+    def __init__(self) -> None:
+        self.times: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if self._prompt_seen:
+            self.times.append(time.monotonic_ns())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass

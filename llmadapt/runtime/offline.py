@@ -3,12 +3,14 @@ in the adapter's environment; tokens per second, beside the online numbers of th
 
 ``python -m llmadapt.runtime.offline RUN_DIR``: builds the run's request plan (the same prompts and output lengths
 the load generator would send), loads the adapter's offline engine (its ``offline`` role: a class with
-``__init__(workload, checkpoint)``, ``generate(requests) -> output token counts``, ``version()`` and
+``__init__(workload, checkpoint)``, ``generate(requests)`` -> per request its output token count or a
+``Generated``, ``version()`` and
 ``forces_length``: whether the requested output lengths are forced), generates the warm-up
-requests, then times one ``generate`` over every measured request: one request record each (sent at the call,
-ended at its return: an offline API says nothing of when each request's tokens came), a header and an end record.
-There is no first token to time, so TTFT, TPOT, ITL and E2EL are left out of the summary; its throughputs are the
-offline figures. Stopped as a training rank is: SIGTERM, or its orchestrator gone, leaves a failure
+requests, then times one ``generate`` over every measured request: one request record each (sent at the call), a
+header and an end record. An engine whose API says when each request's tokens came returns ``Generated`` (the
+count and each token's time): the request then ends at its last token, and the summary has TTFT (from the call:
+the wait for its batch and its prefill), TPOT and ITL. A bare count ends the request at the call's return, and
+TTFT, TPOT, ITL and E2EL are left out; the throughputs are the offline figures either way. Stopped as a training rank is: SIGTERM, or its orchestrator gone, leaves a failure
 record (killed, exit code 143).
 """
 
@@ -52,12 +54,16 @@ def run_offline(run_dir: Path) -> int:
         start = time.monotonic_ns()
         outputs = engine.generate(measured)
         end = time.monotonic_ns()
-        for r, tokens in zip(measured, outputs):
+        for r, out in zip(measured, outputs):
+            times = list(getattr(out, "token_ns", None) or [])  # a Generated; a bare count says nothing of time
+            first = getattr(out, "first_token_ns", None) or (times[0] if times else None)
+            last = getattr(out, "last_token_ns", None) or (times[-1] if times else None)
             writer.write(Request(
-                index=r.index, warmup=False, scheduled_ns=start, sent_ns=start, first_token_ns=None, end_ns=end,
-                chunk_ns=[], chunk_tokens=[], input_tokens=r.input_tokens, output_tokens=tokens,
-                requested_output_tokens=r.output_tokens, output_forced=engine.forces_length,
-                finish_reason="length", status="ok"))
+                index=r.index, warmup=False, scheduled_ns=start, sent_ns=start,
+                first_token_ns=first, end_ns=last if first is not None and last is not None else end,
+                chunk_ns=times, chunk_tokens=[1] * len(times), input_tokens=r.input_tokens,
+                output_tokens=getattr(out, "tokens", out), requested_output_tokens=r.output_tokens,
+                output_forced=engine.forces_length, finish_reason="length", status="ok"))
     return worker.code
 
 

@@ -31,18 +31,32 @@ class VLLMOffline:
         extra = {ENGINE_KWARGS[k]: v for k, v in engine.given().items() if k in ENGINE_KWARGS}
         self.llm = LLM(model=str(checkpoint), dtype=DTYPES[workload.precision],
                        max_model_len=workload.model.max_position_embeddings, seed=workload.seed,
-                       kv_cache_memory_bytes=kv, enforce_eager=True, **extra)
+                       kv_cache_memory_bytes=kv, enforce_eager=True,
+                       disable_log_stats=False,  # each output then carries its request's times (RequestStateStats)
+                       **extra)
 
     def version(self) -> str:
         import vllm
 
         return f"vllm {vllm.__version__} (LLM.generate)"
 
-    def generate(self, requests) -> list[int]:
+    def generate(self, requests) -> list:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests]
         params = [SamplingParams(max_tokens=r.output_tokens, ignore_eos=True, temperature=0.0) for r in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [len(o.outputs[0].token_ids) for o in outputs]
+        return [_generated(o) for o in outputs]
+
+
+def _generated(output):
+    """The request's token count and, from the engine core's request stats (monotonic seconds, the clock of
+    time.monotonic_ns on this machine), when its first and last tokens came."""
+    from llmadapt.adapter import Generated
+
+    tokens, stats = len(output.outputs[0].token_ids), getattr(output, "metrics", None)
+    if stats is None or not getattr(stats, "first_token_ts", 0) or not getattr(stats, "last_token_ts", 0):
+        return tokens
+    return Generated(tokens=tokens, first_token_ns=int(stats.first_token_ts * 1e9),
+                     last_token_ns=int(stats.last_token_ts * 1e9))
