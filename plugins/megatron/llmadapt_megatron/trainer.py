@@ -49,7 +49,7 @@ class MegatronTrainer(Trainer):
         from megatron.core.transformer import attention
 
         calls = [(self.model.module, "compute_language_model_loss", "loss"),
-                 (self.optimizer, "step", "optimizer"), (self.model, "zero_grad_buffer", "optimizer"),
+                 (self, "_optimizer_step", "optimizer"), (self.model, "zero_grad_buffer", "optimizer"),
                  (attention, "apply_rotary_pos_emb", "attention.rotary"),  # self_attention applies it
                  # the pipeline's sends and receives between stages, and the waits for them (the schedule makes a
                  # communicator per step: its class's method)
@@ -267,12 +267,7 @@ class MegatronTrainer(Trainer):
                 forward_step_func=self._forward_step, data_iterator=data, model=[self.model], num_microbatches=n,
                 seq_length=seq, micro_batch_size=mb_size, decoder_seq_length=seq, forward_only=False)
             self.timers("optimizer", log_level=0).start()
-            # optimizer.step() in its parts, to have the gradient norm without clipping (clip_grad=0 computes none):
-            # the norm over the model-parallel group (and the data-parallel one for the distributed optimizer).
-            if self.optimizer.prepare_grads():
-                raise RuntimeError("megatron's optimizer skipped the step (non-finite gradients)")
-            grad_norm = self.optimizer.get_grad_norm()
-            self.optimizer.step_with_ready_grads()
+            grad_norm = self._optimizer_step()
             self.timers("optimizer", log_level=0).stop()
 
             local = sum(float(d["token_loss_sum"]) for d in losses) if self.last_stage else 0.0
@@ -285,6 +280,15 @@ class MegatronTrainer(Trainer):
             expert_load, ties = self.experts.global_counts_and_ties(self.tp) if self.experts else (None, None)
         return StepResult(loss=total.item() / batch.loss_tokens_global, phases=self._timer_phases(),
                           expert_load=expert_load, expert_near_ties=ties, grad_norm=float(grad_norm))
+
+    def _optimizer_step(self) -> float:
+        """optimizer.step() in its parts, to have the gradient norm without clipping (clip_grad=0 computes none):
+        the norm over the model-parallel group (and the data-parallel one for the distributed optimizer)."""
+        if self.optimizer.prepare_grads():
+            raise RuntimeError("megatron's optimizer skipped the step (non-finite gradients)")
+        grad_norm = self.optimizer.get_grad_norm()
+        self.optimizer.step_with_ready_grads()
+        return grad_norm
 
     def _timer_phases(self) -> list[Phase]:
         out = []
