@@ -577,3 +577,27 @@ def test_offline_is_refused_where_there_is_no_offline_api(tmp_path):
             check_supported(adapters()["openai"], w)
     with pytest.raises(WorkloadError, match="not with serve.url"):
         w.with_overrides(["serve.url=http://127.0.0.1:1"])
+
+
+def test_a_serving_comparison_repeats_in_rounds_with_intervals_over_runs(tmp_path):
+    """compare --repeat on a serving cell: every run a fresh engine, the row's figures medians over its runs with
+    their intervals; a count (failed requests) is a median too, printed as one (it once stopped the table with a
+    ValueError: a float given the integer format)."""
+    _ready("hf")
+    sets = [a for s in SMALL for a in ("--set", s)]
+    code, stdout, stderr = _cli("compare", str(EXAMPLES / "serve-tiny.toml"), "--cell", "hf", "--repeat", "2",
+                                "--out", str(tmp_path), "--json", *sets)
+    assert code == 0, stderr[-2000:]
+    data = json.loads(stdout)
+    (row,) = data["rows"]
+    assert row["status"] == "ok" and len(row["run_dirs"]) == 2 and len(set(row["run_dirs"])) == 2
+    assert row["metrics"]["failed"] == 0 and row["metrics"]["ttft_p50_ms"] > 0
+    for key in ("output_throughput", "ttft_p50_ms", "tpot_p50_ms"):
+        e = row["estimates"][key]
+        assert (e["what"], e["n"]) == ("runs", 2) and e["low"] <= e["median"] <= e["high"], (key, e)
+
+
+def test_a_count_over_repeated_runs_prints_as_a_count():
+    from llmadapt.analysis.compare import format_value
+
+    assert [format_value(v, "d") for v in (3, 3.0, 2.5, None)] == ["3", "3", "2.5", "-"]

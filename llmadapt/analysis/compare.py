@@ -501,6 +501,8 @@ def _uncertainty_note(rows: list[Row], key: str, baseline: str | None = None) ->
 def format_value(value: Any, fmt: str) -> str:
     if value is None:
         return "-"
+    if fmt == "d" and isinstance(value, float):  # a count's median over repeated runs: 2.5 failed requests
+        return format(value, ".0f" if value.is_integer() else ".1f")
     return format(value, fmt) if fmt else str(value)
 
 
