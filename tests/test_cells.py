@@ -60,6 +60,10 @@ def test_a_file_section_and_set_for_one_adapter_wait_for_it_and_record_their_sou
     # layouts are not the problem: megatron's and torch's workloads pose one problem, deepspeed's another (lr)
     assert megatron.problem_hash == torch.problem_hash != deepspeed.problem_hash
     assert problem_difference(torch, deepspeed) == ["train.lr (0.003 vs 0.001)"]
+    # a setting one side leaves at its default is that default, not a difference of its own
+    serve = Workload.from_file(EXAMPLE.parent / "serve-tiny.toml")
+    assert problem_difference(serve, serve.with_overrides(["serve.engine.max_batched_tokens=256"])) == [
+        "serve.engine.max_batched_tokens (None vs 256)"]
     # the last setting of a field wins: one for all after one for megatron replaces it
     assert w.with_overrides(["parallelism.tp=1"]).for_adapter("megatron").parallelism.tp == 1
     assert w.with_overrides(["parallelism.tp=1", "megatron:parallelism.tp=2"]).for_adapter("megatron").parallelism.tp == 2

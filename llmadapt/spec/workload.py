@@ -246,8 +246,11 @@ def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
 
 def problem_difference(a: Workload, b: Workload) -> list[str]:
     """The fields (dotted paths, with both values) where two workloads pose different problems."""
-    fa, fb = flatten(a.problem_dict()), flatten(b.problem_dict())
-    return [f"{k} ({fa.get(k)!r} vs {fb.get(k)!r})" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+    keys = set(flatten(a.problem_dict())) | set(flatten(b.problem_dict()))
+    # Values from the whole workload: a problem leaves settings at their defaults out (older hashes stay), and a
+    # setting one side left out is its default there, not None.
+    fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
+    return [f"{k} ({fa.get(k)!r} vs {fb.get(k)!r})" for k in sorted(keys) if fa.get(k) != fb.get(k)]
 
 
 def _hash(data: dict[str, Any]) -> str:
