@@ -1,9 +1,8 @@
 """Micro-benchmarks: operators with a workload's shapes, device peaks, collectives (orchestrator side).
 
-Each suite runs as a worker in the core's tools environment (``python_for(TOOLS_ENVIRONMENT)``;
-the orchestrator never imports torch): one process for ``ops`` and
-``peak``, torchrun with N ranks (gloo on CPU, NCCL on GPU, 127.0.0.1, a free port) for
-``comm``. The worker streams contract records to ``RUN_DIR/rank-NNNNN.jsonl``:
+Each suite is a worker of kind ``micro``, started through launch (``llmadapt.launch.run.run_micro``) in the
+core's tools environment (the orchestrator never imports torch): one process for ``ops`` and ``peak``,
+torchrun with N ranks (gloo on CPU, NCCL on GPU, 127.0.0.1, a free port) for ``comm``. The worker streams contract records to ``RUN_DIR/rank-NNNNN.jsonl``:
 
 - ``op_bench`` per operator, direction and backend (time statistics, raw times, FLOPs, bytes);
 - ``metric`` for each measured peak (``peak.flops_per_s.<dtype>``, ``peak.memory_bytes_per_s``);
@@ -18,17 +17,15 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 from llmadapt.analysis.perf.micro import MicroResult, read_micro
 from llmadapt.analysis.perf.opmodel import DTYPE_BYTES, Op, attention_ops, layer_ops
 from llmadapt.contract.catalog import save_device, today
-from llmadapt.contract.launch import LaunchRequest, new_run_id
-from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
+from llmadapt.launch.run import run_micro
 from llmadapt.spec import Workload
 
 OPS = ("qkv", "output", "fc1", "fc2", "lm_head", "attention", "rmsnorm", "rotary", "swiglu", "moe_router",
@@ -126,42 +123,11 @@ def op_specs(workload: Workload, *, dtype: str | None = None, ops: tuple[str, ..
 
 
 # -- running a suite ------------------------------------------------------------------------------
-def _tools_python() -> Path:
-    from llmadapt.launch.environments import TOOLS_ENVIRONMENT, python_for
-
-    return python_for(TOOLS_ENVIRONMENT)
-
-
 def _start(suite: str, spec: dict[str, Any], out: str | Path, world: int = 1, timeout: float | None = None,
            progress: Callable[[dict[str, Any]], None] | None = None) -> MicroResult:
-    from llmadapt.launch.environments import TOOLS_ENVIRONMENT
-    from llmadapt.launch.summary import write_launcher_failures
-    from llmadapt.launch.supervise import supervise, worker_command, worker_env
-
-    python = _tools_python()  # fails before anything is written
-    launcher = "torchrun" if world > 1 else "subprocess"
-    # The micro-benchmark's header names torch as its adapter and framework, and the workload it was derived from.
-    launch = LaunchRequest(
-        run_id=new_run_id("micro", suite), launcher=launcher, world_size=world, kind="micro", role=f"micro-{suite}",
-        adapter="torch", framework="torch", workload=spec.get("workload") or {},
-        workload_hash=spec.get("workload_hash", ""), problem_hash=spec.get("problem_hash", ""), python=str(python),
-        suite=suite, spec=spec, created=time.time())
-    run_dir = Path(out) / launch.run_id
-    run_dir.mkdir(parents=True, exist_ok=False)
-    RunDir(run_dir).write_launch(launch)
-    if progress:
-        progress({"type": "start", "run_dir": str(run_dir), "suite": suite, "world_size": world})
-    cmd = worker_command(launcher, python, run_dir, per_node=world, module="llmadapt.runtime.microbench")
-    failures: list[Failure] = []
-    try:
-        failures = supervise(cmd, env=worker_env(world, TOOLS_ENVIRONMENT), log=RunDir(run_dir).worker_log,
-                              tail=RunDir(run_dir).rank_file(0), timeout=timeout, memory_limit_bytes=None,
-                              progress=progress)
-    except KeyboardInterrupt:
-        failures = [Failure(cause="interrupted", message="interrupted (Ctrl-C) in the orchestrator")]
-        write_launcher_failures(run_dir, failures)
-        raise
-    write_launcher_failures(run_dir, failures)
+    """The suite run through launch (a worker of kind micro), read back, and kept as micro.json beside its
+    records."""
+    run_dir = run_micro(suite, spec, world=world, out=out, timeout=timeout, progress=progress)
     result = read_micro(run_dir)
     RunDir(run_dir).micro_file.write_text(json.dumps(result.to_dict(), indent=2))
     return result
