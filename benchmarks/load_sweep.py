@@ -1,7 +1,7 @@
 """The SLA search's cost in probes against a plain scan, and the load generator's send lag at every point of a
 sweep, on a real engine.
 
-1. Probes (no engine: the search's own logic, llmadapt.launch.loadsweep.sla_search, driven by a simulated engine
+1. Probes (no engine: the search's own logic, llmadapt.experiments.loadsweep.sla_search, driven by a simulated engine
    whose TTFT p99 is known): for capacities spread over two decades, smooth (latency proportional to load) and
    cliff-shaped (flat, then 50x past the capacity), the probes the search spends (exponential probe, bisection to
    --resolution, --repeats at the answer) against a plain scan at the same resolution from the same start up to
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def simulated(resolution: float, repeats: int) -> list[dict]:
     from unittest import mock
 
-    from llmadapt.launch import loadsweep
+    from llmadapt.experiments import loadsweep
     from llmadapt.spec import Workload
 
     class Info:
@@ -65,7 +65,7 @@ def simulated(resolution: float, repeats: int) -> list[dict]:
 
 
 def real(engine: str, rates: str, requests: int, slo: str, maximum: int) -> dict:
-    from llmadapt.launch.loadsweep import Objective, load_sweep, parse_loads, prepared, sla_search
+    from llmadapt.experiments.loadsweep import Objective, load_sweep, parse_loads, prepared, sla_search
     from llmadapt.spec import Workload
 
     w = Workload.from_file(ROOT / "examples" / "serve-tiny.toml").with_overrides(

@@ -41,7 +41,7 @@ BURN = "import time\nend = time.monotonic() + {limit}\nwhile time.monotonic() < 
 
 def judge(rows, key: str = "step_p50_s") -> tuple[str, str]:
     """(outcome, verdict line) of a pair of rows: which of them the verdict names, if any."""
-    from llmadapt.analysis.compare import Comparison
+    from llmadapt.analysis.comparison import Comparison
 
     (line,) = Comparison(rows=rows).verdict_lines({rows[0].problem_hash: "P1"}, key) or ["(no verdict)"]
     if "withheld" in line:
@@ -53,7 +53,7 @@ def judge(rows, key: str = "step_p50_s") -> tuple[str, str]:
 
 def trial(workload, slow_s: float, repeat: int, out: Path, rng: random.Random) -> dict[str, tuple[str, str]]:
     from llmadapt import run
-    from llmadapt.analysis.compare import row_of_runs
+    from llmadapt.analysis.comparison import row_of_runs
     from llmadapt.contract.schema import to_json
 
     cells = {"A": None, "A2": None, "B": {"kind": "slow", "seconds": slow_s}}

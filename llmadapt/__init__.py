@@ -79,10 +79,11 @@ _HOME = {
     **dict.fromkeys(["MODEL_PRESETS", "Workload"], "llmadapt.spec"),
     # the orchestrator API
     **dict.fromkeys(["run", "RunResult"], "llmadapt.launch"),
-    **dict.fromkeys(["compare", "parity", "show", "Comparison", "ParityReport"], "llmadapt.analysis"),
+    **dict.fromkeys(["compare", "parity"], "llmadapt.experiments"),
+    **dict.fromkeys(["show", "Comparison", "ParityReport"], "llmadapt.analysis"),
     "adapters": "llmadapt.adapter.plugins",
 }
-_ORCHESTRATOR = {"llmadapt.launch", "llmadapt.analysis", "llmadapt.adapter.plugins"}
+_ORCHESTRATOR = {"llmadapt.launch", "llmadapt.experiments", "llmadapt.analysis", "llmadapt.adapter.plugins"}
 
 
 def __getattr__(name: str):

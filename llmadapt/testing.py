@@ -37,7 +37,7 @@ import attrs
 import pytest
 
 from llmadapt.adapter.plugins import get_adapter
-from llmadapt.analysis.parity import loss_parity
+from llmadapt.analysis.paritycheck import loss_parity
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import EnvironmentNotReadyError, UnknownAdapterError, UnsupportedError

@@ -6,6 +6,8 @@
 - Names starting with an underscore do not cross modules.
 - A module over 400 lines says why in its docstring.
 - Adapters (plugins/, examples/' packages, llmadapt/reference) import llmadapt.adapter and nothing else of llmadapt.
+- analysis only reads: no module of it imports the launcher's entry points or subprocess (llmadapt.experiments
+  launches).
 - A run folder's file names are written in contract/rundir.py (RunDir) only: a literal one elsewhere (the core or an
   adapter) fails.
 """
@@ -171,6 +173,55 @@ def test_adapters_import_only_the_adapter_surface():
 ])
 def test_an_import_outside_the_adapter_surface_is_caught(planted, caught):
     assert bool(outside_the_adapter_surface(planted)) is caught
+
+
+# The launcher's entry points, which start runs, engines or workers: llmadapt.experiments calls them, analysis not.
+LAUNCHER_MODULES = {"llmadapt.launch.run", "llmadapt.launch.serve", "llmadapt.launch.multinode",
+                    "llmadapt.launch.slurm"}
+LAUNCHER_NAMES = {"llmadapt.launch": {"run"}, "llmadapt.launch.supervise": {"supervise", "worker_command"}}
+# hta.py runs Holistic Trace Analysis over finished runs' traces in its own environment: a reader, not a run.
+SUBPROCESS_ALLOWED = {"llmadapt/analysis/hta.py"}
+
+
+def launches(source: str, subprocess_allowed: bool = False) -> list[str]:
+    """'LINE: NAME' for each import in SOURCE of a launcher module, a launcher's entry point, or subprocess."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            module = node.module or ""
+            found += [f"{node.lineno}: {module}.{a.name}" for a in node.names
+                      if module in LAUNCHER_MODULES or f"{module}.{a.name}" in LAUNCHER_MODULES
+                      or a.name in LAUNCHER_NAMES.get(module, ()) or (module == "subprocess" and not subprocess_allowed)]
+        elif isinstance(node, ast.Import):
+            found += [f"{node.lineno}: {a.name}" for a in node.names
+                      if a.name in LAUNCHER_MODULES or (a.name == "subprocess" and not subprocess_allowed)]
+    return found
+
+
+def test_analysis_only_reads():
+    """analysis reads run folders and the store; the commands that start runs live in llmadapt.experiments."""
+    found = []
+    for path in sorted((PACKAGE / "analysis").rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        found += [f"{where}:{hit}" for hit in launches(path.read_text(), where in SUBPROCESS_ALLOWED)]
+    assert found == [], "analysis starts runs (move it to llmadapt.experiments): " + ", ".join(found)
+
+
+@pytest.mark.parametrize("planted, caught", [
+    ("from llmadapt.launch.run import run", True),
+    ("def f():\n    from llmadapt.launch import run", True),
+    ("import llmadapt.launch.serve", True),
+    ("from llmadapt.launch.serve import serve_points", True),
+    ("from llmadapt.launch import slurm", True),
+    ("from llmadapt.launch.supervise import supervise", True),
+    ("import subprocess", True),
+    ("from subprocess import run", True),
+    ("from llmadapt.launch.summary import load_records, summarise", False),
+    ("from llmadapt.launch.supervise import default_threads", False),
+    ("from llmadapt.launch.run import RunResult", True),  # the module itself is the launcher
+])
+def test_a_launch_from_analysis_is_caught(planted, caught):
+    assert bool(launches(planted)) is caught
 
 
 def test_no_import_cycles():

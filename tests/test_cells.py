@@ -13,7 +13,8 @@ import pytest
 
 from llmadapt import Workload
 from llmadapt.analysis.cells import Cell, layout_label, plan, same_threads
-from llmadapt.analysis.parity import PARITY_ATOL, PARITY_RTOL, parity, parity_of_runs
+from llmadapt.analysis.paritycheck import PARITY_ATOL, PARITY_RTOL, parity_of_runs
+from llmadapt.experiments.parity import parity
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.contract.launch import LaunchRequest
 from llmadapt.contract.rundir import RunDir
@@ -270,7 +271,7 @@ def test_repeats_run_in_shuffled_rounds_and_the_stopping_rule_names_what_never_s
     reached): every cell runs once per round before any runs again, each round's order drawn from the recorded
     seed; every row is over its three runs, with one statistic for every column (the median over runs)."""
     from llmadapt import compare
-    from llmadapt.analysis.compare import from_json_summary
+    from llmadapt.analysis.comparison import from_json_summary
 
     logged: list[str] = []
     table = compare(small(), ["torch"], matrix={"optimizations.recompute": ["none", "full"]}, repeat=2,

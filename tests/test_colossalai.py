@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from llmadapt.adapter.plugins import get_adapter
-from llmadapt.analysis.parity import loss_parity
+from llmadapt.analysis.paritycheck import loss_parity
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.errors import UnknownAdapterError, UnsupportedError
 from llmadapt.launch.run import run

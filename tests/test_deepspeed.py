@@ -29,7 +29,7 @@ import pytest
 
 from llmadapt import UnsupportedError
 from llmadapt.adapter.plugins import adapters, get_adapter
-from llmadapt.analysis.parity import expert_load_parity, loss_parity
+from llmadapt.analysis.paritycheck import expert_load_parity, loss_parity
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.launch.run import RunResult, run
 from llmadapt.testing import AdapterConformance, standard_workloads

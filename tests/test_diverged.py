@@ -23,7 +23,7 @@ import torch
 from test_model_folder import TRAIN, save_model_folder
 
 from llmadapt import Workload, run
-from llmadapt.analysis.parity import parity
+from llmadapt.experiments.parity import parity
 from llmadapt.errors import LlmadaptError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -78,7 +78,7 @@ def test_parity_names_a_diverged_run(tmp_path):
 
 
 def test_compare_shows_a_diverged_row_and_does_not_judge_it(tmp_path):
-    from llmadapt.analysis.compare import compare
+    from llmadapt.experiments.compare import compare
 
     workload = Workload.from_file(EXAMPLES / "tiny-llama.toml").with_overrides(SHORT)
     comparison = compare(workload, cells=["torch", "torch:train.lr=1e30"], out=tmp_path, launcher="inline")

@@ -229,7 +229,7 @@ def test_fine_tuning_learns_the_task_and_the_evaluation_says_so(reference):
 
 
 def test_show_compare_and_csv_carry_the_evaluation(reference, tmp_path):
-    from llmadapt.analysis.compare import row_metrics
+    from llmadapt.analysis.comparison import row_metrics
     from llmadapt.analysis.report import export, render_summary as render
 
     text = render(json.loads((reference.run_dir / "summary.json").read_text()))

@@ -37,7 +37,7 @@ def test_deepspeed_techniques_command_expands_to_study_a_grid():
     import shlex
 
     from llmadapt.adapter.plugins import adapters, check_supported, get_adapter
-    from llmadapt.analysis.compare import matrix_variants, parse_matrix
+    from llmadapt.analysis.comparison import matrix_variants, parse_matrix
     from llmadapt.cli.main import build_parser
 
     path = ROOT / "examples" / "deepspeed-techniques.toml"
@@ -61,7 +61,7 @@ def test_deepspeed_techniques_command_expands_to_study_a_grid():
 def test_zipped_matrix_axes():
     """--matrix 'a,b=1,x;2,y' sets several fields together per variant (zipped), crossed with other axes;
     a variant with the wrong number of values is one clear error."""
-    from llmadapt.analysis.compare import matrix_variants, parse_matrix
+    from llmadapt.analysis.comparison import matrix_variants, parse_matrix
     from llmadapt.errors import LlmadaptError
 
     matrix = parse_matrix(["optimizations.zero_stage,optimizations.offload=1,optimizer;3,optimizer+params",

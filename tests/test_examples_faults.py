@@ -4,7 +4,7 @@ and an honest status and exit code (docs/runs.md, "Exit codes").
 
 The examples are found by glob, so a new one is covered without a change here: every *.toml, *.yaml, *.yml and
 *.json in examples/ and examples/sweeps/. Which of them are workloads: a file whose top level is a table without
-a ``workload`` key. A sweep file names its workload with that key (llmadapt.analysis.sweep.load); it is not run
+a ``workload`` key. A sweep file names its workload with that key (llmadapt.experiments.sweep.load); it is not run
 here, and its workload must be one of the examples covered (test_every_sweep_names_a_covered_workload).
 
 Everything goes through the CLI (``python -m llmadapt.cli``) in a subprocess, so the exit codes are the real ones.

@@ -18,7 +18,7 @@ import pytest
 
 from llmadapt import Workload, run
 from llmadapt.analysis import frames
-from llmadapt.analysis.compare import compare
+from llmadapt.experiments.compare import compare
 from llmadapt.analysis.store import RunStore
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.contract.rundir import RunDir

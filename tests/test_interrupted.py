@@ -109,7 +109,8 @@ set = ["train.steps=2", "train.warmup_steps=0", "telemetry.interval_s=0"]
 
 def test_an_interrupted_maxbatch_ends_its_file_with_a_partial_result(tmp_path):
     from llmadapt import Workload
-    from llmadapt.analysis.perf.maxbatch import maxbatch, read_maxbatch
+    from llmadapt.analysis.perf.maxbatch import read_maxbatch
+    from llmadapt.experiments.maxbatch import maxbatch
     from llmadapt.contract.perf import Probe
     from llmadapt.errors import Terminated
 
@@ -136,7 +137,8 @@ def test_an_interrupted_maxbatch_resumes_without_probing_a_batch_twice(tmp_path)
     """The same search again goes on in the interrupted one's folder: the batches probed are not probed again, and
     it ends where an uninterrupted search does; a search with other settings leaves it as it is."""
     from llmadapt import Workload
-    from llmadapt.analysis.perf.maxbatch import maxbatch, read_maxbatch
+    from llmadapt.analysis.perf.maxbatch import read_maxbatch
+    from llmadapt.experiments.maxbatch import maxbatch
     from llmadapt.contract.perf import Probe
     from llmadapt.errors import Terminated
 

@@ -1,4 +1,4 @@
-"""Serving at several loads against one engine: load sweeps and the SLA search (llmadapt.launch.loadsweep).
+"""Serving at several loads against one engine: load sweeps and the SLA search (llmadapt.experiments.loadsweep).
 
 The search's logic is checked against simulated engines with known capacity (a smooth latency curve, a cliff, a
 noisy answer, nothing passing), then everything runs for real against the reference server (`hf`) and vLLM.
@@ -19,8 +19,8 @@ from llmadapt import Workload, adapters
 from llmadapt.cli.serving import attach_settings
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.errors import LlmadaptError
-from llmadapt.launch import loadsweep
-from llmadapt.launch.loadsweep import Objective, isotonic_decreasing, parse_loads, sla_search
+from llmadapt.experiments import loadsweep
+from llmadapt.experiments.loadsweep import Objective, isotonic_decreasing, parse_loads, sla_search
 from llmadapt.testing import environments_unready
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from llmadapt import LlmadaptError, Workload
-from llmadapt.analysis.perf.maxbatch import maxbatch, read_maxbatch
+from llmadapt.analysis.perf.maxbatch import read_maxbatch
+from llmadapt.experiments.maxbatch import maxbatch
 from llmadapt.analysis.perf.studyb import fit_max_batch, maxbatch_points
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.contract.perf import Probe

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from llmadapt.adapter.plugins import get_adapter
-from llmadapt.analysis.parity import expert_load_parity, loss_parity
+from llmadapt.analysis.paritycheck import expert_load_parity, loss_parity
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.errors import UnknownAdapterError, UnsupportedError
 from llmadapt.launch.run import run

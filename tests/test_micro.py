@@ -8,15 +8,8 @@ from pathlib import Path
 import pytest
 
 from llmadapt import LlmadaptError, Workload
-from llmadapt.analysis.perf.micro import (
-    ATTENTION_BACKENDS,
-    micro_comm,
-    micro_ops,
-    op_specs,
-    parse_sizes,
-    read_micro,
-    save_measured_device,
-)
+from llmadapt.analysis.perf.micro import read_micro
+from llmadapt.experiments.micro import ATTENTION_BACKENDS, micro_comm, micro_ops, op_specs, parse_sizes, save_measured_device
 from llmadapt.contract.catalog import find_device
 from llmadapt.contract.jsonl import read_jsonl
 

@@ -19,7 +19,7 @@ import pytest
 
 from llmadapt import Workload, run
 from llmadapt.adapter.plugins import adapters
-from llmadapt.analysis.parity import loss_parity
+from llmadapt.analysis.paritycheck import loss_parity
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.errors import WorkloadError
 from llmadapt.models import tokenizer_corpus

@@ -2,7 +2,7 @@
 
 import pytest
 
-from llmadapt.analysis.parity import expert_load_parity
+from llmadapt.analysis.paritycheck import expert_load_parity
 from llmadapt.testing import standard_workloads
 
 torch = pytest.importorskip("torch")

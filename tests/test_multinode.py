@@ -18,7 +18,7 @@ import pytest
 
 from llmadapt import LlmadaptError, run
 from llmadapt.adapter.plugins import adapters
-from llmadapt.analysis.parity import loss_parity
+from llmadapt.analysis.paritycheck import loss_parity
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.launch.settings import NodeSettings
 from llmadapt.testing import standard_workloads

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from llmadapt import TraceMismatchError
-from llmadapt.analysis.parity import PARITY_ATOL, PARITY_RTOL, loss_parity, parity_of_runs
+from llmadapt.analysis.paritycheck import PARITY_ATOL, PARITY_RTOL, loss_parity, parity_of_runs
 
 
 def test_agreeing_trajectories_pass():

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from llmadapt import run
-from llmadapt.analysis.parity import expert_load_parity, loss_parity
+from llmadapt.analysis.paritycheck import expert_load_parity, loss_parity
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.testing import standard_workloads
 

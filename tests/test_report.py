@@ -284,7 +284,7 @@ def test_the_eq2_fit_is_drawn_only_over_runs_that_differ_in_batch_alone():
 
 
 def test_the_headline_sorts_rows_with_their_intervals_and_marks_the_disturbed():
-    from llmadapt.analysis.compare import Row
+    from llmadapt.analysis.comparison import Row
     from llmadapt.analysis.figures import close
     from llmadapt.analysis.figures_train import headline
     from llmadapt.analysis.uncertainty import bootstrap_median

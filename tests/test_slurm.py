@@ -21,7 +21,7 @@ import pytest
 from test_multinode import single_node  # the same one-node run, once per session
 
 from llmadapt import LlmadaptError, run
-from llmadapt.analysis.parity import loss_parity
+from llmadapt.analysis.paritycheck import loss_parity
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.host import free_port
 from llmadapt.launch.slurm import SlurmSettings
@@ -261,7 +261,7 @@ def test_a_sweep_runs_as_a_job_array_and_resumes_after_the_job_is_killed(slurm, 
     kept, not run again."""
     import threading
 
-    from llmadapt.analysis import sweep as sweeps
+    from llmadapt.experiments import sweep as sweeps
 
     sweep_file = tmp_path / "grid.toml"
     sweep_file.write_text(

@@ -133,7 +133,7 @@ def test_a_workload_file_that_is_not_utf8_is_one_line(tmp_path):
 
 
 def test_matrix_axes_are_given_once_and_parse_cleanly():
-    from llmadapt.analysis.compare import parse_matrix
+    from llmadapt.analysis.comparison import parse_matrix
     from llmadapt.errors import LlmadaptError
 
     assert parse_matrix(["train.lr=1e-3,3e-3"]) == {"train.lr": [1e-3, 3e-3]}

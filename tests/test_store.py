@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from llmadapt import Workload, run
-from llmadapt.analysis.compare import compare, compare_stored
+from llmadapt.analysis.comparison import compare_stored
+from llmadapt.experiments.compare import compare
 from llmadapt.analysis.regress import regress
 from llmadapt.analysis.store import DB_NAME, Query, RunStore
 from llmadapt.errors import LlmadaptError

@@ -1,4 +1,4 @@
-"""Sweeps (llmadapt.analysis.sweep): a grid with stable cell ids and a state per cell, run locally, resumed,
+"""Sweeps (llmadapt.experiments.sweep): a grid with stable cell ids and a state per cell, run locally, resumed,
 failed cells retried. The Slurm job array, with a cancelled job resumed, is in tests/test_slurm.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llmadapt.analysis import sweep as sweeps
+from llmadapt.experiments import sweep as sweeps
 from llmadapt.errors import LlmadaptError
 from llmadapt.testing import environments_unready
 
@@ -148,7 +148,7 @@ def test_each_cell_can_find_its_maximum_batch(tmp_path):
 def test_compare_saves_its_grid_as_a_sweep_file(suffix, tmp_path):
     """compare --save-sweep: the same cells, with the same workloads, as the comparison would run; not run."""
     from llmadapt.analysis.cells import as_cells, plan
-    from llmadapt.analysis.compare import parse_matrix
+    from llmadapt.analysis.comparison import parse_matrix
     from llmadapt.spec import Workload
 
     matrix = ["optimizations.zero_stage,optimizations.offload=0,none;2,optimizer", "optimizations.recompute=none,full"]

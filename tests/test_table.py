@@ -26,7 +26,7 @@ def test_compare_prints_strong_and_weak_scaling_where_the_rows_allow():
     from pathlib import Path
 
     from llmadapt import Workload
-    from llmadapt.analysis.compare import Comparison, Row
+    from llmadapt.analysis.comparison import Comparison, Row
 
     w = Workload.from_file(Path(__file__).resolve().parents[1] / "examples" / "tiny-llama.toml")
     big = w.with_overrides(["train.global_batch=16"])
@@ -56,7 +56,7 @@ def test_the_verdict_names_the_fastest_the_indistinguishable_and_withholds_what_
     machine or a single sample withholds the verdict, saying why, and a disturbed side gets no percentage."""
     import attrs
 
-    from llmadapt.analysis.compare import Comparison, Row
+    from llmadapt.analysis.comparison import Comparison, Row
     from llmadapt.analysis.uncertainty import Estimate
 
     def row(label, median, low, high, n=5, disturbed=()):
@@ -93,7 +93,7 @@ def test_rows_over_runs_are_told_apart_by_a_rank_test_on_the_runs():
     """Repeated rows: a two-sided Mann-Whitney test on the runs' values (p < 0.05) tells rows apart, which finds a
     difference that overlapping bootstrap intervals would hide (five runs a row, one pair crossing), and keeps
     interleaved runs together; never with fewer than four runs a row."""
-    from llmadapt.analysis.compare import Comparison, Row
+    from llmadapt.analysis.comparison import Comparison, Row
     from llmadapt.analysis.uncertainty import bootstrap_median
 
     def row(label, runs):
@@ -149,7 +149,7 @@ def test_a_narrow_terminal_gets_the_columns_read_most_and_is_told_what_was_left_
     known); no width (a file, a pipe, the docs' transcripts): every column."""
     import pytest
 
-    from llmadapt.analysis.compare import Comparison, Row, column_keys
+    from llmadapt.analysis.comparison import Comparison, Row, column_keys
     from llmadapt.errors import LlmadaptError
 
     metrics = {"devices": 1, "step_p50_s": 0.0123, "step_p90_s": 0.0151, "tokens_per_s": 41234.0,

@@ -125,7 +125,7 @@ def headline(rows: list[Any], problems: dict[str, str], differences: dict[str, s
 def _agreement(losses: list[list[float]]) -> tuple[bool, float]:
     """Whether loss curves coincide (same length; at every step the spread across runs within the parity
     tolerance, atol + rtol x |loss|), and their largest spread at any step."""
-    from llmadapt.analysis.parity import PARITY_ATOL, PARITY_RTOL
+    from llmadapt.analysis.paritycheck import PARITY_ATOL, PARITY_RTOL
 
     steps = min(len(x) for x in losses)
     spreads = [(max(col) - min(col), max(abs(v) for v in col)) for col in

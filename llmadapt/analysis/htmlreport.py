@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 from llmadapt.analysis import figures as F
 from llmadapt.analysis import figures_train as T
-from llmadapt.analysis.compare import Comparison, row_of_runs, versus
+from llmadapt.analysis.comparison import Comparison, row_of_runs, versus
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, StorageError
 from llmadapt.host import VERSION, utc_now
@@ -185,7 +185,7 @@ def _problem_names(comparison: Comparison) -> dict[str, str]:
 
 def _verdicts(comparison: Comparison, problems: dict[str, str]) -> list[str]:
     """Comparison.verdict_lines per kind: the fastest row of each problem, the rows within noise of it, the rest."""
-    from llmadapt.analysis.compare import HEADLINE
+    from llmadapt.analysis.comparison import HEADLINE
 
     serving = {r.problem_hash for r in comparison.rows if "request_throughput" in r.metrics}
     out = []
@@ -229,7 +229,7 @@ def _estimate_cell(estimate) -> str:
 
 
 def _table(table_id: str, rows, columns, comparison: Comparison, headline: str) -> str:
-    from llmadapt.analysis.compare import format_value
+    from llmadapt.analysis.comparison import format_value
 
     problems = _problem_names(comparison)
     against = "vs baseline" if comparison.baseline else "vs first"
@@ -257,7 +257,7 @@ def _table(table_id: str, rows, columns, comparison: Comparison, headline: str) 
 
 
 def _columns(rows, base) -> list:
-    from llmadapt.analysis.compare import EVAL_COLUMNS, EXPERT_COLUMNS, UTILISATION_COLUMNS
+    from llmadapt.analysis.comparison import EVAL_COLUMNS, EXPERT_COLUMNS, UTILISATION_COLUMNS
 
     extra = EXPERT_COLUMNS if any("expert_cv" in r.metrics for r in rows) else []
     extra = extra + [c for c in EVAL_COLUMNS + UTILISATION_COLUMNS if any(r.metrics.get(c[0]) is not None
@@ -266,7 +266,7 @@ def _columns(rows, base) -> list:
 
 
 def _html(title: str, comparison: Comparison, runs: list[F.ReportRun], figs: dict[str, Any]) -> str:
-    from llmadapt.analysis.compare import HEADLINE, SERVE_COLUMNS, TRAIN_COLUMNS
+    from llmadapt.analysis.comparison import HEADLINE, SERVE_COLUMNS, TRAIN_COLUMNS
 
     problems = _problem_names(comparison)
     serving = [r for r in comparison.rows if "request_throughput" in r.metrics]

@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"error: --{name}: got {value!r}; must be a finite number >= 0", file=sys.stderr)
             raise SystemExit(ExitCode.BAD_INPUT)
     if getattr(args, "rtol", "absent") is None or getattr(args, "atol", "absent") is None:
-        from llmadapt.analysis.parity import PARITY_ATOL, PARITY_RTOL
+        from llmadapt.analysis.paritycheck import PARITY_ATOL, PARITY_RTOL
 
         args.rtol = PARITY_RTOL if args.rtol is None else args.rtol
         args.atol = PARITY_ATOL if args.atol is None else args.atol

@@ -79,7 +79,7 @@ def _timing(args) -> dict[str, float]:
 
 
 def _finish_micro(args, result) -> int:
-    from llmadapt.analysis.perf.micro import save_measured_device
+    from llmadapt.experiments.micro import save_measured_device
 
     if getattr(args, "save", None):
         path = save_measured_device(args.save, result, price_per_hour=getattr(args, "price", None),
@@ -91,7 +91,7 @@ def _finish_micro(args, result) -> int:
 
 
 def cmd_micro_ops(args) -> int:
-    from llmadapt.analysis.perf.micro import micro_ops
+    from llmadapt.experiments.micro import micro_ops
 
     ops = [o.strip() for o in args.ops.split(",")] if args.ops else None
     result = micro_ops(workload_of(args, runs_adapters=False), dtype=args.dtype, ops=ops, backward=not args.forward_only,
@@ -101,7 +101,7 @@ def cmd_micro_ops(args) -> int:
 
 
 def cmd_micro_peak(args) -> int:
-    from llmadapt.analysis.perf.micro import micro_peak, parse_size
+    from llmadapt.experiments.micro import micro_peak, parse_size
 
     dtypes = [d.strip() for d in args.dtypes.split(",")] if args.dtypes else None
     sizes = [int(s) for s in args.gemm_sizes.split(",")] if args.gemm_sizes else None
@@ -112,7 +112,7 @@ def cmd_micro_peak(args) -> int:
 
 
 def cmd_micro_comm(args) -> int:
-    from llmadapt.analysis.perf.micro import micro_comm, parse_sizes
+    from llmadapt.experiments.micro import micro_comm, parse_sizes
 
     ops = [o.strip() for o in args.ops.split(",")] if args.ops else None
     result = micro_comm(ranks=args.ranks, ops=ops, sizes=parse_sizes(args.sizes) if args.sizes else None,
@@ -133,7 +133,7 @@ def cmd_micro_show(args) -> int:
 # -- estimate ---------------------------------------------------------------------------------------
 def _options(args):
     from llmadapt.analysis.perf.estimate import Options
-    from llmadapt.analysis.perf.micro import parse_size
+    from llmadapt.experiments.micro import parse_size
 
     master = None if args.master_weights == "auto" else args.master_weights == "on"
     return Options(master_weights=master, price_per_hour=args.price, queries=args.queries, epochs=args.epochs,
@@ -212,8 +212,8 @@ def cmd_devices(args) -> int:
 
 # -- maxbatch ---------------------------------------------------------------------------------------
 def cmd_maxbatch(args) -> int:
-    from llmadapt.analysis.perf.maxbatch import maxbatch
-    from llmadapt.analysis.perf.micro import parse_size
+    from llmadapt.experiments.maxbatch import maxbatch
+    from llmadapt.experiments.micro import parse_size
 
     result = maxbatch(workload_of(args), args.adapter,
                       memory_limit_bytes=parse_size(args.memory_limit) if args.memory_limit else None,

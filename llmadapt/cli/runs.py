@@ -81,14 +81,15 @@ def _node_options(args) -> dict[str, Any]:
 
 
 def cmd_compare(args) -> int:
-    from llmadapt.analysis.compare import compare, compare_stored, parse_matrix
+    from llmadapt.analysis.comparison import compare_stored, parse_matrix
+    from llmadapt.experiments.compare import compare
 
     if args.report:  # before the runs: a report that cannot be written is found now, not after them
         from llmadapt.analysis.htmlreport import check_output
 
         check_output(args.report)
     if args.columns is not None:  # a misspelt column is found now too
-        from llmadapt.analysis.compare import column_keys
+        from llmadapt.analysis.comparison import column_keys
 
         column_keys(args.columns)
 
@@ -159,8 +160,8 @@ def _save_sweep(args, names: list[str]) -> int:
     import os
     from pathlib import Path
 
-    from llmadapt.analysis import sweep as sweeps
-    from llmadapt.analysis.compare import parse_matrix
+    from llmadapt.experiments import sweep as sweeps
+    from llmadapt.analysis.comparison import parse_matrix
 
     if args.attach or args.reuse or args.report or args.breakdown:
         raise LlmadaptError("--save-sweep writes the comparison's cells only: not with --attach, --reuse, --report "
@@ -188,12 +189,12 @@ def cmd_parity(args) -> int:
     import attrs
 
     from llmadapt.analysis.cells import as_cells
-    from llmadapt.analysis.parity import parity
+    from llmadapt.experiments.parity import parity
 
     if args.runs is not None:
         if args.workload or args.adapters or args.cell:
             raise LlmadaptError("parity --runs checks two stored runs: it takes no workload file, --adapters or --cell")
-        from llmadapt.analysis.parity import parity_of_stored
+        from llmadapt.analysis.paritycheck import parity_of_stored
 
         report = parity_of_stored(args.runs, root=args.out, rtol=args.rtol, atol=args.atol)
         emit(args, attrs.asdict(report), report.describe())

@@ -29,7 +29,7 @@ def attach_settings(text: str | None, adapters: list[str]) -> list[str]:
 
 def _engines(args) -> list[tuple[Any, Any]]:
     """(adapter info, workload) per adapter, every one checked before any engine starts."""
-    from llmadapt.launch.loadsweep import prepared
+    from llmadapt.experiments.loadsweep import prepared
 
     if not args.adapters:
         raise LlmadaptError("name the engines: --adapters hf,vllm")
@@ -46,9 +46,9 @@ def _progress(record: dict[str, Any]) -> None:
 
 
 def cmd_load_sweep(args) -> int:
-    from llmadapt.analysis.compare import format_value
+    from llmadapt.analysis.comparison import format_value
     from llmadapt.texttable import text_table
-    from llmadapt.launch.loadsweep import load_sweep, parse_loads
+    from llmadapt.experiments.loadsweep import load_sweep, parse_loads
 
     if (args.rates is None) == (args.concurrencies is None):
         raise LlmadaptError("give the loads: --rates 1,2,4 (requests/s) or --concurrencies 1,2,4 (one of the two)")
@@ -56,7 +56,7 @@ def cmd_load_sweep(args) -> int:
                                                                                         "concurrency")
     if args.repeat < 1:
         raise LlmadaptError(f"--repeat {args.repeat}: at least 1")
-    from llmadapt.launch.loadsweep import BEHIND_REMEDY
+    from llmadapt.experiments.loadsweep import BEHIND_REMEDY
 
     engines = _engines(args)
     data, rows = [], []
@@ -107,7 +107,7 @@ def cmd_sla(args) -> int:
     import attrs
 
     from llmadapt.texttable import text_table
-    from llmadapt.launch.loadsweep import Objective, sla_search
+    from llmadapt.experiments.loadsweep import Objective, sla_search
 
     if not args.slo:
         raise LlmadaptError("give at least one objective: --slo ttft_p99_ms<=500 (repeat for more)")

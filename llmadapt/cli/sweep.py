@@ -9,7 +9,7 @@ from llmadapt.errors import LlmadaptError
 
 
 def cmd_sweep(args) -> int:
-    from llmadapt.analysis import sweep as sweeps
+    from llmadapt.experiments import sweep as sweeps
 
     if args.action == "status" and args.index is not None:
         raise LlmadaptError("sweep status takes no --index")

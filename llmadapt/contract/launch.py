@@ -84,7 +84,7 @@ class LaunchRequest:
     suite: str | None = None
     """Micro-benchmarks: 'ops', 'peak' or 'comm'."""
     spec: dict[str, Any] | None = None
-    """Micro-benchmarks: what to measure and how (llmadapt.analysis.perf.micro)."""
+    """Micro-benchmarks: what to measure and how (llmadapt.experiments.micro)."""
     created: float | None = None
     """Wall-clock time (Unix seconds) the request was made."""
     schema_version: str = SCHEMA_VERSION

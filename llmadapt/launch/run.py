@@ -12,27 +12,28 @@ to the orchestrator as they are written (llmadapt.launch.collect), so no shared 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import attrs
 
 from llmadapt.contract.jsonl import read_jsonl
-from llmadapt.contract.launch import NodeLayout
+from llmadapt.contract.launch import LaunchRequest, NodeLayout, new_run_id
 from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json
 from llmadapt.errors import ExitCode, LlmadaptError, StorageError, exit_code_of
 from llmadapt.host import free_port
 from llmadapt.launch.collect import Collector
-from llmadapt.launch.environments import python_for
+from llmadapt.launch.environments import TOOLS_ENVIRONMENT, python_for
 from llmadapt.launch.multinode import gather, run_node_agent, run_node_zero, warn_loopback
 from llmadapt.launch.prepare import check_save_folder, ensure_checkpoint
 from llmadapt.launch.serve import run_serving
 from llmadapt.launch.settings import LAUNCHERS, NodeSettings, check_run_options, launch_request, resolve
 from llmadapt.launch.sinks import RecordSinks
 from llmadapt.launch.slurm import SlurmSettings, require_slurm, run_slurm_job, slurm_job
-from llmadapt.launch.summary import RunResult, summarise
+from llmadapt.launch.summary import RunResult, summarise, write_launcher_failures
 from llmadapt.launch.supervise import interrupt_text, supervise, worker_command, worker_env
 from llmadapt.spec import Workload
 
@@ -195,3 +196,36 @@ def _run_launched(workload, info, launcher, launch, python, per_node, nodes, col
     if interrupted is not None:
         raise interrupted
     return RunResult(run_dir=run_dir, summary=summary)
+
+
+def run_micro(suite: str, spec: dict[str, Any], *, world: int = 1, out: str | Path = "runs",
+              timeout: float | None = None, progress: Callable[[dict[str, Any]], None] | None = None) -> Path:
+    """Run one micro-benchmark suite ('ops', 'peak' or 'comm', as ``spec`` describes it) as a worker of kind
+    ``micro``: ``llmadapt.runtime.microbench`` in the core's tools environment, one process (or torchrun with
+    ``world`` ranks), supervised; what the launcher saw go wrong goes to launcher.jsonl. Returns the run folder
+    (``llmadapt.analysis.perf.micro.read_micro`` reads it)."""
+    python = python_for(TOOLS_ENVIRONMENT)  # fails before anything is written
+    launcher = "torchrun" if world > 1 else "subprocess"
+    # The micro-benchmark's header names torch as its adapter and framework, and the workload it was derived from.
+    launch = LaunchRequest(
+        run_id=new_run_id("micro", suite), launcher=launcher, world_size=world, kind="micro", role=f"micro-{suite}",
+        adapter="torch", framework="torch", workload=spec.get("workload") or {},
+        workload_hash=spec.get("workload_hash", ""), problem_hash=spec.get("problem_hash", ""), python=str(python),
+        suite=suite, spec=spec, created=time.time())
+    run_dir = Path(out) / launch.run_id
+    run_dir.mkdir(parents=True, exist_ok=False)
+    RunDir(run_dir).write_launch(launch)
+    if progress:
+        progress({"type": "start", "run_dir": str(run_dir), "suite": suite, "world_size": world})
+    cmd = worker_command(launcher, python, run_dir, per_node=world, module="llmadapt.runtime.microbench")
+    failures: list[Failure] = []
+    try:
+        failures = supervise(cmd, env=worker_env(world, TOOLS_ENVIRONMENT), log=RunDir(run_dir).worker_log,
+                             tail=RunDir(run_dir).rank_file(0), timeout=timeout, memory_limit_bytes=None,
+                             progress=progress)
+    except KeyboardInterrupt:
+        failures = [Failure(cause="interrupted", message="interrupted (Ctrl-C) in the orchestrator")]
+        write_launcher_failures(run_dir, failures)
+        raise
+    write_launcher_failures(run_dir, failures)
+    return run_dir

@@ -36,7 +36,7 @@ from llmadapt.spec import Workload
 
 @attrs.frozen
 class LoadPoint:
-    """One serving run against an engine that may serve several in a row (llmadapt.launch.loadsweep): the run's
+    """One serving run against an engine that may serve several in a row (llmadapt.experiments.loadsweep): the run's
     workload (its arrival process and request stream) and its folder, already holding launch.json."""
 
     workload: Workload

@@ -27,7 +27,7 @@ class Parallelism:
     threads_per_rank: int = attrs.field(default=0, validator=at_least(0))
     """CPU threads of each rank (torch's intra-op pool, OpenMP, MKL). 0: the launcher's choice, OMP_NUM_THREADS
     where exported, else the node's cores shared among its ranks. A comparison whose cells would get different
-    counts gives them all the fewest (llmadapt.analysis.compare): on a CPU, threads per rank decide the step time
+    counts gives them all the fewest (llmadapt.experiments.compare): on a CPU, threads per rank decide the step time
     as much as the layout does."""
 
     @property

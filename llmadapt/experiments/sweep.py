@@ -71,7 +71,7 @@ class Sweep:
     cells: list[SweepCell]
     retries: int
     maxbatch: dict[str, Any] | None
-    """Per cell, also search the largest per-rank batch that fits (llmadapt.analysis.perf.maxbatch): its options."""
+    """Per cell, also search the largest per-rank batch that fits (llmadapt.experiments.maxbatch): its options."""
     folder: Path
     """OUT/sweep-NAME-ID: sweep.json and the cells' state."""
     out: Path
@@ -173,7 +173,7 @@ class Sweep:
 
     def _max_batch(self, cell: SweepCell, log: Callable[[str], None], run_options: dict[str, Any]) -> dict[str, Any]:
         """The cell's largest per-rank batch that completes, probed in isolated workers (grow, then bisect)."""
-        from llmadapt.analysis.perf.maxbatch import maxbatch
+        from llmadapt.experiments.maxbatch import maxbatch
         from llmadapt.contract.schema import to_json
 
         options = dict(self.maxbatch or {})
@@ -379,7 +379,7 @@ def load(path: str | Path, out: str | Path = "runs", overrides: list[str] | None
 def _maxbatch_options(path: Path, given: dict[str, Any] | None) -> dict[str, Any] | None:
     if given is None:
         return None
-    from llmadapt.analysis.perf.micro import parse_size
+    from llmadapt.experiments.micro import parse_size
 
     unknown = sorted(set(given) - {"memory_limit", "max_batch", "steps"})
     if unknown:
