@@ -598,6 +598,6 @@ def test_a_serving_comparison_repeats_in_rounds_with_intervals_over_runs(tmp_pat
 
 
 def test_a_count_over_repeated_runs_prints_as_a_count():
-    from llmadapt.analysis.compare import format_value
+    from llmadapt.analysis.comparison import format_value
 
     assert [format_value(v, "d") for v in (3, 3.0, 2.5, None)] == ["3", "3", "2.5", "-"]
