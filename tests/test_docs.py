@@ -60,7 +60,7 @@ def test_runnable_blocks_run_as_written(body, tmp_path):
 
 def test_the_adapter_reference_is_rendered_from_the_code(tmp_path):
     """`make reference` renders the modules the Makefile names with pdoc: every name llmadapt.adapter gives an
-    adapter author has its entry, with its docstring, and so do both hooks, so the reference cannot drift from
+    adapter author has its entry, with its docstring, and so does every hook, so the reference cannot drift from
     the code."""
     import html
     import inspect
@@ -84,7 +84,7 @@ def test_the_adapter_reference_is_rendered_from_the_code(tmp_path):
     for name in api.__all__:
         documented(tmp_path / "llmadapt" / "adapter.html", name, getattr(api, name))
     hooks = [name for name in vars(hookspecs) if name.startswith("llmadapt_")]
-    assert sorted(hooks) == ["llmadapt_record_sink", "llmadapt_register_adapters"]
+    assert sorted(hooks) == ["llmadapt_experiment_sink", "llmadapt_record_sink", "llmadapt_register_adapters"]
     for name in hooks:
         documented(tmp_path / "llmadapt" / "adapter" / "hookspecs.html", name, getattr(hookspecs, name))
     for module in ("weights", "sse", "moe"):  # the modules the package's docstring sends authors to

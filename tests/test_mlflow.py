@@ -172,3 +172,35 @@ def test_a_comparison_is_a_parent_run_with_its_cells_as_children(server, tmp_pat
     assert sorted(r.data.params["train.lr"] for r in children) == ["0.003", "0.01"]
     assert {r.data.tags["llmadapt.run_id"] for r in children} == {Path(d).name for row in comparison.rows
                                                                   for d in row.run_dirs}
+
+
+def test_a_comparison_from_the_command_line_is_a_parent_run_with_parity_deltas(server, tmp_path):
+    """`llmadapt compare` with a tracking URI and no parent of the user's: the comparison is the parent run (named
+    for its cells), its runs the children, each tagged with its row and its parity delta (the second layout of
+    one problem against the first), the rows as the artifact comparison.json."""
+    import sys
+
+    uri = server()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_NAME": "cli-compare"}
+    done = subprocess.run(
+        [sys.executable, "-m", "llmadapt.cli", "compare", str(ROOT / "examples" / "tiny-llama.toml"),
+         "--cell", "torch", "--cell", "torch:parallelism.threads_per_rank=1", "--launcher", "inline",
+         "--set", f"train.steps={STEPS}", "--out", str(tmp_path / "runs"), "--json"],
+        capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout)["rows"]
+
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("cli-compare")
+    runs = client.search_runs([experiment.experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("llmadapt.parent") == "true"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(runs) == 3 and len(children) == 2 and parent.info.status == "FINISHED"
+    assert parent.info.run_name.startswith("tiny-llama-pretrain: ")
+    by_run = {r.data.tags["llmadapt.run_id"]: r.data.tags for r in children}
+    for row in rows:
+        tags = by_run[Path(row["run_dir"]).name]
+        assert tags["llmadapt.row"] == row["label"]
+        assert float(tags["llmadapt.parity_delta"]) == pytest.approx(row["metrics"]["parity_delta"], rel=1e-3, abs=1e-15)
+    saved = Path(client.download_artifacts(parent.info.run_id, "comparison.json", str(tmp_path / "down")))
+    assert [r["label"] for r in json.loads(saved.read_text())["rows"]] == [r["label"] for r in rows]

@@ -43,3 +43,22 @@ def llmadapt_record_sink(run: dict[str, Any]) -> Any:
 
     .. versionadded:: 0.2
     """
+
+
+@hookspec
+def llmadapt_experiment_sink(experiment: dict[str, Any]) -> Any:
+    """A sink for one experiment (several runs planned together: a comparison), or None to stay out of it.
+
+    Called in the orchestrator before the experiment's first run. ``experiment`` holds ``kind`` ('compare'),
+    ``name``, ``out`` (the folder its runs go to) and ``cells`` (their titles). The runs made until it closes
+    are made in the same thread, so a sink may group their record sinks under it (MLflow: a parent run). Its
+    ``close(result, status)`` receives the experiment's result as a dict (a comparison's ``to_dict()``: each
+    row's runs, status and metrics, the parity delta among them) and ``status``: 'FINISHED', 'FAILED' (the
+    experiment raised) or 'KILLED' (interrupted; the result then holds the runs made so far). A sink that raises
+    is dropped with a warning; the experiment goes on.
+
+    :param experiment: what the experiment is, as above.
+    :returns: an object with ``close(result, status)``, or None.
+
+    .. versionadded:: 0.2
+    """

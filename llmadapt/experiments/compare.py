@@ -18,6 +18,7 @@ from llmadapt.analysis.comparison import HEADLINE, Comparison, Row, estimates_of
 from llmadapt.contract.schema import to_json
 from llmadapt.errors import LlmadaptError
 from llmadapt.launch.run import RunResult, run
+from llmadapt.launch.sinks import ExperimentSinks
 from llmadapt.spec import Workload
 
 
@@ -88,6 +89,9 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     table = ComparisonFile(out, workload, log)
     finish = dict(planned=planned, to_run=to_run, results=results, baseline=baseline,
                   seed=seed if shuffled else None, settle=settle)
+    sinks = ExperimentSinks({"kind": "compare", "name": f"{workload.name}: " + ", ".join(p.title for _, p in to_run),
+                             "out": str(out), "cells": [p.title for p in planned]},
+                            lambda message: print(message, file=sys.stderr)) if total else None
     try:
         for round_index in range(rounds):
             if round_index >= repeat and not _unsettled(to_run, results, settle, workload.kind):
@@ -107,13 +111,19 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
                 results[i].append((str(result.run_dir), to_json(result.summary)))
                 # the table so far, on disk as each run ends: an interruption leaves it
                 table.write(_assemble(**finish, pending=_pending(to_run, results, repeat), partial=True))
-    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM (llmadapt.errors.Terminated): the runs made so far
-        table.interrupted(_assemble(**finish, pending=_pending(to_run, results, repeat), partial=True), exc)
+    except BaseException as exc:  # Ctrl-C or SIGTERM (llmadapt.errors.Terminated), or a failure: the runs so far
+        so_far = _assemble(**finish, pending=_pending(to_run, results, repeat), partial=True)
+        if sinks:
+            sinks.close(so_far.to_dict(), "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+        if isinstance(exc, KeyboardInterrupt):
+            table.interrupted(so_far, exc)
         raise
     if on_cell and total:
         on_cell(done, total, "")
     unsettled = [p.title for p in _unsettled(to_run, results, settle, workload.kind)] if settle else []
     comparison = attrs.evolve(_assemble(**finish), unsettled=unsettled)
+    if sinks:
+        sinks.close(comparison.to_dict(), "FINISHED")
     return table.write(comparison) if (done or reused) else comparison
 
 

@@ -1,6 +1,7 @@
 """Live record sinks: a run's records forwarded, as the orchestrator sees them, to a Python callback (``run(...,
 on_record=)``) and to the sinks plugins provide (the ``llmadapt_record_sink`` hook): how llmadapt feeds the
-tracking tools people already use (examples/sink-tensorboard). A sink never fails a run: one that raises is
+tracking tools people already use (examples/sink-tensorboard, plugins/mlflow). An experiment's sinks (the
+``llmadapt_experiment_sink`` hook) see several runs as one. A sink never fails a run: one that raises is
 dropped with a warning.
 """
 
@@ -68,4 +69,31 @@ class RecordSinks:
                 sink.close(summary)
             except Exception as exc:  # noqa: BLE001
                 self._warn(f"record sink of plugin {name!r} failed to close: {exc}")
+        self.sinks = []
+
+
+class ExperimentSinks:
+    """The plugins' sinks for one experiment (``llmadapt_experiment_sink``): opened before its first run,
+    ``close(result, status)`` once it is over; a sink that raises is dropped with a warning (``warn``)."""
+
+    def __init__(self, experiment: dict[str, Any], warn: Callable[[str], None] | None) -> None:
+        from llmadapt.adapter.plugins import default_manager
+
+        self.warn = warn or (lambda message: None)
+        self.sinks: list[tuple[str, Any]] = []
+        for impl in reversed(default_manager().hook.llmadapt_experiment_sink.get_hookimpls()):
+            try:
+                sink = impl.function(experiment=experiment)
+            except Exception as exc:  # noqa: BLE001 - a sink never fails the experiment
+                self.warn(f"warning: experiment sink of plugin {impl.plugin_name!r} failed to start: {exc}")
+                continue
+            if sink is not None:
+                self.sinks.append((impl.plugin_name, sink))
+
+    def close(self, result: dict[str, Any], status: str) -> None:
+        for name, sink in reversed(self.sinks):  # the last opened first: each may have set state the others saw
+            try:
+                sink.close(result, status)
+            except Exception as exc:  # noqa: BLE001
+                self.warn(f"warning: experiment sink of plugin {name!r} failed to close: {exc}")
         self.sinks = []

@@ -231,6 +231,36 @@ def report(summary: dict[str, Any]) -> str:
 
 
 # -- several runs under one parent -----------------------------------------------------------------------------------
+class ParentRun:
+    """One MLflow run that the llmadapt runs made meanwhile (in this thread) become children of: opened at once,
+    ``close(status)`` ends it. ``run_id`` is None when the server does not answer (said in one line)."""
+
+    def __init__(self, uri: str, name: str, tags: dict[str, str] | None = None) -> None:
+        self.run_id = self.token = None
+        try:
+            from mlflow.tracking import MlflowClient
+
+            check_answers(uri)
+            self.client = MlflowClient(tracking_uri=uri)
+            with quick_http():
+                experiment = experiment_id(self.client, os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT)
+                made = self.client.create_run(experiment, run_name=name[:250],
+                                              tags={"llmadapt.parent": "true", **(tags or {})})
+        except Exception as exc:  # noqa: BLE001 - tracking never stops the runs
+            print(f"warning: MLflow parent run {name!r} not made: {exc}", file=sys.stderr)
+            return
+        self.run_id = made.info.run_id
+        self.token = current_parent.set((made.info.run_id, experiment))
+
+    def close(self, status: str) -> None:
+        if self.token is not None:
+            current_parent.reset(self.token)
+            self.token = None
+        if self.run_id is not None:
+            with contextlib.suppress(Exception), quick_http():
+                self.client.set_terminated(self.run_id, status)
+
+
 @contextlib.contextmanager
 def parent_run(name: str, *, tags: dict[str, str] | None = None, uri: str | None = None) -> Iterator[str | None]:
     """Every llmadapt run made inside the block (a comparison's cells, a sweep's points) becomes a child of one
@@ -240,33 +270,50 @@ def parent_run(name: str, *, tags: dict[str, str] | None = None, uri: str | None
         with parent_run("recompute on/off"):
             llmadapt.compare("examples/tiny-llama.toml", ["torch"], matrix={"optimizations.recompute": ["none", "full"]})
 
-    Outside Python, ``LLMADAPT_MLFLOW_PARENT_RUN_ID`` names an existing run to put every run under.
+    A comparison made outside such a block is a parent run of its own (``ComparisonRun``). Outside Python,
+    ``LLMADAPT_MLFLOW_PARENT_RUN_ID`` names an existing run to put every run under.
     """
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
         yield None
         return
-    try:
-        from mlflow.tracking import MlflowClient
-
-        check_answers(uri)
-        client = MlflowClient(tracking_uri=uri)
-        with quick_http():
-            experiment = experiment_id(client, os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT)
-            made = client.create_run(experiment, run_name=name, tags={"llmadapt.parent": "true", **(tags or {})})
-    except Exception as exc:  # noqa: BLE001 - tracking never stops the runs
-        print(f"warning: MLflow parent run {name!r} not made: {exc}", file=sys.stderr)
-        yield None
-        return
-    token = current_parent.set((made.info.run_id, experiment))
+    parent = ParentRun(uri, name, tags)
     status = "FAILED"
     try:
-        yield made.info.run_id
+        yield parent.run_id
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
         raise
     finally:
-        current_parent.reset(token)
-        with contextlib.suppress(Exception), quick_http():
-            client.set_terminated(made.info.run_id, status)
+        parent.close(status)
+
+
+class ComparisonRun(ParentRun):
+    """A comparison (``compare``, from Python or the command line) as a parent run, its runs the children. At its
+    close: each child tagged with its row's parity delta (max |loss delta| against the first row of its problem),
+    the comparison's rows as the artifact ``comparison.json``, and its row count and statuses as tags."""
+
+    def close(self, result: dict[str, Any], status: str) -> None:  # type: ignore[override]
+        if self.run_id is not None:
+            with contextlib.suppress(Exception), quick_http():
+                self._tag_children(result)
+                self.client.log_text(self.run_id, json.dumps(result, indent=1, default=str), "comparison.json")
+                counts = result.get("counts") or {}
+                for key, value in counts.items():
+                    self.client.set_tag(self.run_id, f"llmadapt.rows_{key}", str(value))
+        super().close(status)
+
+    def _tag_children(self, result: dict[str, Any]) -> None:
+        children = {r.data.tags.get("llmadapt.run_id"): r.info.run_id for r in self.client.search_runs(
+            [self.client.get_run(self.run_id).info.experiment_id],
+            filter_string=f"tags.mlflow.parentRunId = '{self.run_id}'")}
+        for row in result.get("rows") or []:
+            delta = (row.get("metrics") or {}).get("parity_delta")
+            for run_dir in row.get("run_dirs") or [row.get("run_dir")]:
+                child = children.get(Path(run_dir).name) if run_dir else None
+                if child is None:
+                    continue
+                self.client.set_tag(child, "llmadapt.row", str(row.get("label")))
+                if delta is not None:
+                    self.client.set_tag(child, "llmadapt.parity_delta", f"{delta:.3e}")
