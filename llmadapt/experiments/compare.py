@@ -91,7 +91,7 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
                   seed=seed if shuffled else None, settle=settle)
     sinks = ExperimentSinks({"kind": "compare", "name": f"{workload.name}: " + ", ".join(p.title for _, p in to_run),
                              "out": str(out), "cells": [p.title for p in planned]},
-                            lambda message: print(message, file=sys.stderr)) if total else None
+                            lambda message: print(f"warning: {message}", file=sys.stderr)) if total else None
     try:
         for round_index in range(rounds):
             if round_index >= repeat and not _unsettled(to_run, results, settle, workload.kind):

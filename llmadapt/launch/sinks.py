@@ -43,15 +43,7 @@ class RecordSinks:
 
         run = {"run_id": Path(start["run_dir"]).name, "run_dir": start["run_dir"], "adapter": start.get("adapter"),
                "label": start.get("label"), "world_size": start.get("world_size"), "workload": self.workload}
-        hook = default_manager().hook.llmadapt_record_sink
-        for impl in reversed(hook.get_hookimpls()):
-            try:
-                sink = impl.function(run=run)
-            except Exception as exc:  # noqa: BLE001 - a sink never fails the run
-                self._warn(f"record sink of plugin {impl.plugin_name!r} failed to start: {exc}")
-                continue
-            if sink is not None:
-                self.sinks.append((impl.plugin_name, sink))
+        self.sinks = open_sinks(default_manager().hook.llmadapt_record_sink, "record", self._warn, run=run)
 
     def record(self, record: dict[str, Any]) -> None:
         if self.on_record:
@@ -80,20 +72,28 @@ class ExperimentSinks:
         from llmadapt.adapter.plugins import default_manager
 
         self.warn = warn or (lambda message: None)
-        self.sinks: list[tuple[str, Any]] = []
-        for impl in reversed(default_manager().hook.llmadapt_experiment_sink.get_hookimpls()):
-            try:
-                sink = impl.function(experiment=experiment)
-            except Exception as exc:  # noqa: BLE001 - a sink never fails the experiment
-                self.warn(f"warning: experiment sink of plugin {impl.plugin_name!r} failed to start: {exc}")
-                continue
-            if sink is not None:
-                self.sinks.append((impl.plugin_name, sink))
+        self.sinks = open_sinks(default_manager().hook.llmadapt_experiment_sink, "experiment", self.warn,
+                                experiment=experiment)
 
     def close(self, result: dict[str, Any], status: str) -> None:
         for name, sink in reversed(self.sinks):  # the last opened first: each may have set state the others saw
             try:
                 sink.close(result, status)
             except Exception as exc:  # noqa: BLE001
-                self.warn(f"warning: experiment sink of plugin {name!r} failed to close: {exc}")
+                self.warn(f"experiment sink of plugin {name!r} failed to close: {exc}")
         self.sinks = []
+
+
+def open_sinks(hook, kind: str, warn: Callable[[str], None], **kwargs: Any) -> list[tuple[str, Any]]:
+    """Each plugin's sink from ``hook`` (called with ``kwargs``), with its plugin's name; a plugin that raises is
+    named through ``warn`` and left out: a sink never fails what it watches."""
+    sinks = []
+    for impl in reversed(hook.get_hookimpls()):
+        try:
+            sink = impl.function(**kwargs)
+        except Exception as exc:  # noqa: BLE001
+            warn(f"{kind} sink of plugin {impl.plugin_name!r} failed to start: {exc}")
+            continue
+        if sink is not None:
+            sinks.append((impl.plugin_name, sink))
+    return sinks
