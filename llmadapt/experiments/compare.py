@@ -112,11 +112,13 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
                 # the table so far, on disk as each run ends: an interruption leaves it
                 table.write(_assemble(**finish, pending=_pending(to_run, results, repeat), partial=True))
     except BaseException as exc:  # Ctrl-C or SIGTERM (llmadapt.errors.Terminated), or a failure: the runs so far
-        so_far = _assemble(**finish, pending=_pending(to_run, results, repeat), partial=True)
-        if sinks:
-            sinks.close(so_far.to_dict(), "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
-        if isinstance(exc, KeyboardInterrupt):
-            table.interrupted(so_far, exc)
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        if sinks or interrupted:
+            so_far = _assemble(**finish, pending=_pending(to_run, results, repeat), partial=True)
+            if sinks:
+                sinks.close(so_far.to_dict(), "KILLED" if interrupted else "FAILED")
+            if interrupted:
+                table.interrupted(so_far, exc)
         raise
     if on_cell and total:
         on_cell(done, total, "")

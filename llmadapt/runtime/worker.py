@@ -182,8 +182,8 @@ def _train(worker: lifecycle.WorkerProcess, fault: dict[str, Any] | None, worklo
         ))
         for extra in (*([breakdown] if breakdown else []), *result.comms, *result.metrics):
             writer.write(extra if extra is breakdown else attrs.evolve(extra, step=step_index))
-        what = ("loss", loss) if not math.isfinite(loss) else \
-            ("gradient norm", grad_norm) if grad_norm is not None and not math.isfinite(grad_norm) else None
+        what = next(((name, value) for name, value in (("loss", loss), ("gradient norm", grad_norm))
+                     if value is not None and not math.isfinite(value)), None)
         if what and nonfinite_at is None:
             nonfinite_at = step_index
             if workload.train.on_nonfinite == "stop":
