@@ -324,8 +324,8 @@ def serving_stats(records: list[dict[str, Any]], workload: Workload):
         valid, why = False, "invalid: " + "; ".join(problems) + cpu
     elif offline:
         valid, why = True, ("offline: the whole request set handed to the engine's offline API at once; " + (
-            "TTFT from the call (the wait for a request's batch and its prefill), TPOT and ITL from the times the "
-            "engine gave each token" if timed else "throughput only (the engine's API gives no request's times)"))
+            "TTFT from the call (the wait for a request's batch and its prefill) and TPOT from the times the engine "
+            "gave its tokens, ITL where it gave every token's" if timed else "throughput only (the engine's API gives no request's times)"))
     elif workload.serve.arrival.process == "closed":
         valid, why = True, "closed loop: requests are sent as slots free up (no schedule to fall behind)"
     else:
