@@ -103,10 +103,38 @@ def loop_cost(step_s: float, steps: int, out: Path) -> dict:
         data_source.step_batch(i, 0, 1)
         batch_cpu.append(time.thread_time() - begin)
     cpu_fixed = cpu_loop - statistics.median(batch_cpu)
+    # A control for the machine, not the loop: one fixed piece of the loop's own code (a step record built and
+    # encoded, no I/O) timed right after the same work, and again in a tight loop. Their ratio is what a step of
+    # this length does to any code that runs after it (caches and predictors cold: on a virtual machine the host
+    # runs others between our instructions); the loop's fixed cost grows with the step by about as much.
+    after_work, warm = [], []
+    for i in range(len(measured)):
+        work()
+        begin = time.perf_counter_ns()
+        _reference_block(measured[0])
+        after_work.append(time.perf_counter_ns() - begin)
+    for _ in range(200):
+        begin = time.perf_counter_ns()
+        _reference_block(measured[0])
+        warm.append(time.perf_counter_ns() - begin)
+    cpu_marks[:] = llmadapt_marks
+    cold_us, warm_us = statistics.median(after_work) / 1e3, statistics.median(warm) / 1e3
     return {"step_s": step_s, "steps": len(measured), "cpu_fixed_us": cpu_fixed * 1e6,
+            "control_after_step_us": cold_us, "control_warm_us": warm_us, "control_ratio": cold_us / warm_us,
             "cpu_batch_us": statistics.median(batch_cpu) * 1e6, "between_us": between * 1e6,
             "data_us": statistics.median(data) * 1e6, "inside_clock_us": inside * 1e6, "bare_us": bare * 1e6,
             "fixed_us": fixed * 1e6, "fixed_percent": 100 * fixed / step_s}
+
+
+def _reference_block(step: dict) -> str:
+    """The control's fixed work: the loop's step record, built and encoded as the worker does (no write)."""
+    from llmadapt.contract.records import Phase, Step
+    from llmadapt.contract.schema import to_json_line
+
+    return to_json_line(Step(rank=0, step=step["step"], warmup=False, start_ns=step["start_ns"],
+                             end_ns=step["end_ns"], seconds=step["seconds"], tokens=step["tokens"],
+                             samples=step["samples"], loss=step["loss"],
+                             phases=[Phase(p["name"], p["seconds"], p["source"]) for p in step["phases"]]))
 
 
 # The real step's shape for (2) and (3); --smoke makes every run its smallest (the figures then mean little).
@@ -201,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['cpu_fixed_us']:>13.0f} {r['cpu_batch_us']:>13.0f}")
     print("fixed CPU: this thread's CPU time around the step, less a batch's, by CPU clock (not stretched by other "
           "processes' load)")
+    print("control (the machine, not the loop): one step record built and encoded right after a step's work "
+          "against the same in a tight loop")
+    for r in loops:
+        print(f"{r['step_s'] * 1e3:>6.0f}ms  after the step {r['control_after_step_us']:6.1f} us, warm "
+              f"{r['control_warm_us']:5.1f} us: x{r['control_ratio']:.1f}")
     size = "seq 16, batch 2 (smoke)" if args.smoke else "seq 128, batch 16"
     print(f"\nprofiling (tiny-llama, {size}): profiled step / unprofiled step, medians of one run")
     for r in profiles:
