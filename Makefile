@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # Adapter packages installed next to the core, and the environments their workers run in.
-PLUGINS := examples/adapter-plain examples/sink-tensorboard plugins/openai plugins/tgi plugins/megatron plugins/deepspeed plugins/vllm plugins/colossalai plugins/llamacpp plugins/mlflow
+PLUGINS := examples/adapter-plain plugins/openai plugins/tgi plugins/megatron plugins/deepspeed plugins/vllm plugins/colossalai plugins/llamacpp plugins/mlflow plugins/tensorboard
 # llamacpp first: it compiles llama.cpp (the longest build), so it starts while the others download.
 ENVS    := llamacpp torch plain megatron deepspeed vllm colossalai hta mlflow
 

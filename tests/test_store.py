@@ -273,28 +273,6 @@ def test_listings_are_paged_newest_first(root):
         assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, out.stderr
 
 
-def test_records_reach_a_callback_and_a_tensorboard_sink_as_they_happen(tmp_path, monkeypatch):
-    """on_record gets every step of rank 0; the example sink plugin (installed with the development environment)
-    writes TensorBoard event files that tensorboardX's own protocol buffers read back: the loss of every step."""
-    pytest.importorskip("llmadapt_sink_tensorboard", reason="pip install -e examples/sink-tensorboard")
-    from tensorboardX.proto import event_pb2
-
-    monkeypatch.setenv("LLMADAPT_TENSORBOARD_DIR", str(tmp_path / "tb"))
-    seen: list[dict] = []
-    result = run(workload("sink"), "torch", out=tmp_path / "runs", on_record=seen.append)
-    assert result.ok
-    assert [r["step"] for r in seen if r["type"] == "step"] == list(range(5))
-    (events,) = (tmp_path / "tb" / result.run_dir.name).glob("events.out.tfevents.*")
-    data, pos, losses = events.read_bytes(), 0, {}
-    while pos < len(data):  # TFRecord: length (8 bytes), its CRC (4), the event, its CRC (4)
-        (n,) = struct.unpack("<Q", data[pos:pos + 8])
-        event = event_pb2.Event()
-        event.ParseFromString(data[pos + 12:pos + 12 + n])
-        pos += 12 + n + 4
-        losses.update({event.step: v.simple_value for v in event.summary.value if v.tag == "train/loss"})
-    assert losses == pytest.approx(dict(enumerate(result.losses)), rel=1e-6)  # float32 in the event file
-
-
 def test_the_progress_bar_is_for_terminals_only(monkeypatch):
     from argparse import Namespace
 

@@ -20,6 +20,7 @@ the hook alone, not the records, the workload or the plugin manager: `llmadapt a
   checkpoint folder's file helpers
 - serving: ``OpenAICompatibleServer`` (the module ``llmadapt.adapter.sse`` has its SSE helpers)
 - MoE: ``ExpertLoadCounter`` (the module ``llmadapt.adapter.moe`` has the near-tie and all-reduce helpers)
+- tracking sinks: the module ``llmadapt.adapter.tracking`` names the metrics of a record and a summary
 - hookspecs: ``hookimpl`` and the hooks ``llmadapt_register_adapters``, ``llmadapt_record_sink`` and
   ``llmadapt_experiment_sink``
 - plugins: how adapters are found (``adapters()``, ``get_adapter``, ``check_supported``)

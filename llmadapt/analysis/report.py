@@ -57,6 +57,15 @@ def show(run_dir: str | Path) -> dict[str, Any]:
     return read_summary(run_dir)
 
 
+def summary_text(summary: dict[str, Any]) -> str:
+    """What ``llmadapt show`` prints for a run, for a tracking tool to keep; never raises: a summary it cannot
+    render (another version's, damaged) is given as JSON under a line saying so."""
+    try:
+        return render_summary(summary) + "\n"
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"(llmadapt show could not render this summary: {exc!r})\n" + json.dumps(summary, indent=1) + "\n"
+
+
 def render_summary(s: dict[str, Any]) -> str:
     st, tok = s.get("step_time_s"), s.get("tokens_per_s")
     device = f"device     {s['device']['kind']}: {s['device']['name']}" if s.get("device") else "device     -"

@@ -1,6 +1,6 @@
 """Live record sinks: a run's records forwarded, as the orchestrator sees them, to a Python callback (``run(...,
 on_record=)``) and to the sinks plugins provide (the ``llmadapt_record_sink`` hook): how llmadapt feeds the
-tracking tools people already use (examples/sink-tensorboard, plugins/mlflow). An experiment's sinks (the
+tracking tools people already use (plugins/tensorboard, plugins/mlflow). An experiment's sinks (the
 ``llmadapt_experiment_sink`` hook) see several runs as one. A sink never fails a run: one that raises is
 dropped with a warning.
 """

@@ -2,8 +2,9 @@
 
 At the start: the run (named by its label), the workload's settings as parameters (``train.steps``,
 ``model.name``, ...) and tags naming the llmadapt run. Per record: metrics with their units in the name
-(``step_time_s``, ``loss``, ``tokens_per_s``, ``ttft_ms``, ``telemetry/rss_bytes``, ``breakdown/<class>_s``),
-sent in batches. At the end: the summary's figures under ``summary.``, the tags ``llmadapt.status``,
+(``step_time_s``, ``loss``, ``tokens_per_s``, ``ttft_ms``, ``telemetry/rss_bytes``, ``breakdown/<class>_s``: the
+names every tracking sink uses, llmadapt.adapter.tracking), sent in batches. At the end: the summary's figures
+under ``summary.``, the tags ``llmadapt.status``,
 ``llmadapt.problem_hash`` and ``llmadapt.workload_hash``, the run folder's files under the artifact folder
 ``run/`` and the text of ``llmadapt show`` as ``report.txt``; the MLflow run ends FINISHED, or FAILED for a
 failed or diverged run, or KILLED when the orchestrator stopped.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import sys
@@ -25,6 +25,9 @@ import time
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Iterator
+
+from llmadapt.adapter.tracking import RecordMetrics, is_figure, summary_metrics
+from llmadapt.analysis.report import summary_text
 
 DEFAULT_EXPERIMENT = "llmadapt"
 """The experiment runs go to unless ``MLFLOW_EXPERIMENT_NAME`` names another."""
@@ -106,10 +109,6 @@ def experiment_id(client, name: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 # -- the sink --------------------------------------------------------------------------------------------------------
 class MlflowSink:
     """One llmadapt run's MLflow run: ``write(record)`` per record, ``close(summary)`` at the end."""
@@ -121,7 +120,7 @@ class MlflowSink:
         check_answers(uri)
         self.client, self.run_dir = MlflowClient(tracking_uri=uri), Path(run["run_dir"])
         self.metrics: list[Any] = []
-        self.counts = {"request": 0, "telemetry": 0}
+        self.metrics_of = RecordMetrics()
         self.anchor: tuple[int, int] | None = None  # (wall, monotonic) ns of rank 0's header
         self.flushed = time.monotonic()
         parent = current_parent.get()
@@ -149,39 +148,14 @@ class MlflowSink:
     def _add(self, name: str, value: Any, step: int, when_ms: int) -> None:
         from mlflow.entities import Metric
 
-        if _number(value):
+        if is_figure(value):
             self.metrics.append(Metric(metric_name(name), float(value), when_ms, step))
 
     def write(self, record: dict[str, Any]) -> None:
-        kind = record.get("type")
-        if kind == "header" and record.get("rank", 0) == 0:
+        if record.get("type") == "header" and record.get("rank", 0) == 0:
             self.anchor = (record["wall_anchor_ns"], record["mono_anchor_ns"])
-        elif kind == "step":
-            step, when, seconds = record["step"], self._when_ms(record["end_ns"]), record["seconds"]
-            self._add("step_time_s", seconds, step, when)
-            self._add("loss", record.get("loss"), step, when)
-            if seconds:
-                self._add("tokens_per_s", record["tokens"] / seconds, step, when)
-                self._add("samples_per_s", record["samples"] / seconds, step, when)
-            memory = record.get("memory") or {}
-            self._add("memory_peak_bytes", memory.get("peak_allocated_bytes") or memory.get("peak_rss_bytes"), step,
-                      when)
-        elif kind == "request" and not record.get("warmup") and record.get("status") == "ok" and record.get("sent_ns"):
-            n, when = self.counts["request"], self._when_ms(record.get("end_ns"))
-            self.counts["request"] += 1
-            if record.get("first_token_ns"):
-                self._add("ttft_ms", (record["first_token_ns"] - record["sent_ns"]) / 1e6, n, when)
-            if record.get("end_ns"):
-                self._add("e2el_ms", (record["end_ns"] - record["sent_ns"]) / 1e6, n, when)
-        elif kind == "telemetry":
-            n, when = self.counts["telemetry"], self._when_ms(record.get("time_ns"))
-            self.counts["telemetry"] += 1
-            for key in ("cpu_percent", "rss_bytes", "gpu_util_percent", "gpu_memory_used_bytes", "power_w"):
-                self._add(f"telemetry/{key}", record.get(key), n, when)
-        elif kind == "breakdown" and not record.get("error"):
-            when = self._when_ms(None)
-            for c in record.get("modules", []):
-                self._add(f"breakdown/{c['name']}_s", c["seconds"], record["step"], when)
+        for m in self.metrics_of(record):
+            self._add(m.name, m.value, m.step, self._when_ms(m.mono_ns))
         if len(self.metrics) >= BATCH_METRICS or (self.metrics and time.monotonic() - self.flushed > FLUSH_EVERY_S):
             self.flush()
 
@@ -198,12 +172,8 @@ class MlflowSink:
         status = END_STATUS.get(summary.get("status"), "KILLED") if summary else "KILLED"
         try:
             when = int(time.time() * 1000)
-            for key, value in summary.items():
-                if isinstance(value, dict):
-                    for stat, figure in value.items():
-                        self._add(f"summary.{key}.{stat}", figure, 0, when)
-                else:
-                    self._add(f"summary.{key}", value, 0, when)
+            for name, value in summary_metrics(summary).items():
+                self._add(name, value, 0, when)
             self.flush()
             tags = {f"llmadapt.{k}": str(summary[k]) for k in ("status", "problem_hash", "workload_hash", "adapter",
                                                                 "framework", "framework_version", "launcher")
@@ -214,20 +184,10 @@ class MlflowSink:
                 if self.run_dir.is_dir():
                     self.client.log_artifacts(self.mlflow_run_id, str(self.run_dir), artifact_path="run")
                 if summary:
-                    self.client.log_text(self.mlflow_run_id, report(summary), "report.txt")
+                    self.client.log_text(self.mlflow_run_id, summary_text(summary), "report.txt")
         finally:
             with quick_http():
                 self.client.set_terminated(self.mlflow_run_id, status)
-
-
-def report(summary: dict[str, Any]) -> str:
-    """The text ``llmadapt show`` prints for the run."""
-    from llmadapt.analysis.report import render_summary
-
-    try:
-        return render_summary(summary) + "\n"
-    except (KeyError, TypeError, ValueError) as exc:  # a summary show cannot read: the JSON instead
-        return f"(llmadapt show could not render this summary: {exc!r})\n" + json.dumps(summary, indent=1) + "\n"
 
 
 # -- several runs under one parent -----------------------------------------------------------------------------------

@@ -1,0 +1,76 @@
+"""What a tracking sink logs: the metrics of a record and of a summary, named with their units.
+
+One place for the names, so that a run reads the same in every tracking tool (plugins/mlflow, plugins/tensorboard):
+per step ``step_time_s``, ``loss``, ``grad_norm``, ``tokens_per_s``, ``samples_per_s``, ``memory_peak_bytes``;
+per request ``ttft_ms``, ``e2el_ms``; per telemetry sample ``telemetry/<figure>`` (``cpu_percent``,
+``rss_bytes``, ``gpu_util_percent``, ``gpu_memory_used_bytes``, ``power_w``); per profiled step
+``breakdown/<class>_s``; at the end ``summary.<figure>`` and ``summary.<figure>.<statistic>``. The step of a
+request or telemetry metric is its index in the run.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, NamedTuple
+
+TELEMETRY_FIGURES = ("cpu_percent", "rss_bytes", "gpu_util_percent", "gpu_memory_used_bytes", "power_w")
+
+
+class TrackedMetric(NamedTuple):
+    name: str
+    value: float
+    step: int
+    mono_ns: int | None
+    """When it was measured, on the run's monotonic clock (None: no time in the record)."""
+
+
+def is_figure(value: Any) -> bool:
+    """A finite number (not a bool): what a tracking tool can plot."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class RecordMetrics:
+    """Call it with each record of one run, in order; it yields the record's metrics (none for most records)."""
+
+    def __init__(self) -> None:
+        self.requests = self.samples = 0
+
+    def __call__(self, record: dict[str, Any]) -> Iterator[TrackedMetric]:
+        kind = record.get("type")
+        if kind == "step":
+            step, when, seconds = record["step"], record.get("end_ns"), record["seconds"]
+            memory = record.get("memory") or {}
+            yield from _figures(step, when, step_time_s=seconds, loss=record.get("loss"),
+                                grad_norm=record.get("grad_norm"),
+                                tokens_per_s=record["tokens"] / seconds if seconds else None,
+                                samples_per_s=record["samples"] / seconds if seconds else None,
+                                memory_peak_bytes=memory.get("peak_allocated_bytes") or memory.get("peak_rss_bytes"))
+        elif kind == "request" and not record.get("warmup") and record.get("status") == "ok" and record.get("sent_ns"):
+            sent, first, end = record["sent_ns"], record.get("first_token_ns"), record.get("end_ns")
+            yield from _figures(self.requests, end, ttft_ms=(first - sent) / 1e6 if first else None,
+                                e2el_ms=(end - sent) / 1e6 if end else None)
+            self.requests += 1
+        elif kind == "telemetry":
+            yield from _figures(self.samples, record.get("time_ns"),
+                                **{f"telemetry/{key}": record.get(key) for key in TELEMETRY_FIGURES})
+            self.samples += 1
+        elif kind == "breakdown" and not record.get("error"):
+            for c in record.get("modules", []):
+                yield from _figures(record["step"], None, **{f"breakdown/{c['name']}_s": c["seconds"]})
+
+
+def summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """The summary's figures: ``summary.<key>`` for a number, ``summary.<key>.<stat>`` for a statistics table."""
+    out: dict[str, float] = {}
+    for key, value in summary.items():
+        table = value if isinstance(value, dict) else {"": value}
+        for stat, figure in table.items():
+            if is_figure(figure):
+                out[f"summary.{key}.{stat}" if stat else f"summary.{key}"] = float(figure)
+    return out
+
+
+def _figures(step: int, mono_ns: int | None, **figures: Any) -> Iterator[TrackedMetric]:
+    for name, value in figures.items():
+        if is_figure(value):
+            yield TrackedMetric(name, float(value), step, mono_ns)
