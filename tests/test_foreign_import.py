@@ -103,6 +103,7 @@ def test_aiperf_medians_are_the_files_own(root):
     only = stored(root)["AIPerf 0.13.0 (summary only)"].summary["serving"]
     assert only["ttft_ms"]["p50"] == pytest.approx(aggregate["time_to_first_token"]["p50"], abs=TOL)
     assert only["validity"].startswith("summary only")
+    assert only["itl_ms"]["count"] == aggregate["inter_chunk_latency"]["count"]  # gaps, not requests
 
 
 def test_guidellm_medians_and_its_own_percentile_convention(root):

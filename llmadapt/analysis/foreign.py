@@ -335,9 +335,12 @@ def _aiperf_reported(data: dict[str, Any], path: Path) -> dict[str, tuple[float,
             raise LlmadaptError(f"{path}: {theirs} has unit {entry.get('unit')!r}, not one AIPerf writes for times: "
                                 "nothing imported")
         for key, name in (("avg", "mean"), ("p50", "median"), ("std", "std"), ("min", "min"), ("p90", "p90"),
-                          ("p95", "p95"), ("p99", "p99"), ("max", "max")):
+                          ("p95", "p95"), ("p99", "p99"), ("max", "max"), ("count", "count")):
             if entry.get(key) is not None:
-                out[f"{name}_{ours}_ms"] = (_number(entry[key], path, f"{theirs}.{key}") * scale, "ms")
+                if key == "count":  # values measured (ITL: gaps), not a time
+                    out[f"count_{ours}"] = (_number(entry[key], path, f"{theirs}.count"), "values")
+                else:
+                    out[f"{name}_{ours}_ms"] = (_number(entry[key], path, f"{theirs}.{key}") * scale, "ms")
     for key, name, unit in (("request_throughput", "request_throughput", "req/s"),
                             ("output_token_throughput", "output_throughput", "tok/s"),
                             ("total_token_throughput", "total_token_throughput", "tok/s")):
@@ -587,7 +590,7 @@ def _serving_from_figures(m: Measured, workload: Workload, validity: str) -> Ser
         p50 = r.get(f"median_{metric}_ms", r.get(f"p50_{metric}_ms"))
         if p50 is None:
             return None
-        return Stats(count=m.completed, mean=r.get(f"mean_{metric}_ms"), std=r.get(f"std_{metric}_ms"),
+        return Stats(count=int(r.get(f"count_{metric}", m.completed)), mean=r.get(f"mean_{metric}_ms"), std=r.get(f"std_{metric}_ms"),
                      min=r.get(f"min_{metric}_ms"), p50=p50, p90=r.get(f"p90_{metric}_ms"),
                      p95=r.get(f"p95_{metric}_ms"), p99=r.get(f"p99_{metric}_ms"), max=r.get(f"max_{metric}_ms"))
 
