@@ -169,6 +169,15 @@ def layout_label(adapter: str, w: Workload) -> str:
     return " ".join([adapter, *parts])
 
 
+def run_label(summary: dict[str, Any], w: Workload) -> str:
+    """A stored run's row label: its layout (``layout_label``), or for a result another tool measured (imported
+    from its file: llmadapt.analysis.foreign) the tool and its version, 'vllm bench serve 0.32.0'."""
+    if summary.get("measured_by"):
+        only = ((summary.get("serving") or {}).get("validity") or "").startswith("summary only")
+        return summary["measured_by"] + (" (summary only)" if only else "")
+    return layout_label(summary["adapter"], w)
+
+
 def matrix_settings(matrix: dict[str, list[Any]]) -> list[tuple[str, list[str]]]:
     """Every combination of the matrix values as (label, assignments); labels like 'dp=2,recompute=full'.
 

@@ -79,7 +79,8 @@ def row_metrics(summary, baseline_losses: list[float | None] | None) -> dict[str
         v = s.serving
         out: dict[str, float | int | str | None] = {
             "request_throughput": v.request_throughput, "output_throughput": v.output_throughput,
-            "goodput": v.request_goodput, "failed": v.failed, "valid": "yes" if v.valid else "NO",
+            "goodput": v.request_goodput, "failed": v.failed,
+            "valid": "not judged" if s.measured_by else "yes" if v.valid else "NO",  # another tool's client
             "failures_by_cause": ", ".join(f"{k}={n}" for k, n in sorted(v.failures_by_cause.items())) or None,
         }
         for metric in ("ttft", "tpot", "itl", "e2el"):
@@ -186,6 +187,9 @@ class Comparison:
     """Cells with runs still to make (``partial``), one entry per run missing."""
     saved: str | None = None
     """The file the comparison was written to (``compare``: OUT/compare-....json), rewritten as each run ends."""
+    problem_notes: dict[str, str] = attrs.Factory(dict)
+    """What to say of a problem instead of how it differs from P1: a problem as an imported file states it
+    (llmadapt.analysis.foreign.AS_FILE_STATES), which no llmadapt run shares."""
 
     def reference(self, problem: str) -> Row | None:
         """The row of ``problem`` the others are set against: the baseline's where it is in the problem, else
@@ -266,7 +270,7 @@ class Comparison:
                             if self.settle else ""))
         if self.unsettled:
             lines.append(f"never settled within {self.settle:.0%}: {', '.join(self.unsettled)}")
-        lines += [f"{problems[h]}: problem {h[:12]}{self.difference(h)}" for h in problems]
+        lines += [f"{problems[h]}: problem {h[:12]}{self.problem_notes.get(h) or self.difference(h)}" for h in problems]
         lines += [f"{r.label}: {r.note}" for r in self.rows if r.note]
         if not serve:
             lines += self.scaling_lines(problems)
@@ -650,20 +654,25 @@ def compare_stored(query: str | None = None, *, root: str | Path = "runs") -> Co
         found = store.runs(query)
     if not found:
         raise LlmadaptError(f"no stored run in {root} matches {query or '(all runs)'}")
-    machines = {r.machine for r in found}
+    machines = {r.machine for r in found if r.machine}  # an imported result's machine is not known: ''
     groups: dict[tuple[str, ...], list[Any]] = {}
     for r in found:
         groups.setdefault((r.problem_hash, r.adapter, r.layout, r.workload_hash, r.machine), []).append(r)
-    rows, baselines, workloads = [], {}, {}
+    rows, baselines, workloads, notes = [], {}, {}, {}
     problems = list(dict.fromkeys(r.problem_hash for r in found))
     for key in sorted(groups, key=lambda k: problems.index(k[0])):
         runs = groups[key]
-        label = runs[0].layout + (f" @{runs[0].machine}" if len(machines) > 1 else "")
+        label = runs[0].layout + (f" @{runs[0].machine}" if len(machines) > 1 and runs[0].machine else "")
         name = runs[0].row.get("name") or ""
         rows.append(row_of_runs(label, runs[0].adapter, name, runs[0].layout,
                                 [(str(r.folder), r.summary) for r in runs], baselines, machine=runs[0].machine))
-        workloads.setdefault(runs[0].problem_hash, Workload.from_dict(runs[0].workload))
-    return Comparison(rows=rows, workloads=workloads)
+        workload = workloads.setdefault(runs[0].problem_hash, Workload.from_dict(runs[0].workload))
+        if runs[0].summary.get("measured_by") and workload.problem_hash != runs[0].problem_hash:
+            from llmadapt.analysis.foreign import AS_FILE_STATES
+
+            notes[runs[0].problem_hash] = (f" {AS_FILE_STATES} ({runs[0].summary['measured_by']}; imported without "
+                                           "a workload, so no llmadapt run's problem)")
+    return Comparison(rows=rows, workloads=workloads, problem_notes=notes)
 
 
 def breakdown_columns(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:

@@ -107,12 +107,12 @@ def build(folders: list[Path], *, title: str = "llmadapt report", keep_figures: 
     """The report: (HTML text, the figures by name as (title, figure), the comparison its tables show). The
     figures are closed once drawn into the page unless ``keep_figures`` (then close them with figures.close).
     ``baseline``: the row (a label) each problem's others are set against; default each problem's first."""
-    from llmadapt.analysis.cells import layout_label
+    from llmadapt.analysis.cells import run_label
 
     loaded = [(folder, *_load(folder)) for folder in folders]
     cells: dict[tuple[str, str, str], list[tuple[Path, dict, Workload, list]]] = {}
     for folder, summary, workload, records in loaded:
-        key = (summary["problem_hash"], layout_label(summary["adapter"], workload), summary["workload_hash"])
+        key = (summary["problem_hash"], run_label(summary, workload), summary["workload_hash"])
         cells.setdefault(key, []).append((folder, summary, workload, records))
     problems = list(dict.fromkeys(k[0] for k in cells))
     rows, runs, baselines = [], [], {}

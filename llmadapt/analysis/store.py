@@ -568,7 +568,7 @@ def describe_run(folder: Path, *, running: bool = False) -> tuple[dict[str, Any]
     """The index row and metrics of one run folder; a folder that cannot be read is one clear error.
     ``running``: a process works in the folder (``live_processes``); a run without a summary is then
     ``running``, else ``incomplete``. A run whose summary cannot be read is ``damaged``."""
-    from llmadapt.analysis.cells import layout_label
+    from llmadapt.analysis.cells import run_label
     from llmadapt.analysis.report import read_summary
     from llmadapt.spec import Workload
 
@@ -596,7 +596,7 @@ def describe_run(folder: Path, *, running: bool = False) -> tuple[dict[str, Any]
         "adapter": summary["adapter"], "adapter_version": launch.adapter_version,
         "framework": summary["framework"], "framework_version": summary["framework_version"],
         "launcher": summary["launcher"], "world_size": summary["world_size"],
-        "layout": layout_label(summary["adapter"], workload), "machine": _machine(folder),
+        "layout": run_label(summary, workload), "machine": _machine(folder),
         "device_kind": device.get("kind"), "device_name": device.get("name"),
         "created": (dt.datetime.fromtimestamp(created, dt.timezone.utc).isoformat(timespec="seconds")
                     if isinstance(created, (int, float)) else ""),

@@ -227,10 +227,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="file to write (default: stdout)")
 
     p = command("runs", cmd_runs, "list the runs in a folder (its run store), filtered by key=value terms; "
-                "`llmadapt runs import FOLDER...` adds run folders made elsewhere")
+                "`llmadapt runs import PATH...` adds run folders made elsewhere, and the result files of vllm bench "
+                "serve, AIPerf and guidellm as serving runs")
     p.add_argument("terms", nargs="*", metavar="QUERY",
                    help="adapter=torch status=ok since=2026-12-01 machine=NODE workload=HASH|NAME "
-                        "optimizations.zero_stage=3 ...; or: import FOLDER...")
+                        "optimizations.zero_stage=3 ...; or: import PATH... (run folders, other tools' result files)")
     p.add_argument("--root", default="runs", help="the folder of runs (default: ./runs)")
     p.add_argument("--parquet", metavar="FILE", help="also write the matching runs to a Parquet file")
     p.add_argument("--frame", choices=("runs", "steps", "requests", "breakdown", "telemetry"), default="runs",
@@ -240,6 +241,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--page", type=int, metavar="P", help="the P-th page of --limit runs, newest first (default 1)")
     p.add_argument("--all", action="store_true", help="list every matching run")
     p.add_argument("--rescan", action="store_true", help="read every run folder again: see changes to finished runs")
+    p.add_argument("--workload", metavar="PATH", help="import of result files: the workload (file or run folder) whose "
+                   "stream the tool sent, checked against the file; without it the problem is as the file states")
+    p.add_argument("--tool-version", metavar="V", help="import of result files: the tool's version, where they lack it")
 
     p = command("regress", cmd_regress, "did the candidate runs get worse than the baseline runs? Stored runs, "
                 "matched cell by cell, tested metric by metric; exit 1 on a regression")

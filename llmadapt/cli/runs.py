@@ -264,14 +264,39 @@ def cmd_runs(args) -> int:
         print(f"warning: {printable_lines(message)}", file=sys.stderr)
 
     terms = list(args.terms or [])
+    if getattr(args, "workload", None) and not (terms and terms[0] == "import" and any(
+            not Path(p).is_dir() for p in terms[1:])):
+        raise LlmadaptError("--workload names the stream of other tools' result files: llmadapt runs import FILE... "
+                            "--workload PATH")
     if terms and terms[0] == "import":
-        folders = terms[1:]
-        if not folders:
-            raise LlmadaptError("llmadapt runs import FOLDER...: name the run folders to import")
+        paths = terms[1:]
+        if not paths:
+            raise LlmadaptError("llmadapt runs import PATH...: name the run folders or result files to import")
+        folders = [p for p in paths if Path(p).is_dir()]
+        files = [p for p in paths if not Path(p).is_dir()]
+        for path in files:
+            if not Path(path).exists():
+                raise LlmadaptError(f"{path}: no such file or folder: nothing imported")
+        if files and getattr(args, "workload", None):
+            from llmadapt.analysis.foreign import stream_workload
+
+            stream = stream_workload(args.workload)
+        else:
+            stream = None
         new = not Path(args.root).exists()
+        log = lambda m: print(printable(m), file=sys.stderr)  # noqa: E731
         try:  # a store root that does not exist yet is made; refused imports leave none behind
+            if files:  # every file read before the store is touched
+                from llmadapt.analysis.foreign import import_files, read_result
+
+                for path in files:
+                    read_result(path)
             with RunStore(args.root, warn=warn, create=True) as store:
-                added = store.import_runs(folders, log=lambda m: print(printable(m), file=sys.stderr))
+                if files:  # converted first, then imported with the folders in one go (all checked, then copied)
+                    added = import_files(store, files, workload=stream, folders=folders, log=log,
+                                         tool_version=getattr(args, "tool_version", None))
+                else:
+                    added = store.import_runs(folders, log=log)
         except LlmadaptError:
             if new and Path(args.root).is_dir() and not any(RunDir(p).launch_file.is_file()
                                                             for p in Path(args.root).iterdir()):

@@ -21,7 +21,7 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.10"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.11"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
@@ -29,7 +29,8 @@ SCHEMA_VERSION = "1.10"  # 1.1: end records, summary warnings; 1.2: client_load 
 # 1.7: interference records and the summary's interference; the topology's threads;
 # 1.8: the 'diverged' status and failure cause; the step's run_delay_s and the interference summary's step
 # waits; serving's 'degraded' status and the request's 'truncated'; 1.9: the launch record (launch.json, typed:
-# llmadapt.contract.launch); 1.10: the step's grad_norm and the summary's grad_norms
+# llmadapt.contract.launch); 1.10: the step's grad_norm and the summary's grad_norms; 1.11: the summary's
+# measured_by (serving runs imported from other tools' result files)
 
 
 @attrs.frozen
@@ -753,5 +754,8 @@ class Summary:
     """Training runs: whether the machine was quiet while the steps were measured, and what disturbed them."""
     grad_norms: list[float | None] | None = None
     """Training runs whose adapter reports it: the global gradient norm at every completed step, by step index."""
+    measured_by: str | None = None
+    """The tool that measured the run where it was not llmadapt ('vllm bench serve 0.32.0', 'AIPerf 0.13.0'): a
+    serving result imported from that tool's file (llmadapt.analysis.foreign); None: measured by llmadapt."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["summary"] = "summary"

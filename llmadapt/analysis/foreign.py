@@ -1,0 +1,643 @@
+"""Other tools' serving results as llmadapt runs: `vllm bench serve`'s result JSON, AIPerf's profile export
+(``profile_export.jsonl``, or the aggregate ``profile_export_aiperf.json``) and guidellm's ``benchmarks.json``
+report, each recognised by its content and written as a serving run folder that the run store indexes like any
+other (``llmadapt runs import FILE...``; docs/runs.md).
+
+A file with per-request times (vllm bench with ``--save-detailed``, AIPerf's JSONL, guidellm's report) becomes
+request records, and the summary is computed from them by llmadapt's own definitions (``contract.stats``); an
+aggregate-only file becomes a summary-only run holding the figures as the file reports them. Either way every
+figure the file reports is kept beside ours as a ``metric`` record whose source is the tool, and the summary's
+``measured_by`` names the tool and its version: the run was measured by that tool's client, not llmadapt's load
+generator, so its send lag and client health are unknown (its validity says so, and is not judged).
+
+Units, explicitly: vllm bench writes per-request times in seconds and its aggregates in ms (``*_ms``); AIPerf
+writes ms (``unit`` beside each value) and nanosecond timestamps; guidellm writes times in seconds (Unix
+timestamps, ``request_latency``) and ``*_ms`` figures in ms. Request records hold nanoseconds.
+
+The problem: given the workload the tool's stream was (``workload``: an llmadapt workload, e.g. the run folder of
+llmadapt's run of that stream), every fact the file states (request count, input and output lengths, concurrency
+or rate) is checked against it, and the imported run takes its workload and problem hash, so `compare --runs`
+puts it in the same problem as llmadapt's runs of that workload. Without one, its workload is built from what the
+file states and its problem hash from those facts alone (``as the file states``): the prompts, seed and client
+settings are not known, so it is never taken for an llmadapt run's problem.
+
+It is over 400 lines because each tool's format (its keys, its units, its percentile conventions) and the one
+run folder they all become belong together: one file to read for what an imported run holds.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import math
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+
+from llmadapt.contract.jsonl import JsonlWriter
+from llmadapt.contract.launch import LaunchRequest
+from llmadapt.contract.records import (SCHEMA_VERSION, End, Header, Metric, Request, ServingStats, Stats,
+                                       Summary)
+from llmadapt.contract.rundir import RunDir
+from llmadapt.contract.schema import to_json
+from llmadapt.errors import LlmadaptError
+from llmadapt.spec import Workload
+
+__all__ = ["Measured", "read_result", "write_run", "import_files", "stream_workload", "AS_FILE_STATES"]
+
+SUMMARY_ONLY = "summary only"
+"""How a run imported from an aggregate-only file is marked: its validity starts with it, its label ends with it."""
+
+AS_FILE_STATES = "as the file states"
+"""How an imported run's problem is marked when no workload was given: built from the file's facts alone."""
+
+TOOLS = {"vllm-bench": "vllm bench serve", "aiperf": "AIPerf", "guidellm": "guidellm"}
+"""Adapter name of an imported run (the tool that drove it) -> the tool's own name."""
+
+
+@attrs.frozen
+class Sent:
+    """One request as the tool measured it, in seconds from an origin of the tool's clock."""
+
+    start_s: float
+    ttft_s: float | None
+    end_s: float | None
+    chunk_s: list[float]
+    """Arrival of every content chunk the tool timed (the first is the first token); [] where it kept none."""
+    input_tokens: int
+    output_tokens: int | None
+    error: str | None = None
+
+
+@attrs.frozen
+class Measured:
+    """What one tool's file says: the tool, the stream's facts, the requests (None: aggregate only), its figures."""
+
+    tool: str
+    version: str | None
+    path: Path
+    created: float | None
+    """Unix seconds the benchmark ran (None: the file does not say)."""
+    model: str | None
+    url: str | None
+    requests_asked: int | None
+    arrival: dict[str, Any]
+    """{'process': 'closed', 'concurrency': N} or {'process': 'poisson'|'gamma'|'constant', 'rate': R, ...}."""
+    sent: list[Sent] | None
+    reported: dict[str, tuple[float, str]]
+    """Figures as the file reports them: name -> (value, unit)."""
+    completed: int
+    failed: int
+    per_chunk: bool = True
+    """The requests' chunk times are every content chunk's (vllm bench, AIPerf); False: first and last only."""
+
+    @property
+    def measured_by(self) -> str:
+        return f"{TOOLS[self.tool]} {self.version}" if self.version else f"{TOOLS[self.tool]} (version not stated)"
+
+
+def _need(data: dict[str, Any], path: Path, what: str, keys: tuple[str, ...]) -> None:
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise LlmadaptError(f"{path}: a {what} without {', '.join(missing)}: nothing imported")
+
+
+# -- recognising a file --------------------------------------------------------------------------
+def read_result(path: str | Path) -> Measured:
+    """The tool's result in ``path``, recognised by its content; anything else is one line naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LlmadaptError(f"{path}: cannot be read ({getattr(exc, 'strerror', None) or exc}): nothing imported")
+    data: Any
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        lines = [line for line in text.splitlines() if line.strip()]
+        try:
+            data = [json.loads(line) for line in lines]
+        except json.JSONDecodeError:
+            raise LlmadaptError(f"{path}: neither JSON nor JSON lines: not a result file of vllm bench serve, AIPerf "
+                                "or guidellm (nor a run folder): nothing imported") from None
+    if isinstance(data, list) and data and all(isinstance(r, dict) and "metadata" in r and "metrics" in r
+                                               for r in data):
+        return _aiperf_records(data, path)
+    if isinstance(data, dict):
+        if "benchmarks" in data and isinstance(data.get("metadata"), dict) and "guidellm_version" in data["metadata"]:
+            return _guidellm(data, path)
+        if "input_config" in data and ("time_to_first_token" in data or "request_latency" in data):
+            return _aiperf_aggregate(data, path)
+        if "completed" in data and any(k in data for k in ("median_ttft_ms", "mean_ttft_ms", "ttfts")):
+            return _vllm_bench(data, path)
+    raise LlmadaptError(f"{path}: not a result file of vllm bench serve (completed, *_ttft_ms), AIPerf "
+                        "(profile_export.jsonl records or profile_export_aiperf.json) or guidellm (benchmarks.json "
+                        "with metadata.guidellm_version): nothing imported")
+
+
+def _date(text: Any, fmt: str) -> float | None:
+    try:
+        return dt.datetime.strptime(str(text), fmt).timestamp()
+    except ValueError:
+        return None
+
+
+def _number(value: Any, path: Path, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise LlmadaptError(f"{path}: {what} is {json.dumps(value)[:40]}, not a number: nothing imported")
+    return float(value)
+
+
+# -- vllm bench serve --------------------------------------------------------------------------------
+VLLM_DETAILED = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "errors")
+"""Per-request lists `vllm bench serve --save-detailed` writes (times in seconds)."""
+
+
+def _vllm_bench(data: dict[str, Any], path: Path) -> Measured:
+    what = "vllm bench serve result"
+    _need(data, path, what, ("completed", "duration", "num_prompts", "request_rate", "max_concurrency"))
+    rate = data["request_rate"]
+    if data.get("max_concurrency") and rate in ("inf", None):
+        arrival = {"process": "closed", "concurrency": int(data["max_concurrency"])}
+    elif rate in ("inf", None):
+        arrival = {"process": "closed", "concurrency": int(data["num_prompts"])}  # every request at once
+    else:
+        burst = float(data.get("burstiness", 1.0))
+        arrival = {"process": "poisson" if burst == 1.0 else "gamma", "rate": _number(rate, path, "request_rate"),
+                   **({"burstiness": burst} if burst != 1.0 else {})}
+        if data.get("max_concurrency"):
+            arrival["max_concurrency"] = int(data["max_concurrency"])
+    reported: dict[str, tuple[float, str]] = {"duration": (_number(data["duration"], path, "duration"), "s")}
+    for key, unit in (("completed", "requests"), ("failed", "requests"), ("request_throughput", "req/s"),
+                      ("request_goodput", "req/s"), ("output_throughput", "tok/s"), ("total_token_throughput", "tok/s"),
+                      ("total_input_tokens", "tokens"), ("total_output_tokens", "tokens")):
+        if data.get(key) is not None:
+            reported[key] = (_number(data[key], path, key), unit)
+    for key, value in data.items():
+        if key.endswith("_ms") and key.split("_")[0] in ("mean", "median", "std") or key[:1] == "p" and \
+                key.endswith(("_ttft_ms", "_tpot_ms", "_itl_ms", "_e2el_ms")):
+            if value is not None:
+                reported[key] = (_number(value, path, key), "ms")
+    sent = None
+    if any(k in data for k in VLLM_DETAILED):
+        _need(data, path, what + " saved with --save-detailed", VLLM_DETAILED)
+        n = len(data["ttfts"])
+        if any(len(data[k]) != n for k in VLLM_DETAILED):
+            raise LlmadaptError(f"{path}: its per-request lists ({', '.join(VLLM_DETAILED)}) differ in length: "
+                                "nothing imported")
+        sent = []
+        for i in range(n):
+            start = _number(data["start_times"][i], path, f"start_times[{i}]")
+            error = data["errors"][i] or None
+            if error:
+                sent.append(Sent(start, None, None, [], int(data["input_lens"][i]), None, error=str(error)))
+                continue
+            ttft = _number(data["ttfts"][i], path, f"ttfts[{i}]")  # seconds
+            chunks = [start + ttft]
+            for gap in data["itls"][i]:  # seconds between chunks after the first
+                chunks.append(chunks[-1] + _number(gap, path, f"itls[{i}]"))
+            sent.append(Sent(start, ttft, start + _number(data["latencies"][i], path, f"latencies[{i}]"), chunks,
+                             int(data["input_lens"][i]), int(data["output_lens"][i])))
+    return Measured(tool="vllm-bench", version=data.get("vllm_version"), path=path,
+                    created=_date(data.get("date"), "%Y%m%d-%H%M%S"), model=data.get("model_id"),
+                    url=data.get("base_url"), requests_asked=int(data["num_prompts"]), arrival=arrival, sent=sent,
+                    reported=reported, completed=int(data["completed"]), failed=int(data.get("failed") or 0))
+
+
+# -- guidellm -------------------------------------------------------------------------------------------
+def _guidellm(data: dict[str, Any], path: Path) -> Measured:
+    what = "guidellm report"
+    benchmarks = data.get("benchmarks")
+    if not isinstance(benchmarks, list) or len(benchmarks) != 1:
+        raise LlmadaptError(f"{path}: a {what} with {len(benchmarks) if isinstance(benchmarks, list) else 'no'} "
+                            "benchmarks; import one at a time (one load point: `guidellm run` with one profile rate "
+                            "or stream count): nothing imported")
+    b = benchmarks[0]
+    _need(b, path, what + "'s benchmark", ("config", "requests", "metrics", "start_time"))
+    config = b["config"]
+    strategy = config.get("strategy") or {}
+    kind = strategy.get("type_")
+    if kind == "concurrent":
+        arrival = {"process": "closed", "concurrency": int(strategy.get("streams") or strategy["max_concurrency"])}
+    elif kind == "synchronous":
+        arrival = {"process": "closed", "concurrency": 1}
+    elif kind in ("constant", "poisson"):
+        arrival = {"process": kind, "rate": _number(strategy.get("rate"), path, "config.strategy.rate")}
+    else:
+        raise LlmadaptError(f"{path}: a {what} of strategy {kind!r}: llmadapt's arrival processes take concurrent, "
+                            "synchronous, constant and poisson: nothing imported")
+    requests = b["requests"]
+    sent = []
+    for status in ("successful", "errored", "incomplete"):
+        for i, r in enumerate(requests.get(status) or []):
+            where = f"requests.{status}[{i}]"
+            _need(r, path, f"{what}'s request", ("request_start_time", "prompt_tokens"))
+            start = _number(r["request_start_time"], path, where + ".request_start_time")  # Unix seconds
+            if status != "successful":
+                error = (r.get("info") or {}).get("error") or status
+                sent.append(Sent(start, None, None, [], int(r["prompt_tokens"] or 0), None, error=str(error)))
+                continue
+            _need(r, path, f"{what}'s request", ("time_to_first_token_ms", "request_end_time", "output_tokens"))
+            ttft = _number(r["time_to_first_token_ms"], path, where + ".time_to_first_token_ms") / 1e3  # ms -> s
+            end = _number(r["request_end_time"], path, where + ".request_end_time")
+            sent.append(Sent(start, ttft, end, [start + ttft], int(r["prompt_tokens"]), int(r["output_tokens"])))
+    sent.sort(key=lambda s: s.start_s)
+    reported: dict[str, tuple[float, str]] = {"duration": (_number(b.get("duration", 0.0), path, "duration"), "s")}
+    metrics = b["metrics"]
+    for name, key, scale, unit in (("ttft", "time_to_first_token_ms", 1.0, "ms"),
+                                   ("tpot", "inter_token_latency_ms", 1.0, "ms"),
+                                   ("e2el", "request_latency", 1e3, "ms")):  # guidellm's latency is in seconds
+        figures = (metrics.get(key) or {}).get("successful")
+        if figures:
+            reported[f"mean_{name}_ms"] = (_number(figures["mean"], path, f"{key}.mean") * scale, unit)
+            reported[f"median_{name}_ms"] = (_number(figures["median"], path, f"{key}.median") * scale, unit)
+            for q in ("p90", "p99"):
+                if q in (figures.get("percentiles") or {}):
+                    reported[f"{q}_{name}_ms"] = (_number(figures["percentiles"][q], path, f"{key}.{q}") * scale, unit)
+    totals = metrics.get("request_totals") or {}
+    backend = config.get("backend") or {}
+    return Measured(tool="guidellm", version=data["metadata"].get("guidellm_version"), path=path,
+                    created=float(b["start_time"]), model=backend.get("model"), url=backend.get("target"),
+                    requests_asked=_max_requests(config), arrival=arrival, sent=sent, reported=reported,
+                    completed=int(totals.get("successful", len(requests.get("successful") or []))),
+                    failed=int(totals.get("errored", 0)) + int(totals.get("incomplete", 0)), per_chunk=False)
+
+
+def _max_requests(config: dict[str, Any]) -> int | None:
+    limit = ((config.get("constraints") or {}).get("max_requests") or {}).get("args") or {}
+    count = limit.get("count")
+    return int(count) if isinstance(count, (int, float)) else None
+
+
+# -- AIPerf -----------------------------------------------------------------------------------------------
+AIPERF_AGGREGATE = "profile_export_aiperf.json"
+"""AIPerf's aggregate export, written beside its per-request ``profile_export.jsonl``: the run's configuration."""
+
+AIPERF_FIGURES = {"ttft": "time_to_first_token", "tpot": "inter_token_latency", "itl": "inter_chunk_latency",
+                  "e2el": "request_latency"}
+"""llmadapt's names -> AIPerf's: its 'inter token latency' is (latency - TTFT) / (output tokens - 1), our TPOT; its
+'inter chunk latency', the gaps between content chunks, is our ITL."""
+
+_MS = {"ms": 1.0, "sec": 1e3, "s": 1e3, "ns": 1e-6, "us": 1e-3}
+"""AIPerf's time units -> milliseconds."""
+
+
+def _aiperf_ms(entry: Any, path: Path, what: str) -> Any:
+    """An AIPerf metric ({'value': ..., 'unit': 'ms'}) in ms: a number, or a list of them."""
+    if not isinstance(entry, dict) or "value" not in entry or entry.get("unit") not in _MS:
+        raise LlmadaptError(f"{path}: {what} is {json.dumps(entry)[:60]}, not a time with a unit AIPerf writes "
+                            f"({', '.join(_MS)}): nothing imported")
+    scale, value = _MS[entry["unit"]], entry["value"]
+    if isinstance(value, list):
+        return [_number(v, path, what) * scale for v in value]
+    return _number(value, path, what) * scale
+
+
+def _aiperf_config(config: dict[str, Any], path: Path) -> tuple[dict[str, Any], int | None, str | None, str | None]:
+    """(arrival, requests, model, url) from an AIPerf input_config."""
+    phases = [p for p in config.get("phases") or [] if p.get("kind", "profiling") == "profiling"]
+    if len(phases) != 1:
+        raise LlmadaptError(f"{path}: an AIPerf export of {len(phases)} profiling phases; one is a run: nothing "
+                            "imported")
+    phase = phases[0]
+    if phase.get("type") == "concurrency" and not phase.get("rate"):
+        arrival: dict[str, Any] = {"process": "closed", "concurrency": int(phase.get("concurrency") or 1)}
+    elif phase.get("rate"):
+        pattern = phase.get("arrival_pattern") or phase.get("request_rate_mode") or "poisson"
+        arrival = {"process": pattern if pattern in ("constant", "poisson", "gamma") else "poisson",
+                   "rate": _number(phase["rate"], path, "input_config.phases[].rate")}
+        if phase.get("concurrency"):
+            arrival["max_concurrency"] = int(phase["concurrency"])
+    else:
+        raise LlmadaptError(f"{path}: an AIPerf phase of type {phase.get('type')!r} without a rate: llmadapt's "
+                            "arrivals take a concurrency or a request rate: nothing imported")
+    models = [m.get("name") for m in (config.get("models") or {}).get("items") or []]
+    urls = (config.get("endpoint") or {}).get("urls") or [None]
+    requests = phase.get("requests")
+    return arrival, int(requests) if isinstance(requests, int) else None, ", ".join(filter(None, models)) or None, \
+        urls[0]
+
+
+def _aiperf_reported(data: dict[str, Any], path: Path) -> dict[str, tuple[float, str]]:
+    """AIPerf's aggregate figures, under vllm bench's names where one means the same (mean/median/p90/p99 ms)."""
+    out: dict[str, tuple[float, str]] = {}
+    for ours, theirs in AIPERF_FIGURES.items():
+        entry = data.get(theirs)
+        if not isinstance(entry, dict):
+            continue
+        scale = _MS.get(entry.get("unit"))
+        if scale is None:
+            raise LlmadaptError(f"{path}: {theirs} has unit {entry.get('unit')!r}, not one AIPerf writes for times: "
+                                "nothing imported")
+        for key, name in (("avg", "mean"), ("p50", "median"), ("std", "std"), ("min", "min"), ("p90", "p90"),
+                          ("p95", "p95"), ("p99", "p99"), ("max", "max"), ("count", "count")):
+            if entry.get(key) is not None:
+                if key == "count":  # values measured (ITL: gaps), not a time
+                    out[f"count_{ours}"] = (_number(entry[key], path, f"{theirs}.count"), "values")
+                else:
+                    out[f"{name}_{ours}_ms"] = (_number(entry[key], path, f"{theirs}.{key}") * scale, "ms")
+    for key, name, unit in (("request_throughput", "request_throughput", "req/s"),
+                            ("output_token_throughput", "output_throughput", "tok/s"),
+                            ("total_token_throughput", "total_token_throughput", "tok/s")):
+        if isinstance(data.get(key), dict) and data[key].get("avg") is not None:
+            out[name] = (_number(data[key]["avg"], path, key), unit)
+    if isinstance(data.get("benchmark_duration"), dict):
+        out["duration"] = (_number(data["benchmark_duration"]["avg"], path, "benchmark_duration") *
+                           _MS.get(data["benchmark_duration"].get("unit"), 1e3) / 1e3, "s")
+    return out
+
+
+def _aiperf_aggregate(data: dict[str, Any], path: Path) -> Measured:
+    """profile_export_aiperf.json alone: aggregate figures, a summary-only run."""
+    arrival, requests, model, url = _aiperf_config(data["input_config"], path)
+    reported = _aiperf_reported(data, path)
+    count = (data.get("request_count") or {}).get("avg")
+    errors = sum(int(e.get("count", 0)) for e in data.get("error_summary") or [] if isinstance(e, dict))
+    completed = int(count) if isinstance(count, (int, float)) else 0
+    return Measured(tool="aiperf", version=data.get("aiperf_version"), path=path,
+                    created=_iso(data.get("start_time")), model=model, url=url, requests_asked=requests,
+                    arrival=arrival, sent=None, reported=reported, completed=completed, failed=errors)
+
+
+def _iso(text: Any) -> float | None:
+    try:
+        return dt.datetime.fromisoformat(str(text)).timestamp()
+    except ValueError:
+        return None
+
+
+def _aiperf_records(records: list[dict[str, Any]], path: Path) -> Measured:
+    """profile_export.jsonl: a record per request (times in ms, timestamps in ns); the run's configuration and
+    AIPerf's version from profile_export_aiperf.json beside it."""
+    beside = path.parent / AIPERF_AGGREGATE
+    try:
+        aggregate = json.loads(beside.read_text())
+        config = aggregate["input_config"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        raise LlmadaptError(f"{path}: AIPerf's per-request records need {AIPERF_AGGREGATE} beside them (the run's "
+                            "concurrency or rate, model and AIPerf version), and there is none readable: nothing "
+                            "imported") from None
+    arrival, requests, model, url = _aiperf_config(config, beside)
+    sent = []
+    for i, r in enumerate(records):
+        meta, metrics = r["metadata"], r["metrics"]
+        if meta.get("benchmark_phase", "profiling") != "profiling":
+            continue  # warm-up requests
+        where = f"line {i + 1}"
+        if "request_start_ns" not in meta:
+            raise LlmadaptError(f"{path}: {where}: a record without metadata.request_start_ns: nothing imported")
+        start = _number(meta["request_start_ns"], path, f"{where} request_start_ns") / 1e9  # ns -> s
+        inputs = (metrics.get("usage_prompt_tokens") or metrics.get("input_sequence_length") or {}).get("value")
+        if r.get("error") or "time_to_first_token" not in metrics:
+            error = r.get("error") or "no time to first token recorded"
+            sent.append(Sent(start, None, None, [], int(inputs or 0), None,
+                             error=str(error.get("message", error) if isinstance(error, dict) else error)))
+            continue
+        for key in ("time_to_first_token", "request_latency"):
+            if key not in metrics:
+                raise LlmadaptError(f"{path}: {where}: a record without metrics.{key}: nothing imported")
+        ttft = _aiperf_ms(metrics["time_to_first_token"], path, f"{where} time_to_first_token") / 1e3  # ms -> s
+        chunks = [start + ttft]
+        for gap in _aiperf_ms(metrics.get("inter_chunk_latency", {"value": [], "unit": "ms"}), path,
+                              f"{where} inter_chunk_latency"):
+            chunks.append(chunks[-1] + gap / 1e3)
+        latency = _aiperf_ms(metrics["request_latency"], path, f"{where} request_latency") / 1e3
+        # the engine's count (usage) where AIPerf recorded it; else AIPerf's own count of the text, re-tokenized
+        outputs = (metrics.get("usage_completion_tokens") or metrics.get("output_sequence_length") or {}).get("value")
+        sent.append(Sent(start, ttft, start + latency, chunks, int(inputs or 0),
+                         int(outputs) if outputs is not None else None))
+    sent.sort(key=lambda s: s.start_s)
+    return Measured(tool="aiperf", version=aggregate.get("aiperf_version"), path=path,
+                    created=_iso(aggregate.get("start_time")), model=model, url=url, requests_asked=requests,
+                    arrival=arrival, sent=sent, reported=_aiperf_reported(aggregate, beside),
+                    completed=sum(1 for s in sent if s.error is None), failed=sum(1 for s in sent if s.error))
+
+
+# -- the run folder -------------------------------------------------------------------------------------
+def _facts(m: Measured) -> dict[str, Any]:
+    """What the file states about its stream, the input of a problem built from the file alone."""
+    inputs = sorted({s.input_tokens for s in m.sent}) if m.sent else None
+    outputs = sorted({s.output_tokens for s in m.sent if s.output_tokens is not None}) if m.sent else None
+    return {"tool": m.tool, "model": m.model, "requests": m.requests_asked or m.completed + m.failed,
+            "arrival": m.arrival, "input_tokens": inputs, "output_tokens": outputs}
+
+
+def _workload_from_file(m: Measured) -> Workload:
+    """A serve workload of the facts the file states (a label: its problem hash is the facts', not this one's)."""
+    facts = _facts(m)
+
+    def lengths(values: list[int] | None, default: int) -> dict[str, Any]:
+        if not values:
+            return {"dist": "fixed", "mean": default}
+        if len(values) == 1:
+            return {"dist": "fixed", "mean": values[0]}
+        return {"dist": "uniform", "low": values[0], "high": values[-1], "mean": round(statistics.mean(values))}
+
+    arrival = {k: v for k, v in m.arrival.items() if k != "max_concurrency"}
+    serve = {"requests": facts["requests"], "warmup_requests": 0, "arrival": arrival, "ignore_eos": False,
+             "input_len": lengths(facts["input_tokens"], 32), "output_len": lengths(facts["output_tokens"], 16)}
+    if "max_concurrency" in m.arrival:
+        serve["max_concurrency"] = m.arrival["max_concurrency"]
+    name = f"{m.tool}: {Path(m.model).name if m.model else 'model not stated'}"[:120]
+    return Workload.from_dict({"kind": "serve", "name": name, "serve": serve})
+
+
+def check_against(m: Measured, workload: Workload) -> None:
+    """Every fact the file states, against the workload said to be its stream; a disagreement is one line."""
+    s = workload.serve
+    wrong = []
+    total = m.completed + m.failed if m.sent is None else len(m.sent)
+    if total != s.requests:
+        wrong.append(f"{total} requests measured, the workload has serve.requests={s.requests}")
+    a = s.arrival
+    if m.arrival["process"] == "closed":
+        if a.process != "closed" or a.concurrency != m.arrival["concurrency"]:
+            wrong.append(f"a closed loop of {m.arrival['concurrency']} in flight, the workload has "
+                         + (f"serve.arrival.concurrency={a.concurrency}" if a.process == "closed" else
+                            f"serve.arrival.process={a.process!r}"))
+    elif a.process != m.arrival["process"] or not math.isclose(a.rate, m.arrival["rate"]):
+        wrong.append(f"{m.arrival['process']} arrivals at {m.arrival['rate']:g} req/s, the workload has "
+                     f"serve.arrival.process={a.process!r} at rate {a.rate:g}")
+    for name, spec, values in (("input", s.input_len, [x.input_tokens for x in m.sent or []]),
+                               ("output", s.output_len, [x.output_tokens for x in m.sent or []
+                                                         if x.output_tokens is not None and x.error is None])):
+        if name == "output" and not s.ignore_eos:
+            continue  # lengths as the engine chose: nothing to hold them to
+        low, high = (spec.mean, spec.mean) if spec.dist == "fixed" else (spec.low, spec.high)
+        outside = [v for v in values if not low <= v <= high]
+        if spec.dist in ("fixed", "uniform") and outside:
+            wrong.append(f"{len(outside)} request(s) of {outside[0]} {name} tokens, the workload's serve.{name}_len is "
+                         + (f"{low}" if low == high else f"{low}..{high}"))
+    if wrong:
+        raise LlmadaptError(f"{m.path}: not the stream of the workload given: {'; '.join(wrong)}: nothing imported")
+
+
+def write_run(m: Measured, parent: Path, workload: Workload | None = None) -> Path:
+    """The measured result as a serving run folder under ``parent``, named by its run id (made here); returns it.
+    The run id is the benchmark's time, the tool and the file's content hash: the same file imports as the same
+    run."""
+    if workload is not None:
+        check_against(m, workload)
+        problem_hash, marked = workload.problem_hash, None
+    else:
+        workload = _workload_from_file(m)
+        facts = json.dumps({AS_FILE_STATES: _facts(m)}, sort_keys=True, default=str)
+        problem_hash, marked = hashlib.sha256(facts.encode()).hexdigest(), AS_FILE_STATES
+    digest = hashlib.sha256(m.path.read_bytes()).hexdigest()[:8]
+    when = dt.datetime.fromtimestamp(m.created or m.path.stat().st_mtime, dt.timezone.utc)
+    run_id = f"{when:%Y%m%d-%H%M%S}-{m.tool}-{digest}"
+    launch = LaunchRequest(run_id=run_id, launcher="import", role="serve", adapter=m.tool,
+                           adapter_version=m.version or "", framework=TOOLS[m.tool], workload=workload.to_dict(),
+                           workload_hash=workload.content_hash, problem_hash=problem_hash, created=when.timestamp())
+    folder = Path(parent) / run_id
+    folder.mkdir(parents=True)
+    rundir = RunDir(folder)
+    rundir.write_launch(launch)
+    header = Header(run_id=run_id, rank=0, local_rank=0, world_size=1, node="", role="serve", adapter=m.tool,
+                    adapter_version=m.version or "", framework=TOOLS[m.tool], framework_version=m.version or "",
+                    launcher="import", workload_hash=workload.content_hash, problem_hash=problem_hash,
+                    workload=workload.to_dict(), checkpoint_hash=None, device=None,
+                    software={m.tool: m.version or "not stated"}, patches=[], start_time=when.isoformat(),
+                    wall_anchor_ns=int(when.timestamp() * 1e9), mono_anchor_ns=0)
+    forced = workload.serve.ignore_eos if marked is None else False
+    with JsonlWriter(rundir.rank_file(0)) as w:
+        w.write(header)
+        origin = min((s.start_s for s in m.sent or []), default=0.0)
+        for i, s in enumerate(m.sent or []):
+            w.write(_request(i, s, forced, workload.serve.output_len.mean, origin))
+        for name, (value, unit) in m.reported.items():
+            w.write(Metric(rank=0, name=name, value=value, unit=unit, source=m.measured_by))
+        w.write(End(rank=0, time=when.isoformat()))
+    summary = _summary(m, folder, launch, workload, problem_hash, marked)
+    rundir.write_summary(to_json(summary))
+    return folder
+
+
+def _ns(seconds: float, origin: float) -> int:
+    """Seconds on the tool's clock as nanoseconds from the first request's start (records hold integers; from the
+    start, so that Unix times keep their microseconds: 1.8e18 ns would not)."""
+    return round((seconds - origin) * 1e9)
+
+
+def _request(index: int, s: Sent, forced: bool, asked: int, origin: float) -> Request:
+    ok = s.error is None
+    return Request(index=index, warmup=False, scheduled_ns=_ns(s.start_s, origin), sent_ns=_ns(s.start_s, origin),
+                   first_token_ns=_ns(s.start_s + s.ttft_s, origin) if ok else None,
+                   end_ns=_ns(s.end_s, origin) if ok else _ns(s.start_s, origin),
+                   chunk_ns=[_ns(c, origin) for c in s.chunk_s] if ok else [],
+                   chunk_tokens=[None] * len(s.chunk_s) if ok else [], input_tokens=s.input_tokens,
+                   output_tokens=s.output_tokens, requested_output_tokens=asked, output_forced=forced,
+                   finish_reason=None, status="ok" if ok else "error", error=s.error[:300] if s.error else None)
+
+
+def _summary(m: Measured, folder: Path, launch: LaunchRequest, workload: Workload, problem_hash: str,
+             marked: str | None) -> Summary:
+    validity = (f"not judged: measured by {m.measured_by}, whose client's send lag and health are not in its file; "
+                f"imported from {m.path.name}")
+    warnings = [f"imported: measured by {m.measured_by}, not llmadapt's load generator"
+                + (f" (problem {AS_FILE_STATES}: {_facts_line(m)})" if marked else "")]
+    if m.sent is not None:
+        from llmadapt.launch.summary import summarise
+
+        summary = summarise(folder, write=False)
+        serving = attrs.evolve(summary.serving, send_lag_ms=None, valid=True, validity=validity,
+                               tokens_per_chunk=summary.serving.tokens_per_chunk if m.per_chunk else None,
+                               itl_ms=summary.serving.itl_ms if m.per_chunk else None)
+        if not m.per_chunk:
+            warnings.append(f"{TOOLS[m.tool]} keeps each request's first and last token times, not every chunk's: "
+                            "no ITL")
+    else:
+        serving = _serving_from_figures(m, workload, f"{SUMMARY_ONLY}; {validity}")
+        warnings.append(f"summary only: {m.path.name} holds aggregate figures, no request's times")
+        summary = Summary(
+            run_id=launch.run_id, status="ok", role="serve", adapter=m.tool, framework=TOOLS[m.tool],
+            framework_version=m.version or "", launcher="import", workload_hash=workload.content_hash,
+            problem_hash=problem_hash, world_size=1, device=None, patches=[], steps_completed=0, measured_steps=0,
+            losses=[], step_time_s=None, tokens_per_s=None, samples_per_s=None, tokens_per_step=None,
+            peak_memory_bytes=None, peak_memory_per_rank=[], memory_kind=None, model_flops_per_token=None,
+            achieved_flops_per_s=None, mfu=None, phase_means_s={}, failures=[])
+    status = summary.status
+    if m.failed and status == "ok":
+        from llmadapt.contract.stats import failed_requests_verdict
+
+        status, line = failed_requests_verdict(serving, workload.serve.max_failed_share)
+        warnings.append(line)
+    return attrs.evolve(summary, serving=serving, status=status, problem_hash=problem_hash,
+                        warnings=warnings + [w for w in summary.warnings if w not in warnings],
+                        measured_by=m.measured_by)
+
+
+def _facts_line(m: Measured) -> str:
+    f = _facts(m)
+    arrival = (f"closed loop of {m.arrival['concurrency']}" if m.arrival["process"] == "closed" else
+               f"{m.arrival['process']} {m.arrival['rate']:g} req/s")
+    lengths = "".join(f", {k.split('_')[0]} {v[0] if len(v) == 1 else f'{v[0]}..{v[-1]}'} tokens"
+                      for k, v in (("input_tokens", f["input_tokens"]), ("output_tokens", f["output_tokens"])) if v)
+    return f"model {m.model or 'not stated'}, {f['requests']} requests, {arrival}{lengths}"
+
+
+def _serving_from_figures(m: Measured, workload: Workload, validity: str) -> ServingStats:
+    """A summary-only run's serving figures, as the file reports them (a statistic it leaves out stays None)."""
+    r = {k: v for k, (v, _) in m.reported.items()}
+    duration = r.get("duration", 0.0)
+
+    def stats(metric: str) -> Stats | None:
+        p50 = r.get(f"median_{metric}_ms", r.get(f"p50_{metric}_ms"))
+        if p50 is None:
+            return None
+        return Stats(count=int(r.get(f"count_{metric}", m.completed)), mean=r.get(f"mean_{metric}_ms"), std=r.get(f"std_{metric}_ms"),
+                     min=r.get(f"min_{metric}_ms"), p50=p50, p90=r.get(f"p90_{metric}_ms"),
+                     p95=r.get(f"p95_{metric}_ms"), p99=r.get(f"p99_{metric}_ms"), max=r.get(f"max_{metric}_ms"))
+
+    return ServingStats(
+        completed=m.completed, failed=m.failed, failures_by_cause={"error": m.failed} if m.failed else {},
+        duration_s=duration, request_throughput=r.get("request_throughput", m.completed / duration if duration else 0.0),
+        output_throughput=r.get("output_throughput", 0.0), total_token_throughput=r.get("total_token_throughput", 0.0),
+        request_goodput=r.get("request_goodput"), ttft_ms=stats("ttft"), tpot_ms=stats("tpot"), itl_ms=stats("itl"),
+        e2el_ms=stats("e2el"), send_lag_ms=None, valid=True, validity=validity,
+        output_length_forced=workload.serve.ignore_eos, total_input_tokens=int(r.get("total_input_tokens", 0)),
+        total_output_tokens=int(r.get("total_output_tokens", 0)))
+
+
+def with_version(m: Measured, version: str | None) -> Measured:
+    """The tool's version as the user states it, for a file that does not say (vllm bench's result has none); a
+    file that states its own keeps it."""
+    return m if version is None or m.version is not None else attrs.evolve(m, version=version)
+
+
+def stream_workload(path: str | Path) -> Workload:
+    """The workload named by `runs import --workload`: a workload file, or a run folder (its launch.json's)."""
+    if Path(path).is_dir():
+        if not RunDir(path).launch_file.is_file():
+            raise LlmadaptError(f"--workload {path}: a folder that is not a run folder (no launch.json)")
+        workload = Workload.from_dict(RunDir(path).read_launch().workload)
+    else:
+        workload = Workload.from_file(path)
+    if workload.kind != "serve":
+        raise LlmadaptError(f"--workload {path}: a {workload.kind} workload; result files of serving tools need a "
+                            "serve workload")
+    return workload
+
+
+# -- importing ---------------------------------------------------------------------------------------------
+def import_files(store, files: list[str | Path], *, workload: Workload | None = None,
+                 folders: list[str | Path] = (), tool_version: str | None = None,
+                 log: Callable[[str], None] | None = None) -> list[str]:
+    """Each file converted to a run folder and imported into ``store`` (a RunStore), with ``folders`` (run
+    folders, imported as they are); every file is read and converted before anything is imported, and the store's
+    import checks every folder before it copies one, so a file or folder that fails leaves the store as it was."""
+    measured = [with_version(read_result(f), tool_version) for f in files]
+    with tempfile.TemporaryDirectory(prefix="llmadapt-import-") as tmp:
+        made = []
+        for i, m in enumerate(measured):
+            folder = write_run(m, Path(tmp) / str(i), workload)
+            if log:
+                log(f"{m.path}: {m.measured_by}, " + (f"{len(m.sent)} requests" if m.sent is not None else
+                                                       "aggregate figures only (a summary-only run)"))
+            made.append(folder)
+        return store.import_runs([*folders, *made], log=log)
