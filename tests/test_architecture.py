@@ -129,6 +129,8 @@ def adapter_sources() -> list[Path]:
 OUTSIDE_THE_SURFACE_ALLOWED = {
     # a record sink runs in the orchestrator; it stores the text `llmadapt show` prints for the run
     ("plugins/mlflow/llmadapt_mlflow/sink.py", "llmadapt.analysis.report"),
+    # and a comparison's parent run keeps the comparison's HTML report
+    ("plugins/mlflow/llmadapt_mlflow/sink.py", "llmadapt.analysis.htmlreport"),
     ("plugins/tensorboard/llmadapt_tensorboard/sink.py", "llmadapt.analysis.report"),
 }
 

@@ -204,3 +204,6 @@ def test_a_comparison_from_the_command_line_is_a_parent_run_with_parity_deltas(s
         assert float(tags["llmadapt.parity_delta"]) == pytest.approx(row["metrics"]["parity_delta"], rel=1e-3, abs=1e-15)
     saved = Path(client.download_artifacts(parent.info.run_id, "comparison.json", str(tmp_path / "down")))
     assert [r["label"] for r in json.loads(saved.read_text())["rows"]] == [r["label"] for r in rows]
+    # the HTML report of the comparison's runs: one table row per run, named by its run id
+    html = Path(client.download_artifacts(parent.info.run_id, "report.html", str(tmp_path / "down"))).read_text()
+    assert html.startswith("<!DOCTYPE html>") and all(Path(r["run_dir"]).name in html for r in rows)

@@ -344,7 +344,6 @@ def report(sources: Iterable[str | Path], output: str | Path, *, query: str | No
     return output
 
 
-
 def check_output(output: str | Path, figures_dir: str | Path | None = None) -> None:
     """Refuse, before minutes of drawing, a report that cannot be written, in one line naming the path: a folder
     given as the file, a path under a file, a folder this user may not write in. (Missing folders are made.)"""

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from contextvars import ContextVar
 from pathlib import Path
@@ -197,6 +198,7 @@ class ParentRun:
 
     def __init__(self, uri: str, name: str, tags: dict[str, str] | None = None) -> None:
         self.run_id = self.token = None
+        self.name = name
         try:
             from mlflow.tracking import MlflowClient
 
@@ -252,7 +254,8 @@ def parent_run(name: str, *, tags: dict[str, str] | None = None, uri: str | None
 class ComparisonRun(ParentRun):
     """A comparison (``compare``, from Python or the command line) as a parent run, its runs the children. At its
     close: each child tagged with its row's parity delta (max |loss delta| against the first row of its problem),
-    the comparison's rows as the artifact ``comparison.json``, and its row count and statuses as tags."""
+    the comparison's rows as the artifact ``comparison.json``, its HTML report as ``report.html``, and its row
+    count and statuses as tags."""
 
     def close(self, result: dict[str, Any], status: str) -> None:  # type: ignore[override]
         if self.run_id is not None:
@@ -262,7 +265,21 @@ class ComparisonRun(ParentRun):
                 counts = result.get("counts") or {}
                 for key, value in counts.items():
                     self.client.set_tag(self.run_id, f"llmadapt.rows_{key}", str(value))
+            self._log_report(result)
         super().close(status)
+
+    def _log_report(self, result: dict[str, Any]) -> None:
+        """The comparison's HTML report (``llmadapt report`` of its runs) as the artifact report.html."""
+        from llmadapt.analysis.htmlreport import report
+
+        run_dirs = [d for row in result.get("rows") or [] for d in (row.get("run_dirs") or [row.get("run_dir")]) if d]
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = report(run_dirs, Path(tmp) / "report.html", title=self.name)
+                with quick_http():
+                    self.client.log_artifact(self.run_id, str(path))
+        except Exception as exc:  # noqa: BLE001 - tracking never fails the comparison
+            print(f"warning: MLflow run {self.name!r}: report.html not logged: {exc}", file=sys.stderr)
 
     def _tag_children(self, result: dict[str, Any]) -> None:
         children = {r.data.tags.get("llmadapt.run_id"): r.info.run_id for r in self.client.search_runs(
