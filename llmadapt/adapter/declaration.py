@@ -77,6 +77,8 @@ class Supports:
     # from them (docs/supports_table.py).
     precisions: tuple[str, ...] = ("fp32",)
     """`precision`: any of `fp32`, `bf16`, `fp16`"""
+    families: tuple[str, ...] = ("llama", "mixtral")
+    """`model.family`: `llama`, `mixtral`, `jamba` (a family is run only by adapters that name it)"""
     dp: bool = False
     """`parallelism.dp` > 1"""
     tp: bool = False
@@ -132,6 +134,8 @@ class Supports:
             if not ok:
                 out.append((field, value, allowed))
 
+        need(workload.model.family in self.families, "model.family", workload.model.family,
+             f"supported: {', '.join(self.families)}")
         need(workload.precision in self.precisions, "precision", workload.precision,
              f"supported: {', '.join(self.precisions)}")
         for name in ("dp", "tp", "pp", "ep"):
@@ -158,6 +162,7 @@ class Supports:
 
     def summary(self) -> str:
         parts = ["/".join(self.precisions)]
+        parts += [f for f in self.families if f not in ("llama", "mixtral")]
         parts += [n for n in ("dp", "tp", "pp", "ep") if getattr(self, n)]
         if self.zero_stages != (0,):
             parts.append("zero" + "".join(map(str, self.zero_stages)))

@@ -21,7 +21,7 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.10"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.11"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
@@ -29,7 +29,8 @@ SCHEMA_VERSION = "1.10"  # 1.1: end records, summary warnings; 1.2: client_load 
 # 1.7: interference records and the summary's interference; the topology's threads;
 # 1.8: the 'diverged' status and failure cause; the step's run_delay_s and the interference summary's step
 # waits; serving's 'degraded' status and the request's 'truncated'; 1.9: the launch record (launch.json, typed:
-# llmadapt.contract.launch); 1.10: the step's grad_norm and the summary's grad_norms
+# llmadapt.contract.launch); 1.10: the step's grad_norm and the summary's grad_norms; 1.11: the header's and the
+# summary's notes
 
 
 @attrs.frozen
@@ -149,6 +150,9 @@ class Header:
     mono_anchor_ns: int
     topology: Topology | None = None
     """How the rank's device connects to the others (training workers); None where not measured."""
+    notes: list[str] = attrs.field(factory=list)
+    """What the adapter saw of how the framework ran that a reader of the figures must know and no patch stands
+    for, one line each: e.g. a model's slow path, where its fused kernels are not installed."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["header"] = "header"
 
@@ -753,5 +757,7 @@ class Summary:
     """Training runs: whether the machine was quiet while the steps were measured, and what disturbed them."""
     grad_norms: list[float | None] | None = None
     """Training runs whose adapter reports it: the global gradient norm at every completed step, by step index."""
+    notes: list[str] = attrs.field(factory=list)
+    """Every rank header's notes, once each (e.g. a model's slow path)."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["summary"] = "summary"
