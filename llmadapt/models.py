@@ -166,7 +166,11 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, pad_token_id: int 
 
     Jamba's Mamba mixers as JambaPreTrainedModel._init_weights makes them: A_log = log(1..d_state) on every
     channel (S4D-real), D one, the conv1d and dt_proj biases zero (so the time step starts at softplus(0) = 0.69,
-    not Mamba's own log-uniform 0.001-0.1: transformers' choice, followed here), conv1d's weight N(0, 0.02)."""
+    not Mamba's own log-uniform 0.001-0.1: transformers' choice, followed here). One deviation: the depthwise
+    conv1d's weight is PyTorch's default U(+-1/sqrt(d_conv)), as mamba_ssm's Mamba leaves it, not N(0, 0.02):
+    four taps of N(0, 0.02) damp the Mamba branch to 0.4% of the residual stream at init (tiny-jamba), so a
+    Mamba layer would barely count and loss parity could not see one computed wrongly; this way it is ~12%
+    (tests/test_jamba.py: Mamba layers without their skip connection move the loss beyond the parity tolerance)."""
     import torch
 
     if name.endswith("mamba.A_log"):
@@ -177,6 +181,9 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, pad_token_id: int 
     if len(shape) == 1:
         return torch.ones(shape, dtype=torch.float32)
     generator = torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}:{name}".encode()).hexdigest()[:15], 16))
+    if name.endswith("mamba.conv1d.weight"):  # PyTorch's (and mamba_ssm's) default: U(+-1/sqrt(d_conv))
+        bound = shape[-1] ** -0.5
+        return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
     tensor = torch.empty(shape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=generator)
     if name == "model.embed_tokens.weight" and pad_token_id is not None:
         tensor[pad_token_id] = 0
