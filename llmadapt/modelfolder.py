@@ -54,6 +54,10 @@ _DIMS = (  # the config.json fields that make a tensor's shape, for the message 
     (r"gate\.weight$", "num_local_experts, hidden_size"),
 )
 
+MAMBA_D_STATE, MAMBA_D_CONV, MAMBA_EXPAND = 16, 4, 2
+"""Jamba's Mamba mixer sizes: fixed at the released checkpoint's (and JambaConfig's defaults), so a jamba model is
+given by the shape fields and its layout; its dt rank is ceil(hidden_size / 16) (JambaConfig's 'auto')."""
+
 
 class FolderError(ValueError):
     """What is wrong with a model folder, in one line (the spec turns it into a WorkloadError on model.path)."""
@@ -230,8 +234,6 @@ def tensor_plan(model: Any) -> list[tuple[str, tuple[int, ...]]]:
 def _jamba_plan(model: Any) -> list[tuple[str, tuple[int, ...]]]:
     """ai21labs/Jamba-v0.1's layout (what transformers' JambaForCausalLM loads; its experts as
     ``feed_forward.experts.E.gate_proj/up_proj/down_proj``, which it fuses on loading)."""
-    from llmadapt.spec.model import MAMBA_D_CONV, MAMBA_D_STATE
-
     h, i, v, d = model.hidden_size, model.intermediate_size, model.vocab_size, model.head_dim
     inner, rank, state = model.mamba_inner, model.mamba_dt_rank, MAMBA_D_STATE
     plan = [("model.embed_tokens.weight", (v, h))]

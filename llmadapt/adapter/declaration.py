@@ -77,8 +77,6 @@ class Supports:
     # from them (docs/supports_table.py).
     precisions: tuple[str, ...] = ("fp32",)
     """`precision`: any of `fp32`, `bf16`, `fp16`"""
-    families: tuple[str, ...] = ("llama", "mixtral")
-    """`model.family`: `llama`, `mixtral`, `jamba` (a family is run only by adapters that name it)"""
     dp: bool = False
     """`parallelism.dp` > 1"""
     tp: bool = False
@@ -112,6 +110,8 @@ class Supports:
     engine_quantization: tuple[str, ...] = ()
     """serving: `serve.engine.quantization`: `none` and the methods named, which the engine takes (with
     `quantization` in `engine`)"""
+    families: tuple[str, ...] = ("llama", "mixtral")
+    """`model.family`: `llama`, `mixtral`, `jamba` (a family is run only by adapters that name it)"""
 
     def engine_problems(self, workload: Workload) -> list[tuple[str, Any, str]]:
         """(field, value, what is allowed) for each engine argument the adapter does not take."""

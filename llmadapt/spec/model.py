@@ -8,15 +8,13 @@ from typing import Any
 import attrs
 
 from llmadapt.errors import WorkloadError
+from llmadapt.modelfolder import MAMBA_D_CONV, MAMBA_D_STATE, MAMBA_EXPAND  # noqa: F401 (the spec's names)
 from llmadapt.spec.fields import at_least, choice
 
 FAMILIES = ("llama", "mixtral", "jamba")
 JAMBA_LAYOUT = ("attn_layer_period", "attn_layer_offset", "expert_layer_period", "expert_layer_offset")
 """Jamba's layer pattern (transformers' JambaConfig names): None for the other families, and then left out of every
 hash, so the llama and mixtral workloads and checkpoints keep the hashes they had."""
-MAMBA_D_STATE, MAMBA_D_CONV, MAMBA_EXPAND = 16, 4, 2
-"""Jamba's Mamba mixer sizes: fixed at the released checkpoint's (and JambaConfig's defaults), so a jamba model is
-given by the shape fields and its layout; its dt rank is ceil(hidden_size / 16) (JambaConfig's 'auto')."""
 
 
 @attrs.frozen
@@ -107,11 +105,6 @@ class ModelSpec:
             return [("attention", self.is_moe)] * self.num_layers
         return [("attention" if n % self.attn_layer_period == self.attn_layer_offset else "mamba",
                  n % self.expert_layer_period == self.expert_layer_offset) for n in range(self.num_layers)]
-
-    @property
-    def moe_layers(self) -> int:
-        """Layers with an MoE block: what expert load is counted over."""
-        return sum(moe for _, moe in self.layer_kinds)
 
     @property
     def mamba_inner(self) -> int:
