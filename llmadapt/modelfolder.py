@@ -54,6 +54,10 @@ _DIMS = (  # the config.json fields that make a tensor's shape, for the message 
     (r"gate\.weight$", "num_local_experts, hidden_size"),
 )
 
+MAMBA_D_STATE, MAMBA_D_CONV, MAMBA_EXPAND = 16, 4, 2
+"""Jamba's Mamba mixer sizes: fixed at the released checkpoint's (and JambaConfig's defaults), so a jamba model is
+given by the shape fields and its layout; its dt rank is ceil(hidden_size / 16) (JambaConfig's 'auto')."""
+
 
 class FolderError(ValueError):
     """What is wrong with a model folder, in one line (the spec turns it into a WorkloadError on model.path)."""
@@ -197,11 +201,13 @@ def _check_tensors(tensors: dict[str, tuple[str, dict[str, Any]]], fields: dict[
 
 
 def tensor_plan(model: Any) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor of the checkpoint, in file order, with its shape: Hugging Face's published Llama and
+    """Every tensor of the checkpoint, in file order, with its shape: Hugging Face's published Llama, Jamba and
     Mixtral layouts (Mixtral's experts as ``block_sparse_moe.experts.E.w1/w2/w3``, which every loader reads).
     ``model``: a ModelSpec, or anything with its shape fields, ``head_dim`` and ``is_moe``. The canonical
     checkpoint is written from it and a model folder's weights are checked against it."""
     h, i, v, d = model.hidden_size, model.intermediate_size, model.vocab_size, model.head_dim
+    if getattr(model, "family", "llama") == "jamba":
+        return _jamba_plan(model)
     plan = [("model.embed_tokens.weight", (v, h))]
     for n in range(model.num_layers):
         p = f"model.layers.{n}"
@@ -220,6 +226,44 @@ def tensor_plan(model: Any) -> list[tuple[str, tuple[int, ...]]]:
             plan += [(f"{p}.mlp.gate_proj.weight", (i, h)), (f"{p}.mlp.up_proj.weight", (i, h)),
                      (f"{p}.mlp.down_proj.weight", (h, i))]
     plan.append(("model.norm.weight", (h,)))
+    if not model.tie_embeddings:
+        plan.append(("lm_head.weight", (v, h)))
+    return plan
+
+
+def _jamba_plan(model: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """ai21labs/Jamba-v0.1's layout (what transformers' JambaForCausalLM loads; its experts as
+    ``feed_forward.experts.E.gate_proj/up_proj/down_proj``, which it fuses on loading)."""
+    h, i, v, d = model.hidden_size, model.intermediate_size, model.vocab_size, model.head_dim
+    inner, rank, state = model.mamba_inner, model.mamba_dt_rank, MAMBA_D_STATE
+    plan = [("model.embed_tokens.weight", (v, h))]
+    for n, (mixer, moe) in enumerate(model.layer_kinds):
+        p = f"model.layers.{n}"
+        plan.append((f"{p}.input_layernorm.weight", (h,)))
+        if mixer == "attention":
+            plan += [(f"{p}.self_attn.q_proj.weight", (model.num_heads * d, h)),
+                     (f"{p}.self_attn.k_proj.weight", (model.num_kv_heads * d, h)),
+                     (f"{p}.self_attn.v_proj.weight", (model.num_kv_heads * d, h)),
+                     (f"{p}.self_attn.o_proj.weight", (h, model.num_heads * d))]
+        else:
+            q = f"{p}.mamba"
+            plan += [(f"{q}.A_log", (inner, state)), (f"{q}.D", (inner,)),
+                     (f"{q}.conv1d.weight", (inner, 1, MAMBA_D_CONV)), (f"{q}.conv1d.bias", (inner,)),
+                     (f"{q}.in_proj.weight", (2 * inner, h)), (f"{q}.x_proj.weight", (rank + 2 * state, inner)),
+                     (f"{q}.dt_proj.weight", (inner, rank)), (f"{q}.dt_proj.bias", (inner,)),
+                     (f"{q}.out_proj.weight", (h, inner)), (f"{q}.dt_layernorm.weight", (rank,)),
+                     (f"{q}.b_layernorm.weight", (state,)), (f"{q}.c_layernorm.weight", (state,))]
+        plan.append((f"{p}.pre_ff_layernorm.weight", (h,)))
+        if moe:
+            plan.append((f"{p}.feed_forward.router.weight", (model.num_experts, h)))
+            for e in range(model.num_experts):
+                q = f"{p}.feed_forward.experts.{e}"
+                plan += [(f"{q}.gate_proj.weight", (i, h)), (f"{q}.up_proj.weight", (i, h)),
+                         (f"{q}.down_proj.weight", (h, i))]
+        else:
+            plan += [(f"{p}.feed_forward.gate_proj.weight", (i, h)), (f"{p}.feed_forward.up_proj.weight", (i, h)),
+                     (f"{p}.feed_forward.down_proj.weight", (h, i))]
+    plan.append(("model.final_layernorm.weight", (h,)))
     if not model.tie_embeddings:
         plan.append(("lm_head.weight", (v, h)))
     return plan

@@ -27,6 +27,7 @@ import attrs
 from llmadapt.host import state_dir
 from llmadapt.modelfolder import content_hash, shard_layout, tensor_plan, write_index
 from llmadapt.spec import CHECKPOINT_RECIPE, ModelSpec
+from llmadapt.spec.model import MAMBA_D_CONV, MAMBA_D_STATE, MAMBA_EXPAND, drop_unset_layout
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 INIT_STD = 0.02  # transformers' initializer_range for Llama and Mixtral
@@ -40,6 +41,7 @@ def checkpoint_key(model: ModelSpec, seed: int) -> str:
     data = attrs.asdict(model)
     for key in ("name", "path", "checksum"):
         data.pop(key)
+    drop_unset_layout(data)
     text = json.dumps({"model": data, "seed": seed, "recipe": CHECKPOINT_RECIPE}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
@@ -85,6 +87,8 @@ def build_tokenizer(vocab_size: int, out_dir: Path):
 def hf_config(model: ModelSpec, tokenizer):
     from transformers import LlamaConfig, MixtralConfig
 
+    if model.family == "jamba":
+        return _jamba_config(model, tokenizer)
     common = dict(
         vocab_size=model.vocab_size,
         hidden_size=model.hidden_size,
@@ -108,6 +112,28 @@ def hf_config(model: ModelSpec, tokenizer):
             **common,
         )
     return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+
+
+def _jamba_config(model: ModelSpec, tokenizer):
+    """Jamba has no rotary embedding (its attention layers see positions through the Mamba layers): rope_theta is
+    not written. The router's auxiliary loss is off, as for Mixtral: the loss is the cross-entropy alone."""
+    from transformers import JambaConfig
+
+    return JambaConfig(
+        vocab_size=model.vocab_size, hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
+        num_hidden_layers=model.num_layers, num_attention_heads=model.num_heads,
+        num_key_value_heads=model.num_kv_heads, max_position_embeddings=model.max_position_embeddings,
+        rms_norm_eps=model.norm_eps, tie_word_embeddings=model.tie_embeddings, num_experts=model.num_experts,
+        num_experts_per_tok=model.experts_per_token, router_aux_loss_coef=0.0,
+        attn_layer_period=model.attn_layer_period, attn_layer_offset=model.attn_layer_offset,
+        expert_layer_period=model.expert_layer_period, expert_layer_offset=model.expert_layer_offset,
+        mamba_d_state=MAMBA_D_STATE, mamba_d_conv=MAMBA_D_CONV, mamba_expand=MAMBA_EXPAND,
+        mamba_dt_rank=model.mamba_dt_rank, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "jamba": "JambaForCausalLM"}
 
 
 def canonical_checkpoint(model: ModelSpec, seed: int, cache: Path | None = None) -> Path:
@@ -136,12 +162,28 @@ def canonical_checkpoint(model: ModelSpec, seed: int, cache: Path | None = None)
 
 def init_tensor(name: str, shape: tuple[int, ...], seed: int, pad_token_id: int | None):
     """One tensor as transformers initialises it (norms one, every matrix N(0, 0.02), the padding row of the
-    embedding zero), from a generator seeded by (seed, name): the same bytes whatever order or shard."""
+    embedding zero), from a generator seeded by (seed, name): the same bytes whatever order or shard.
+
+    Jamba's Mamba mixers as JambaPreTrainedModel._init_weights makes them: A_log = log(1..d_state) on every
+    channel (S4D-real), D one, the conv1d and dt_proj biases zero (so the time step starts at softplus(0) = 0.69,
+    not Mamba's own log-uniform 0.001-0.1: transformers' choice, followed here). One deviation: the depthwise
+    conv1d's weight is PyTorch's default U(+-1/sqrt(d_conv)), as mamba_ssm's Mamba leaves it, not N(0, 0.02):
+    four taps of N(0, 0.02) damp the Mamba branch to 0.4% of the residual stream at init (tiny-jamba), so a
+    Mamba layer would barely count and loss parity could not see one computed wrongly; this way it is ~12%
+    (tests/test_jamba.py: Mamba layers without their skip connection move the loss beyond the parity tolerance)."""
     import torch
 
+    if name.endswith("mamba.A_log"):
+        channels, state = shape
+        return torch.log(torch.arange(1, state + 1, dtype=torch.float32)).expand(channels, state).contiguous()
+    if name.endswith(("mamba.conv1d.bias", "mamba.dt_proj.bias")):
+        return torch.zeros(shape, dtype=torch.float32)
     if len(shape) == 1:
         return torch.ones(shape, dtype=torch.float32)
     generator = torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}:{name}".encode()).hexdigest()[:15], 16))
+    if name.endswith("mamba.conv1d.weight"):  # PyTorch's (and mamba_ssm's) default: U(+-1/sqrt(d_conv))
+        bound = shape[-1] ** -0.5
+        return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
     tensor = torch.empty(shape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=generator)
     if name == "model.embed_tokens.weight" and pad_token_id is not None:
         tensor[pad_token_id] = 0
@@ -158,16 +200,17 @@ def _build(model: ModelSpec, seed: int, out: Path, shard_bytes: int | None = Non
     if len(tokenizer) > model.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but model.vocab_size is {model.vocab_size}")
     config = hf_config(model, tokenizer)
-    config.architectures = ["MixtralForCausalLM" if model.is_moe else "LlamaForCausalLM"]
+    config.architectures = [ARCHITECTURES[model.family]]
     config.dtype = "float32"
     config.save_pretrained(str(out))
     GenerationConfig.from_model_config(config).save_pretrained(str(out))
     # transformers 5.x writes rope settings only as rope_parameters; older readers (4.51)
     # ignore that and fall back to their default theta. Write it at the top level as well.
     cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["rope_theta"] = model.rope_theta
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    if model.family != "jamba":  # no rotary embedding in Jamba
+        cfg = json.loads(cfg_path.read_text())
+        cfg["rope_theta"] = model.rope_theta
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
     plan = dict(tensor_plan(model))
     layout = shard_layout([(name, 4 * math.prod(shape)) for name, shape in plan.items()], shard_bytes or SHARD_BYTES)

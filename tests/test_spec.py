@@ -81,7 +81,7 @@ def test_overrides_parse_values():
         (["train.micro_batch=3"], "workload field 'train.micro_batch': got 3; must divide the per-rank batch "
                                   "global_batch/dp = 8"),
         (["model.preset=llama3"], "workload field 'model.preset': got 'llama3'; known presets: llama2-7b, "
-                                  "llama2-13b, llama2-70b, mixtral-8x7b, tiny-llama, tiny-mixtral"),
+                                  "llama2-13b, llama2-70b, mixtral-8x7b, jamba-v0.1, tiny-llama, tiny-mixtral, tiny-jamba"),
         (["train.stepz=3"], "workload field 'train.stepz': got 3; unknown field (did you mean 'steps'?); known here: global_batch, lr, "
                             "micro_batch, on_nonfinite, optimizer, optimizer_impl, seq_len, steps, warmup_steps, weight_decay"),
         (["precision=fp8"], "workload field 'precision': got 'fp8'; allowed: fp32, bf16, fp16"),

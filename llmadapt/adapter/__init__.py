@@ -21,6 +21,8 @@ the hook alone, not the records, the workload or the plugin manager: `llmadapt a
 - serving: ``OpenAICompatibleServer`` (the module ``llmadapt.adapter.sse`` has its SSE helpers)
 - MoE: ``ExpertLoadCounter`` (the module ``llmadapt.adapter.moe`` has the near-tie and all-reduce helpers)
 - tracking sinks: the module ``llmadapt.adapter.tracking`` names the metrics of a record and a summary
+- kernels: the module ``llmadapt.adapter.kernels``'s ``slow_paths(model)``, lines for ``Trainer.notes`` naming the
+  layers that run transformers' PyTorch reference where a fused kernel's package is missing (Jamba's Mamba mixer)
 - hookspecs: ``hookimpl`` and the hooks ``llmadapt_register_adapters``, ``llmadapt_record_sink`` and
   ``llmadapt_experiment_sink``
 - plugins: how adapters are found (``adapters()``, ``get_adapter``, ``check_supported``)

@@ -110,6 +110,8 @@ class Supports:
     engine_quantization: tuple[str, ...] = ()
     """serving: `serve.engine.quantization`: `none` and the methods named, which the engine takes (with
     `quantization` in `engine`)"""
+    families: tuple[str, ...] = ("llama", "mixtral")
+    """`model.family`: `llama`, `mixtral`, `jamba` (a family is run only by adapters that name it)"""
 
     def engine_problems(self, workload: Workload) -> list[tuple[str, Any, str]]:
         """(field, value, what is allowed) for each engine argument the adapter does not take."""
@@ -132,6 +134,8 @@ class Supports:
             if not ok:
                 out.append((field, value, allowed))
 
+        need(workload.model.family in self.families, "model.family", workload.model.family,
+             f"supported: {', '.join(self.families)}")
         need(workload.precision in self.precisions, "precision", workload.precision,
              f"supported: {', '.join(self.precisions)}")
         for name in ("dp", "tp", "pp", "ep"):
@@ -158,6 +162,7 @@ class Supports:
 
     def summary(self) -> str:
         parts = ["/".join(self.precisions)]
+        parts += [f for f in self.families if f not in ("llama", "mixtral")]
         parts += [n for n in ("dp", "tp", "pp", "ep") if getattr(self, n)]
         if self.zero_stages != (0,):
             parts.append("zero" + "".join(map(str, self.zero_stages)))

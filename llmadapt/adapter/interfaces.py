@@ -53,7 +53,8 @@ class Trainer(abc.ABC):
 
     Lifecycle, all inside the worker process: ``__init__(ctx)``, ``setup()`` (build or load
     the model from ``ctx.checkpoint``, wrap it, make the optimizer; append any compatibility
-    patch to ``self.patches``), then ``step(batch)`` for every warm-up and measured step, then
+    patch to ``self.patches``, and to ``self.notes`` a line for what a reader must know of how it ran, such as
+    a model's slow path: ``llmadapt.adapter.kernels.slow_paths``), then ``step(batch)`` for every warm-up and measured step, then
     ``teardown()``. Raise exceptions freely: the core records them as failures.
     """
 
@@ -62,6 +63,7 @@ class Trainer(abc.ABC):
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
         self.patches: list[Patch] = []
+        self.notes: list[str] = []
 
     @abc.abstractmethod
     def setup(self) -> None:

@@ -2,7 +2,8 @@
 
 Works with transformers 5.x (``*TopKRouter`` modules return the chosen expert indices) and
 4.x (the ``gate`` linear of a ``*SparseMoeBlock`` returns router logits: top-k is taken here
-with the block's own k). Counts only during the forward pass proper (``counting`` is set by
+with the block's own k), and with Jamba's blocks, whose router is a linear called ``router`` in 5.x (top-k of
+its logits, as the block takes it of their softmax). Counts only during the forward pass proper (``counting`` is set by
 the caller), so recomputation in the backward pass is not counted twice.
 
 Near-ties: a token whose k-th and (k+1)-th router logits are closer than floating-point noise is routed
@@ -50,9 +51,12 @@ class ExpertLoadCounter:
             if name.endswith("TopKRouter"):
                 self._layers.append(module)
                 module.register_forward_hook(self._hook(len(self._layers) - 1, None))
-            elif name.endswith("SparseMoeBlock") and isinstance(getattr(module, "gate", None), torch.nn.Linear):
-                self._layers.append(module.gate)
-                module.gate.register_forward_hook(self._hook(len(self._layers) - 1, module.top_k))
+            elif name.endswith("SparseMoeBlock"):
+                router = next((r for r in (getattr(module, "gate", None), getattr(module, "router", None))
+                               if isinstance(r, torch.nn.Linear)), None)
+                if router is not None:
+                    self._layers.append(router)
+                    router.register_forward_hook(self._hook(len(self._layers) - 1, module.top_k))
         if not self._layers:
             raise RuntimeError("MoE model has no recognisable router modules to count expert load from")
         self.counts = torch.zeros(len(self._layers), num_experts, dtype=torch.long)

@@ -131,14 +131,25 @@ def check_supported(info: AdapterInfo, workload) -> None:
     if workload.kind == "serve" and workload.serve.mode == "offline" and "offline" not in info.roles:
         raise UnsupportedError(f"adapter {info.name!r} cannot run serve.mode='offline': it has no offline API "
                                f"(roles: {', '.join(info.roles)})")
-    # Training declarations say nothing about serving engines: serve workloads meet only the adapter's own rules.
-    problems = info.supports.engine_problems(workload) if workload.kind == "serve" else \
-        info.supports.problems(workload)
+    # Training declarations say nothing about serving engines: serve workloads meet only the adapter's own rules
+    # (and the model family, which every role needs).
+    family = workload.model.family
+    problems = [] if family in info.supports.families else [("model.family", family, _family_refusal(workload))]
+    problems += info.supports.engine_problems(workload) if workload.kind == "serve" else \
+        [p for p in info.supports.problems(workload) if p[0] != "model.family"]
     problems += info.check(workload) if info.check else []
     if problems:
         field, value, allowed = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise UnsupportedError(f"adapter {info.name!r} cannot run {field}={value!r}: {allowed}{more}")
+
+
+def _family_refusal(workload) -> str:
+    """What runs a model family this adapter does not: the registered adapters that declare it for this role."""
+    family, role = workload.model.family, workload.kind
+    others = [name for name, a in adapters().items() if family in a.supports.families and role in a.roles]
+    use = f"use {' or '.join(others)}" if others else f"no registered adapter runs it for kind={role!r}"
+    return f"this adapter does not run {family} models; {use}"
 
 
 @lru_cache(maxsize=1)

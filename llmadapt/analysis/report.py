@@ -136,6 +136,8 @@ def render_summary(s: dict[str, Any]) -> str:
         lines.append(f"phase      {name:<24} {secs:.4f} s{share}")
     for p in s.get("patches", []):
         lines.append(f"patch      {p['framework']}: {p['name']} ({p['kind']}) - {p['description']}")
+    for note in s.get("notes", []):
+        lines.append(f"note       {note}")
     if s.get("expert_imbalance"):
         lines += ["", "experts    load per MoE layer over the steps after warm-up (CV: std/mean of tokens per expert)",
                   render_imbalance(s["expert_imbalance"])]

@@ -9,6 +9,13 @@ term, whose score and value products run over all H query heads. The attention t
 non-causal one (PaLM), so it overstates causal attention work by about 2x. Forward is 1/3,
 backward 2/3. Recomputation is not counted in MFU's model FLOPs; HFU's hardware FLOPs count it.
 
+Jamba (a hybrid of attention and Mamba layers): N counts each layer as it is (attention or Mamba mixer, MoE block
+or dense MLP); the attention term runs over its attention layers only; each Mamba layer adds its selective scan,
+which no parameter stands for: 9 FLOPs per token, inner channel and state in the forward (discretising A and B,
+B times x, the state update's multiply and add, the output's product with C: mamba_ssm's own count,
+9 * B * L * D * N), 27 with the backward. The Mamba mixer's parameters (in_proj, the depthwise conv1d, x_proj,
+dt_proj, out_proj; A_log, D, its biases and norms, as the norms of every layer are) are in N.
+
 LoRA (``training_flops``): the frozen base computes no weight gradients, so each of its N parameters costs 4
 FLOPs per token (forward, and the gradient with respect to its input), not 6; the adapters (r * (in + out)
 parameters per target matrix) cost 6. A quantized base is counted as the dense math it stands for, at the
@@ -18,37 +25,67 @@ workload's precision: dequantising it is overhead, not model work.
 from __future__ import annotations
 
 from llmadapt.spec import ModelSpec
+from llmadapt.spec.model import MAMBA_D_CONV, MAMBA_D_STATE
 
-CONVENTION = "palm: 6*N(active, non-embedding, output projection counted) + 12*L*H*Q*T"
+CONVENTION = "palm: 6*N(active, non-embedding, output projection counted) + 12*L*H*Q*T (+ 27*I*S per Mamba layer)"
+SCAN_FLOPS = 9
+"""Forward FLOPs of the selective scan per token, inner channel and state (mamba_ssm's count)."""
 
 
-def layer_params(model: ModelSpec, *, active: bool) -> int:
-    h, kv_dim = model.hidden_size, model.num_kv_heads * model.head_dim
-    attention = 2 * h * h + 2 * h * kv_dim  # q and o projections; k and v (GQA)
-    expert = 3 * h * model.intermediate_size  # SwiGLU: gate, up, down
-    if model.is_moe:
-        experts = model.experts_per_token if active else model.num_experts
-        mlp = experts * expert + h * model.num_experts  # + router
-    else:
-        mlp = expert
-    return attention + mlp + 2 * h  # two RMSNorm weights
+def _mixer_params(model: ModelSpec, mixer: str) -> int:
+    h = model.hidden_size
+    if mixer == "attention":
+        return 2 * h * model.num_heads * model.head_dim + 2 * h * model.num_kv_heads * model.head_dim  # q, o; k, v
+    inner, rank, state = model.mamba_inner, model.mamba_dt_rank, MAMBA_D_STATE
+    return (h * 2 * inner + inner * MAMBA_D_CONV + inner  # in_proj; depthwise conv1d and its bias
+            + inner * (rank + 2 * state) + rank * inner + inner  # x_proj; dt_proj and its bias
+            + inner * h + inner * state + inner + rank + 2 * state)  # out_proj; A_log, D; dt, B and C norms
+
+
+def _mlp_params(model: ModelSpec, moe: bool, active: bool) -> int:
+    expert = 3 * model.hidden_size * model.intermediate_size  # SwiGLU: gate, up, down
+    if not moe:
+        return expert
+    experts = model.experts_per_token if active else model.num_experts
+    return experts * expert + model.hidden_size * model.num_experts  # + router
+
+
+def layer_params(model: ModelSpec, *, active: bool, layer: int = 0) -> int:
+    """Parameters of one layer (``layer``: which, where they differ: a jamba's)."""
+    mixer, moe = model.layer_kinds[layer]
+    return _mixer_params(model, mixer) + _mlp_params(model, moe, active) + 2 * model.hidden_size  # two RMSNorms
 
 
 def param_count(model: ModelSpec, *, active: bool = False, embedding: bool = True) -> int:
     """Parameters of the model; `active` counts only top-k experts; `embedding` includes the input embedding."""
     h, v = model.hidden_size, model.vocab_size
-    body = model.num_layers * layer_params(model, active=active) + h  # + final norm
+    body = sum(layer_params(model, active=active, layer=n) for n in range(model.num_layers)) + h  # + final norm
     output = 0 if model.tie_embeddings else h * v
     return body + output + (h * v if embedding else 0)
 
 
-def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward), PaLM convention."""
+def attention_flops(model: ModelSpec, seq_len: int) -> float:
+    """Training FLOPs per token of the attention layers' score and value products (PaLM's 12*L*H*Q*T)."""
+    layers = sum(mixer == "attention" for mixer, _ in model.layer_kinds)
+    return float(12 * layers * model.num_heads * model.head_dim * seq_len)
+
+
+def scan_flops(model: ModelSpec) -> float:
+    """Training FLOPs per token of the Mamba layers' selective scans (forward and backward: 3 x SCAN_FLOPS)."""
+    layers = sum(mixer == "mamba" for mixer, _ in model.layer_kinds)
+    return float(3 * SCAN_FLOPS * layers * model.mamba_inner * MAMBA_D_STATE) if layers else 0.0
+
+
+def _matmul_params(model: ModelSpec) -> int:
     n = param_count(model, active=True, embedding=False)
     if model.tie_embeddings:
         n += model.hidden_size * model.vocab_size  # tied: the output matmul still runs
-    attention = 12 * model.num_layers * model.num_heads * model.head_dim * seq_len
-    return float(6 * n + attention)
+    return n
+
+
+def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), PaLM convention (and Jamba's scan: module docstring)."""
+    return float(6 * _matmul_params(model) + attention_flops(model, seq_len) + scan_flops(model))
 
 
 _TARGET_SHAPES = {  # (in, out) of each LoRA target matrix, by its transformers name
@@ -59,7 +96,22 @@ _TARGET_SHAPES = {  # (in, out) of each LoRA target matrix, by its transformers 
     "gate_proj": lambda m: (m.hidden_size, m.intermediate_size),
     "up_proj": lambda m: (m.hidden_size, m.intermediate_size),
     "down_proj": lambda m: (m.intermediate_size, m.hidden_size),
+    # jamba's Mamba mixers
+    "in_proj": lambda m: (m.hidden_size, 2 * m.mamba_inner),
+    "x_proj": lambda m: (m.mamba_inner, m.mamba_dt_rank + 2 * MAMBA_D_STATE),  # dt, B and C
+    "dt_proj": lambda m: (m.mamba_dt_rank, m.mamba_inner),
+    "out_proj": lambda m: (m.mamba_inner, m.hidden_size),
 }
+_TARGET_MIXER = {"q_proj": "attention", "k_proj": "attention", "v_proj": "attention", "o_proj": "attention",
+                 "in_proj": "mamba", "x_proj": "mamba", "dt_proj": "mamba", "out_proj": "mamba"}
+"""Which layers hold a target (the MLP's, every layer: LoRA targets them on dense models only)."""
+
+
+def _lora_params(workload) -> int:
+    m, rank = workload.model, workload.lora.rank
+    kinds = [mixer for mixer, _ in m.layer_kinds]
+    return sum(rank * sum(_TARGET_SHAPES[t](m)) * sum(_TARGET_MIXER.get(t, k) == k for k in kinds)
+               for t in workload.lora.target_modules if t in _TARGET_SHAPES)
 
 
 def training_flops(workload) -> tuple[float, float]:
@@ -69,13 +121,11 @@ def training_flops(workload) -> tuple[float, float]:
     value products for 'selective')."""
     m, seq = workload.model, workload.train.seq_len
     full = model_flops_per_token(m, seq)
-    attention = 12 * m.num_layers * m.num_heads * m.head_dim * seq
+    attention = attention_flops(m, seq)
     if workload.lora.rank:
-        n = (full - attention) / 6  # the matmul parameters of the base
-        adapters = sum(workload.lora.rank * sum(_TARGET_SHAPES[t](m)) for t in workload.lora.target_modules
-                       if t in _TARGET_SHAPES) * m.num_layers
-        model = 4 * n + 6 * adapters + attention
-        forward = 2 * n + 2 * adapters + attention / 3
+        n, adapters, scan = _matmul_params(m), _lora_params(workload), scan_flops(m)
+        model = 4 * n + 6 * adapters + attention + scan  # the scan's input gradient: its backward stays whole
+        forward = 2 * n + 2 * adapters + (attention + scan) / 3
     else:
         model, forward = full, full / 3
     recompute = workload.optimizations.recompute

@@ -30,7 +30,7 @@ SCHEMA_VERSION = "1.11"  # 1.1: end records, summary warnings; 1.2: client_load 
 # 1.8: the 'diverged' status and failure cause; the step's run_delay_s and the interference summary's step
 # waits; serving's 'degraded' status and the request's 'truncated'; 1.9: the launch record (launch.json, typed:
 # llmadapt.contract.launch); 1.10: the step's grad_norm and the summary's grad_norms; 1.11: the summary's
-# measured_by (serving runs imported from other tools' result files)
+# measured_by (serving runs imported from other tools' result files), the header's and the summary's notes
 
 
 @attrs.frozen
@@ -150,6 +150,9 @@ class Header:
     mono_anchor_ns: int
     topology: Topology | None = None
     """How the rank's device connects to the others (training workers); None where not measured."""
+    notes: list[str] = attrs.field(factory=list)
+    """What the adapter saw of how the framework ran that a reader of the figures must know and no patch stands
+    for, one line each: e.g. a model's slow path, where its fused kernels are not installed."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["header"] = "header"
 
@@ -757,5 +760,7 @@ class Summary:
     measured_by: str | None = None
     """The tool that measured the run where it was not llmadapt ('vllm bench serve 0.32.0', 'AIPerf 0.13.0'): a
     serving result imported from that tool's file (llmadapt.analysis.foreign); None: measured by llmadapt."""
+    notes: list[str] = attrs.field(factory=list)
+    """Every rank header's notes, once each (e.g. a model's slow path)."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["summary"] = "summary"

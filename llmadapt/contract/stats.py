@@ -178,6 +178,7 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest)
             window_tokens),
         evaluations=_evaluations(records),
         interference=interference_summary([r for r in records if r["type"] == "interference"], step_waits),
+        notes=list(dict.fromkeys(note for h in headers.values() for note in h.get("notes", []))),
     )
 
 

@@ -10,6 +10,15 @@ ENVIRONMENT = EnvironmentSpec(name="torch", requirements=TOOLS_ENVIRONMENT.requi
 LLMADAPT_PYTHON_TORCH): the same recipe, so the same build."""
 
 
+def check(workload):
+    """The reference adapter's rule that `Supports` cannot express."""
+    if workload.model.family == "jamba" and workload.optimizations.quantization != "none":
+        return [("optimizations.quantization", workload.optimizations.quantization,
+                 "none for jamba (its Mamba mixer reads dt_proj's weight directly, which a quantized linear packs; "
+                 "not exercised)")]
+    return []
+
+
 @hookimpl
 def llmadapt_register_adapters(register):
     register(AdapterInfo(
@@ -27,8 +36,10 @@ def llmadapt_register_adapters(register):
             quantization=("none", "int8", "nf4", "fp4"),
             lora=True,
             moe=True,
+            families=("llama", "mixtral", "jamba"),
             save=True,
         ),
+        check=check,
         description="Plain PyTorch + transformers: DDP over gloo/NCCL, gradient checkpointing, peft LoRA, "
                     "bitsandbytes QLoRA. The reference every other adapter is compared against.",
     ))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from llmadapt.adapter import FineTuner, Phase, Span, StepResult, Trainer
+from llmadapt.adapter.kernels import slow_paths
 from llmadapt.adapter.moe import ExpertLoadCounter
 
 
@@ -38,6 +39,7 @@ class TorchTrainer(Trainer):
             kwargs["device_map"] = {"": ctx.device}
         model = AutoModelForCausalLM.from_pretrained(str(ctx.checkpoint), **kwargs)
         self.model_loaded()
+        self.notes += slow_paths(model)
         if quant == "none":
             model.to(ctx.device)
         model.config.use_cache = False

@@ -116,6 +116,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
             framework_version=trainer.framework_version(),
             checkpoint_hash=workload.model.checksum or recorded_weights_hash(checkpoint), device=describe_device(device),
             software=software_versions(), patches=list(trainer.patches), topology=describe_topology(device),
+            notes=list(getattr(trainer, "notes", [])),  # an adapter written before notes may not call our __init__
         ))
 
         for metric in setup:

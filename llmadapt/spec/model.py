@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
 
 from llmadapt.errors import WorkloadError
+from llmadapt.modelfolder import MAMBA_D_CONV, MAMBA_D_STATE, MAMBA_EXPAND  # noqa: F401 (the spec's names)
 from llmadapt.spec.fields import at_least, choice
 
-FAMILIES = ("llama", "mixtral")
+FAMILIES = ("llama", "mixtral", "jamba")
+JAMBA_LAYOUT = ("attn_layer_period", "attn_layer_offset", "expert_layer_period", "expert_layer_offset")
+"""Jamba's layer pattern (transformers' JambaConfig names): None for the other families, and then left out of every
+hash, so the llama and mixtral workloads and checkpoints keep the hashes they had."""
 
 
 @attrs.frozen
 class ModelSpec:
-    """Model shape. Decoder-only Llama-style (RMSNorm, rotary, SwiGLU, GQA); MoE when num_experts > 0."""
+    """Model shape. Decoder-only Llama-style (RMSNorm, rotary, SwiGLU, GQA); MoE when num_experts > 0.
+
+    Family 'jamba' (AI21's Jamba, transformers' JambaForCausalLM): a hybrid whose layers are attention (no rotary)
+    once every ``attn_layer_period`` layers from ``attn_layer_offset`` and Mamba mixers otherwise, each followed by
+    an MoE block once every ``expert_layer_period`` layers from ``expert_layer_offset`` and by a dense SwiGLU MLP
+    otherwise."""
 
     name: str = "custom"
     """Preset name or 'custom'; a label only (not part of the workload hash)."""
@@ -32,6 +42,14 @@ class ModelSpec:
     """0 for a dense model; otherwise experts per MoE layer (every layer is MoE)."""
     experts_per_token: int = attrs.field(default=2, validator=at_least(1))
     """Top-k routing: experts each token is sent to (MoE only)."""
+    attn_layer_period: int | None = attrs.field(default=None, validator=at_least(1))
+    """jamba only: an attention layer once in this many (Jamba-v0.1: 8); the others are Mamba layers."""
+    attn_layer_offset: int | None = attrs.field(default=None, validator=at_least(0))
+    """jamba only: the first attention layer's index (Jamba-v0.1: 4)."""
+    expert_layer_period: int | None = attrs.field(default=None, validator=at_least(1))
+    """jamba only: an MoE block once in this many layers (Jamba-v0.1: 2); the others have a dense MLP."""
+    expert_layer_offset: int | None = attrs.field(default=None, validator=at_least(0))
+    """jamba only: the first MoE layer's index (Jamba-v0.1: 1)."""
     tie_embeddings: bool = False
     path: str | None = None
     """A local Hugging Face model folder (config.json, safetensors, tokenizer.json): its weights and tokenizer
@@ -46,6 +64,22 @@ class ModelSpec:
             raise WorkloadError("hidden_size", self.hidden_size, f"must be divisible by num_heads={self.num_heads}")
         if self.num_heads % self.num_kv_heads:
             raise WorkloadError("num_kv_heads", self.num_kv_heads, f"must divide num_heads={self.num_heads}")
+        layout = {name: getattr(self, name) for name in JAMBA_LAYOUT}
+        if self.family == "jamba":
+            missing = next((name for name, value in layout.items() if value is None), None)
+            if missing:
+                raise WorkloadError(missing, None, "family 'jamba' needs its layer layout (preset 'jamba-v0.1' has "
+                                                   "the released one)")
+            for kind in ("attn", "expert"):
+                period, offset = layout[f"{kind}_layer_period"], layout[f"{kind}_layer_offset"]
+                if offset >= period:
+                    raise WorkloadError(f"{kind}_layer_offset", offset, f"must be < {kind}_layer_period={period}")
+            if self.num_experts < 2:
+                raise WorkloadError("num_experts", self.num_experts, "family 'jamba' needs num_experts >= 2 (its "
+                                                                     "MoE layers)")
+        elif any(value is not None for value in layout.values()):
+            name = next(name for name, value in layout.items() if value is not None)
+            raise WorkloadError(name, layout[name], f"only for family 'jamba' (this model is {self.family!r})")
         if self.family == "mixtral" and self.num_experts < 1:
             raise WorkloadError("num_experts", self.num_experts, "family 'mixtral' needs num_experts >= 1")
         if self.family == "llama" and self.num_experts:
@@ -63,6 +97,34 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def layer_kinds(self) -> list[tuple[str, bool]]:
+        """(mixer, MoE?) of every layer: mixer 'attention' or 'mamba' (jamba), MoE true where the layer's MLP is
+        an MoE block (every layer of a mixtral, the pattern's layers of a jamba)."""
+        if self.family != "jamba":
+            return [("attention", self.is_moe)] * self.num_layers
+        return [("attention" if n % self.attn_layer_period == self.attn_layer_offset else "mamba",
+                 n % self.expert_layer_period == self.expert_layer_offset) for n in range(self.num_layers)]
+
+    @property
+    def mamba_inner(self) -> int:
+        """jamba: the Mamba mixer's inner width (expand x hidden_size)."""
+        return MAMBA_EXPAND * self.hidden_size
+
+    @property
+    def mamba_dt_rank(self) -> int:
+        """jamba: the rank of the time-step projection (JambaConfig's 'auto': ceil(hidden_size / 16))."""
+        return math.ceil(self.hidden_size / 16)
+
+
+def drop_unset_layout(model: dict[str, Any]) -> dict[str, Any]:
+    """A model's dict less the jamba layout fields a family without them leaves unset: hashes stay what they were
+    before jamba came (JAMBA_LAYOUT)."""
+    for name in JAMBA_LAYOUT:
+        if model.get(name, 0) is None:
+            model.pop(name)
+    return model
+
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # Real shapes, from the published configs.
@@ -75,12 +137,22 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": dict(family="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                          num_layers=32, num_heads=32, num_kv_heads=8, max_position_embeddings=32768,
                          rope_theta=1e6, num_experts=8, experts_per_token=2),
+    # ai21labs/Jamba-v0.1's config (transformers' JambaConfig defaults): 52B parameters, 12B active.
+    "jamba-v0.1": dict(family="jamba", vocab_size=65536, hidden_size=4096, intermediate_size=14336,
+                       num_layers=32, num_heads=32, num_kv_heads=8, max_position_embeddings=262144, norm_eps=1e-6,
+                       num_experts=16, experts_per_token=2, attn_layer_period=8, attn_layer_offset=4,
+                       expert_layer_period=2, expert_layer_offset=1),
     # Tiny shapes for CPU: same architecture, GQA included, seconds per run.
     "tiny-llama": dict(family="llama", vocab_size=512, hidden_size=64, intermediate_size=176,
                        num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=256),
     "tiny-mixtral": dict(family="mixtral", vocab_size=512, hidden_size=64, intermediate_size=128,
                          num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=256,
                          rope_theta=1e6, num_experts=4, experts_per_token=2),
+    # Jamba's pattern in four layers: mamba+MLP, mamba+MoE, attention+MLP, mamba+MoE.
+    "tiny-jamba": dict(family="jamba", vocab_size=512, hidden_size=64, intermediate_size=128,
+                       num_layers=4, num_heads=4, num_kv_heads=2, max_position_embeddings=256, norm_eps=1e-6,
+                       num_experts=4, experts_per_token=2, attn_layer_period=4, attn_layer_offset=2,
+                       expert_layer_period=2, expert_layer_offset=1),
 }
 
 

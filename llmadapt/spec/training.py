@@ -17,6 +17,8 @@ EVAL_MATCHES = ("tokens", "number")
 LORA_TARGETS = {
     "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    # jamba: the attention layers' projections and the Mamba mixers' (experts fused, as Mixtral's)
+    "jamba": ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "x_proj", "dt_proj", "out_proj"),
 }
 
 

@@ -14,7 +14,7 @@ from llmadapt.errors import WorkloadError
 from llmadapt.spec.data import DataSpec
 from llmadapt.spec.fields import choice
 from llmadapt.spec.loading import build, field_at, file_data, flatten, load_yaml
-from llmadapt.spec.model import CHECKPOINT_RECIPE, MODEL_PRESETS, ModelSpec
+from llmadapt.spec.model import CHECKPOINT_RECIPE, MODEL_PRESETS, ModelSpec, drop_unset_layout
 from llmadapt.spec.parallelism import Optimizations, Parallelism
 from llmadapt.spec.serving import EngineSpec, ServeSpec, SourceSpec
 from llmadapt.spec.training import EvalSpec, LoraSpec, ProfileSpec, SaveSpec, TelemetrySpec, TrainSpec
@@ -241,6 +241,7 @@ def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
         data["model"].pop(key)
     if data["model"]["checksum"] is None:
         data["model"].pop("checksum")
+    drop_unset_layout(data["model"])
     return data
 
 

@@ -431,6 +431,9 @@ def estimate(workload: Workload | str | Path, device: str | DeviceSpec, *, optio
              factors: Factors | None = None) -> Estimate:
     """Predict memory, FLOPs, step time, throughput, max batch and cost of a workload on a device."""
     w = workload if isinstance(workload, Workload) else Workload.from_file(workload)
+    if w.model.family not in ("llama", "mixtral"):
+        raise LlmadaptError(f"estimate models llama and mixtral layers only, not {w.model.family}'s (Mamba layers): "
+                            "measure it (llmadapt run, maxbatch)")
     spec = device if isinstance(device, DeviceSpec) else find_device(device, extra=catalog)
     factors = factors or load_factors(spec, calibration)
     b = w.micro_batch

@@ -86,6 +86,10 @@ def check(workload) -> list[tuple[str, Any, str]]:
     if (workload.train.optimizer_impl == "cpu_adam" and workload.optimizations.offload == "none"
             and cuda_visible()):
         out.append(("train.optimizer_impl", "cpu_adam", CPU_ADAM_ON_CUDA))
+    if workload.model.family == "jamba" and workload.optimizations.quantization != "none":
+        out.append(("optimizations.quantization", workload.optimizations.quantization,
+                    "none for jamba (its Mamba mixer reads dt_proj's weight directly, which a quantized linear "
+                    "packs; not exercised)"))
     return out
 
 
@@ -103,6 +107,7 @@ SUPPORTS = Supports(
     quantization=("none", "nf4", "fp4"),
     lora=True,
     moe=True,
+    families=("llama", "mixtral", "jamba"),  # jamba: transformers' JambaForCausalLM, ZeRO 0-3 (see trainer)
     # torch.optim (default, nothing compiles) or DeepSpeedCPUAdam (C++, JIT-compiled once per machine).
     optimizer_impls=("torch", "cpu_adam"),
     save=True,  # ZeRO-3 partitions gathered; LoRA merged

@@ -21,6 +21,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from llmadapt.adapter import Comm, FineTuner, Metric, Patch, Phase, Span, StepResult, Trainer, bandwidths
+from llmadapt.adapter.kernels import slow_paths
 
 from .config import ADAM_BETAS, ADAM_EPS, build_config, client_cpu_adam, expected_optimizer, gradient_accumulation_steps
 from .plugin import CPU_ADAM_ON_CUDA, FP16_ON_CPU
@@ -104,6 +105,7 @@ class DeepSpeedTrainer(Trainer):
         )
         self.model_loaded()
         model.config.use_cache = False
+        self.notes += slow_paths(model)
         if quant != "none":
             from peft import prepare_model_for_kbit_training
 
