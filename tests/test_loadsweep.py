@@ -601,3 +601,129 @@ def test_a_count_over_repeated_runs_prints_as_a_count():
     from llmadapt.analysis.comparison import format_value
 
     assert [format_value(v, "d") for v in (3, 3.0, 2.5, None)] == ["3", "3", "2.5", "-"]
+
+
+# -- engine configurations and the throughput-latency frontier ------------------------------------------------------
+def test_the_frontier_is_the_points_no_other_beats_on_both():
+    from llmadapt.analysis.pareto import on_frontier
+
+    points = [(10.0, 100.0), (20.0, 150.0), (15.0, 90.0), (20.0, 150.0), (30.0, 140.0), (None, 500.0), (5.0, None),
+              (10.0, 100.0)]
+    # (15, 90) is beaten by (10, 100); (30, 140) by (20, 150); equal points do not beat each other; a point
+    # without a figure is never on it
+    assert on_frontier(points) == [True, True, False, True, False, False, False, True]
+    assert on_frontier([]) == [] and on_frontier([(1.0, 1.0)]) == [True]
+
+
+def test_the_stream_prefix_share_counts_tokens_that_repeat_an_earlier_prompt():
+    from llmadapt.adapter.context import PlannedRequest
+    from llmadapt.runtime.loadgen import prefix_share
+
+    def req(i: int, ids: list[int], warmup: bool = False) -> PlannedRequest:
+        return PlannedRequest(index=i, warmup=warmup, offset_s=0.0, prompt="", prompt_token_ids=ids,
+                              input_tokens=len(ids), output_tokens=1, ignore_eos=True, api="completions")
+
+    plan = [req(0, [1, 2, 3, 4], warmup=True),  # earlier, not measured
+            req(1, [1, 2, 3, 9, 9]),  # 3 of 5 repeat the warm-up's start
+            req(2, [1, 2, 3, 9, 9, 7]),  # 5 of 6 repeat request 1's
+            req(3, [8, 1, 2])]  # starts differently: none (a repeat inside a prompt is not a prefix)
+    assert prefix_share(plan) == pytest.approx((3 + 5 + 0) / (5 + 6 + 3))
+    assert prefix_share(plan[:1]) is None  # no measured request
+
+
+def test_engine_matrix_and_pareto_mistakes_are_one_line_before_any_engine_starts(tmp_path):
+    out = tmp_path / "runs"
+    for argv, message in (
+            (["--engine-matrix", "serve.requests=2,4"], "--engine-matrix 'serve.requests': only engine settings vary "
+                                                        "here"),
+            (["--engine-matrix", "serve.engine.max_sequences=2,4"], "adapter 'hf' cannot run "
+                                                                    "serve.engine.max_sequences=2"),
+            (["--engine-matrix", "serve.engine.max_batched_tokens"], "--matrix 'serve.engine.max_batched_tokens': use "
+                                                                     "path=v1,v2"),
+            (["--pareto", "e2el_p95"], "--pareto 'e2el_p95': a latency percentile")):
+        code, _, stderr = _cli("load-sweep", str(EXAMPLES / "serve-tiny.toml"), "--adapters", "hf", "--rates", "2",
+                               "--out", str(out), *argv)
+        assert code == 2 and stderr.count("\n") == 1 and message in stderr, stderr
+    assert not out.exists()
+
+
+def test_an_engine_configuration_sweep_marks_its_frontier(tmp_path):
+    """Two settings of the reference server's batch size in tokens, each an engine started fresh and measured at two
+    rates: each configuration its points, the frontier marked as the figures say, in the table and the JSON."""
+    from llmadapt.analysis.pareto import on_frontier
+
+    _ready("hf")
+    out = tmp_path / "runs"
+    sets = [a for s in SMALL for a in ("--set", s)]
+    argv = ["load-sweep", str(EXAMPLES / "serve-tiny.toml"), "--adapters", "hf", "--rates", "2,6",
+            "--engine-matrix", "serve.engine.max_batched_tokens=64,1024", "--pareto", "ttft_p99", "--out", str(out),
+            *sets]
+    code, stdout, stderr = _cli(*argv, "--json")
+    assert code in (0, 1), stderr  # 1: a point whose generator fell behind on this busy machine
+    configs = json.loads(stdout)
+    assert [c["config"] for c in configs] == ["hf max_batched_tokens=64", "hf max_batched_tokens=1024"]
+    assert [c["engine"] for c in configs] == [{"max_batched_tokens": 64}, {"max_batched_tokens": 1024}]
+    assert len({c["folder"] for c in configs}) == 2  # an engine of its own each
+    points = [p for c in configs for p in c["points"]]
+    assert [p["load"] for p in points] == [2.0, 6.0, 2.0, 6.0]
+    for c in configs:  # each point ran on its configuration's engine
+        for p in c["points"]:
+            header = next(r for r in read_jsonl(Path(p["run_dir"]) / "rank-00000.jsonl") if r["type"] == "header")
+            assert header["workload"]["serve"]["engine"]["max_batched_tokens"] == c["engine"]["max_batched_tokens"]
+    usable = [p["status"] == "ok" and p["valid"] and not p["failed"] for p in points]
+    expected = on_frontier([(p["ttft_p99_ms"], p["output_throughput"]) if ok else (None, None)
+                            for p, ok in zip(points, usable)])
+    assert [p["frontier"] for p in points] == expected and any(expected) == any(usable)
+    # the table of the same points: its frontier marks and the line naming them
+    from llmadapt.cli.serving import sweep_text
+
+    lines = sweep_text(configs, "ttft_p99_ms").splitlines()
+    rows = [line for line in lines if line.startswith("hf max_batched_tokens=")]
+    assert [row.split()[-2] == "*" for row in rows] == expected
+    front = next(line for line in lines if line.startswith("frontier (*): output tok/s against ttft p99 ms"))
+    assert front.count(" at ") == sum(expected)
+
+
+def test_prefix_caching_on_and_off_on_vllm_beside_the_streams_shared_prefixes(tmp_path):
+    """A shared-prefix stream (2 prefixes of 160 words, 4 suffixes each) against vLLM with its prefix cache on and
+    off, each engine started fresh: the summary sets the engine's own hit share (its counters over the run) beside
+    the share of prompt tokens the stream repeats; off, the engine counts nothing."""
+    _ready("vllm")
+    from llmadapt_vllm.server import environment_problem
+
+    from llmadapt.analysis.report import read_summary, render_summary
+    from llmadapt.launch.environments import python_for
+
+    why, _ = environment_problem(python_for(adapters()["vllm"].environment))
+    if why:
+        pytest.skip(why)
+    sets = ["model.hidden_size=128", "serve.requests=8", "serve.warmup_requests=0", "serve.output_len.mean=4",
+            "serve.source.kind=shared_prefix", "serve.source.prefixes=2", "serve.source.suffixes=4",
+            "serve.source.prefix_len=160", "serve.source.suffix_len=16"]
+    code, stdout, stderr = _cli("load-sweep", str(EXAMPLES / "serve-tiny.toml"), "--adapters", "vllm", "--rates", "4",
+                                "--engine-matrix", "serve.engine.prefix_caching=true,false", "--out",
+                                str(tmp_path / "runs"), "--json", *[a for s in sets for a in ("--set", s)])
+    assert code in (0, 1), stderr
+    on, off = json.loads(stdout)
+    assert (on["config"], off["config"]) == ("vllm prefix_caching=true", "vllm prefix_caching=false")
+    for config, flag in ((on, "--enable-prefix-caching"), (off, "--no-enable-prefix-caching")):
+        command = json.loads((Path(config["folder"]) / "engine.json").read_text())["command"]
+        assert flag in command
+    s_on, s_off = (read_summary(c["points"][0]["run_dir"]) for c in (on, off))
+    shared = s_on["serving"]["stream_prefix_share"]
+    assert shared == s_off["serving"]["stream_prefix_share"]  # the same stream
+    assert 0.5 < shared < 3 / 4  # 3 of each 4 prompts repeat a prefix; their suffixes never
+    hits = s_on["serving"]["engine_prefix_cache_hit_share"]
+    samples = [r["values"] for r in read_jsonl(Path(on["points"][0]["run_dir"]) / "rank-00000.jsonl")
+               if r["type"] == "server_sample"]
+
+    def counter(values: dict, name: str) -> float:
+        return sum(v for k, v in values.items() if k.startswith(name + "{"))
+
+    found, looked = ((counter(samples[-1], n) - counter(samples[0], n))
+                     for n in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"))
+    # the first sample is taken before the first request: the lookups are every measured prompt token
+    assert looked == s_on["serving"]["total_input_tokens"]
+    assert hits == pytest.approx(found / looked) and 0 < hits <= shared  # whole KV blocks only
+    assert s_off["serving"]["engine_prefix_cache_hit_share"] is None
+    assert f"the engine's prefix cache found {hits:.1%}" in render_summary(s_on)

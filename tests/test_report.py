@@ -68,7 +68,8 @@ def runs(tmp_path_factory) -> Path:
 
 EXPECTED_CHARTS = {"headline", "loss", "step_time", "memory", "breakdown_modules", "breakdown_operators",
                    "breakdown_module_operators", "expert_load",
-                   "evaluation", "eval_expert_load", "latency_cdf", "latency_vs_load", "throughput_vs_batch"}
+                   "evaluation", "eval_expert_load", "latency_cdf", "latency_vs_load", "throughput_vs_latency",
+                   "throughput_vs_batch"}
 
 
 def test_the_report_holds_the_table_and_every_figure_its_runs_have(runs, tmp_path):

@@ -155,6 +155,10 @@ class Server(abc.ABC):
     itl_histogram: str | None = None
     """The engine's inter-token latency histogram among its scraped metrics (Prometheus, seconds; e.g.
     ``vllm:inter_token_latency_seconds``): with it, a run sees chunks that reached the client in bursts."""
+    prefix_cache_counters: tuple[str, str] | None = None
+    """The engine's prefix-cache counters among its scraped metrics, (tokens found, tokens looked up), e.g.
+    ``("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")``: the summary gives their ratio over the
+    run beside the share of the stream's prompt tokens that a prefix cache could find."""
 
     def __init__(self, ctx: ServeContext) -> None:
         self.ctx = ctx

@@ -252,12 +252,22 @@ def latency_cdfs(runs: list[ReportRun]):
     return fig
 
 
+def engine_config(r: ReportRun) -> str:
+    """A serving run's engine configuration: its adapter and the engine settings it was given."""
+    return f"{r.summary['adapter']} {r.workload.serve.engine.label()}".strip()
+
+
+def _timed_serving(runs: list[ReportRun]) -> list[ReportRun]:
+    """Serving runs with latencies (offline runs have throughput only)."""
+    return [r for r in runs if r.serving and r.summary.get("serving") and r.summary["serving"].get("ttft_ms")]
+
+
 def latency_vs_load(runs: list[ReportRun]):
-    """Serving runs of one engine at several loads: TTFT and TPOT percentiles against achieved request rate."""
+    """Serving runs of one engine configuration at several loads: TTFT and TPOT percentiles against achieved
+    request rate."""
     groups: dict[str, list[ReportRun]] = {}
-    for r in runs:  # offline runs have throughput, no latencies
-        if r.serving and r.summary.get("serving") and r.summary["serving"].get("ttft_ms"):
-            groups.setdefault(r.summary["adapter"], []).append(r)
+    for r in _timed_serving(runs):
+        groups.setdefault(engine_config(r), []).append(r)
     groups = {k: v for k, v in groups.items() if len({x.summary["serving"]["request_throughput"] for x in v}) >= 2}
     if not groups:
         return None
@@ -273,6 +283,33 @@ def latency_vs_load(runs: list[ReportRun]):
                 ax.set_xlabel("achieved requests/s")
                 ax.set_ylabel(f"{metric.upper()}, ms")
     legend(axes[0])
+    return fig
+
+
+def throughput_vs_latency(runs: list[ReportRun], latency: str = "e2el", quantile: str = "p99"):
+    """Every valid serving run as a point, output tokens/s against a latency percentile, coloured by engine
+    configuration; the frontier (the points no other beats on both, llmadapt.analysis.pareto) joined by a line."""
+    from llmadapt.analysis.pareto import on_frontier
+
+    serve = [r for r in _timed_serving(runs) if r.summary["serving"].get("valid")
+             and (r.summary["serving"][f"{latency}_ms"] or {}).get(quantile) is not None]
+    if len(serve) < 2:
+        return None
+    xy = [(r.summary["serving"][f"{latency}_ms"][quantile], r.summary["serving"]["output_throughput"]) for r in serve]
+    marks = on_frontier(xy)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    configs = sorted({engine_config(r) for r in serve})
+    for i, config in enumerate(configs):
+        mine = [p for r, p in zip(serve, xy) if engine_config(r) == config]
+        ax.scatter([x for x, _ in mine], [y for _, y in mine], s=22, color=COLORS[i % 20], label=config, zorder=3)
+    front = sorted(p for p, on in zip(xy, marks) if on)
+    ax.step([x for x, _ in front], [y for _, y in front], where="post", color="#333", lw=1, zorder=2,
+            label=f"frontier ({len(front)} of {len(xy)} points)")
+    ax.scatter([x for x, _ in front], [y for _, y in front], s=70, facecolors="none", edgecolors="#333", zorder=4)
+    ax.set_xlabel(f"{latency.upper()} {quantile}, ms")
+    ax.set_ylabel("output tokens/s")
+    legend(ax)
     return fig
 
 

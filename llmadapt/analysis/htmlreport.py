@@ -169,6 +169,8 @@ def _figures(runs: list[F.ReportRun], comparison: Comparison, log) -> dict[str, 
                              F.eval_expert_heatmaps(runs)),
         "latency_cdf": ("Serving latency distributions", F.latency_cdfs(runs)),
         "latency_vs_load": ("Serving latency against load", F.latency_vs_load(runs)),
+        "throughput_vs_latency": ("Serving throughput against E2EL p99, every valid run a point: the frontier joins "
+                                  "the configurations no other beats on both", F.throughput_vs_latency(runs)),
         "throughput_vs_batch": ("Throughput against batch size, with Study B's Eq. 2 fitted over runs that differ "
                                 "in batch alone", T.throughput_vs_batch(runs)),
         "estimate_vs_measured": ("Estimated against measured step time", F.estimate_vs_measured(_estimates(runs))),

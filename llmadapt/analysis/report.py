@@ -111,6 +111,12 @@ def render_summary(s: dict[str, Any]) -> str:
                      + (f"; {per_chunk:.2f} tokens per chunk: ITL is per chunk, not per token"
                         if per_chunk and per_chunk > 1.01 else ""))
         lines.append(f"validity   {v['validity']}")
+        shared, hits = v.get("stream_prefix_share"), v.get("engine_prefix_cache_hit_share")
+        if shared or hits:  # a stream with shared prefixes, or an engine that found some
+            lines.append("prefixes   " + (f"{shared:.1%} of the prompt tokens repeat an earlier prompt's start"
+                                          if shared is not None else "the stream's shared share not known")
+                         + (f"; the engine's prefix cache found {hits:.1%}" if hits is not None else
+                            "; the engine reports no prefix-cache counters"))
         if v.get("loop_lag_ms"):
             lag = v["loop_lag_ms"]
             line = (f"client     event-loop lag p50 {lag['p50']:.2f} ms  p99 {lag['p99']:.2f}  max {lag['max']:.1f}; "

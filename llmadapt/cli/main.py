@@ -167,6 +167,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         workload_args(p)
         p.add_argument("--adapters", required=True, help="comma-separated serving adapters, e.g. hf,vllm")
         attach_arg(p)
+        p.add_argument("--engine-matrix", action="append", metavar="serve.engine.NAME=V1,V2",
+                       help="engine settings to vary (repeat to cross them): each combination on each adapter is an "
+                            "engine started fresh and measured at every load, e.g. serve.engine.max_sequences=2,8")
 
     p = command("load-sweep", cmd_load_sweep, "serve at several loads against each engine (started once): a "
                 "latency-against-load table; each point is a run of its own")
@@ -177,6 +180,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--concurrencies", metavar="C1,C2,...|geometric:START:FACTOR[:MAX]",
                    help="closed-loop concurrencies instead of rates")
     p.add_argument("--repeat", type=int, default=1, metavar="N", help="runs per load (default 1)")
+    p.add_argument("--pareto", default="e2el_p99", metavar="METRIC_QUANTILE",
+                   help="the latency the throughput frontier is drawn against (default e2el_p99; e.g. ttft_p99, "
+                        "tpot_p50): points no other beats on output tok/s and that latency at once are marked *")
 
     p = command("sla", cmd_sla, "find each engine's highest load that meets service-level objectives "
                 "(exponential probe, bisection, repeats at the answer)")

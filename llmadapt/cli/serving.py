@@ -28,14 +28,28 @@ def attach_settings(text: str | None, adapters: list[str]) -> list[str]:
 
 
 def _engines(args) -> list[tuple[Any, Any]]:
-    """(adapter info, workload) per adapter, every one checked before any engine starts."""
+    """(adapter info, workload) per engine configuration: each adapter on each combination of --engine-matrix,
+    every one checked before any engine starts (an engine setting an adapter does not take is one line)."""
+    from llmadapt.analysis.cells import matrix_settings
+    from llmadapt.analysis.comparison import parse_matrix
     from llmadapt.experiments.loadsweep import prepared
 
     if not args.adapters:
         raise LlmadaptError("name the engines: --adapters hf,vllm")
     names = name_list(args.adapters, distinct=True)
     workload = workload_of(args).with_overrides(attach_settings(args.attach, names), source="--set")
-    return [prepared(workload, name) for name in names]
+    matrix = parse_matrix(args.engine_matrix or [])
+    for key in (path.strip() for axis in matrix for path in axis.split(",")):
+        if not key.startswith("serve.engine."):
+            raise LlmadaptError(f"--engine-matrix {key!r}: only engine settings vary here (serve.engine.max_sequences, "
+                                "serve.engine.prefix_caching, ...); the load is --rates or --concurrencies")
+    return [prepared(workload.with_overrides(sets, source="--engine-matrix"), name)
+            for name in names for _, sets in matrix_settings(matrix)]
+
+
+def config_label(info, workload) -> str:
+    """An engine configuration's name in tables: the adapter and the engine settings it was given."""
+    return f"{info.name} {workload.serve.engine.label()}".strip()
 
 
 def _progress(record: dict[str, Any]) -> None:
@@ -46,8 +60,6 @@ def _progress(record: dict[str, Any]) -> None:
 
 
 def cmd_load_sweep(args) -> int:
-    from llmadapt.analysis.comparison import format_value
-    from llmadapt.texttable import text_table
     from llmadapt.experiments.loadsweep import load_sweep, parse_loads
 
     if (args.rates is None) == (args.concurrencies is None):
@@ -58,30 +70,74 @@ def cmd_load_sweep(args) -> int:
         raise LlmadaptError(f"--repeat {args.repeat}: at least 1")
     from llmadapt.experiments.loadsweep import BEHIND_REMEDY
 
-    engines = _engines(args)
-    data, rows = [], []
-    for info, workload in engines:
-        print(f"{info.name}: load sweep ({loads.kind})", file=sys.stderr, flush=True)
+    latency = _pareto_metric(args.pareto)
+    data = []
+    for info, workload in _engines(args):
+        config = config_label(info, workload)
+        print(f"{config}: load sweep ({loads.kind})", file=sys.stderr, flush=True)
         folder, points = load_sweep(workload, info, loads, args.out, repeat=args.repeat, timeout=args.timeout,
                                     progress=_progress)
-        data.append({"adapter": info.name, "folder": str(folder), "points": [p.to_dict() for p in points]})
-        for p in points:
-            f = p.figures
-            rows.append([info.name, str(p.load) + (f" #{p.repeat + 1}" if args.repeat > 1 else ""),
-                         *(format_value(f.get(k), fmt) for k, _, fmt in _SWEEP_COLUMNS), _point_status(f)])
-    head = ["engine", "load", *(title for _, title, _ in _SWEEP_COLUMNS), "status"]
+        data.append({"adapter": info.name, "config": config, "engine": workload.serve.engine.given(),
+                     "folder": str(folder), "points": [p.to_dict() for p in points]})
+    statuses = [_point_status(p) for c in data for p in c["points"]]
+    text = sweep_text(data, latency, args.repeat)
+    if statuses and all(s == "client behind" for s in statuses):
+        text += "\nevery point: client behind (exit 1): " + BEHIND_REMEDY
+    elif "client behind" in statuses:
+        text += "\nclient behind: " + BEHIND_REMEDY
+    invalid = [s for s in statuses if s in ("FAILED", "client behind")]
+    if invalid:
+        text += f"\n{len(invalid)} of {len(statuses)} points have no valid result (exit 1)"
+    emit(args, data, text)
+    return 1 if invalid or not statuses else 0
+
+
+def sweep_text(data: list[dict[str, Any]], latency: str, repeat: int = 1) -> str:
+    """The sweep's table, one row per point of each engine configuration, with the throughput-latency frontier
+    marked (each point's 'frontier' is set here: output tokens/s against ``latency``, valid points only)."""
+    from llmadapt.analysis.comparison import format_value
+    from llmadapt.experiments.loadsweep import Load
+    from llmadapt.texttable import text_table
+
+    points = [(c["config"], p) for c in data for p in c["points"]]
+    frontier = _mark_frontier([p for _, p in points], latency)
+    rows = [[config, str(Load(p["kind"], p["load"])) + (f" #{p['repeat'] + 1}" if repeat > 1 else ""),
+             *(format_value(p.get(k), fmt) for k, _, fmt in _SWEEP_COLUMNS), "*" if p["frontier"] else "",
+             _point_status(p)] for config, p in points]
+    head = ["engine", "load", *(title for _, title, _ in _SWEEP_COLUMNS), "frontier", "status"]
     text = "\n".join(text_table(head, rows))
     text += ("\nlatencies in ms; TPOT is vLLM's (AIPerf calls it ITL); ITL here is the gap between chunks; send lag: "
              "how late the load generator sent, p99")
-    invalid = [r for r in rows if r[-1] in ("FAILED", "client behind")]
-    if rows and all(r[-1] == "client behind" for r in rows):
-        text += "\nevery point: client behind (exit 1): " + BEHIND_REMEDY
-    elif any(r[-1] == "client behind" for r in rows):
-        text += "\nclient behind: " + BEHIND_REMEDY
-    if invalid:
-        text += f"\n{len(invalid)} of {len(rows)} points have no valid result (exit 1)"
-    emit(args, data, text)
-    return 1 if invalid or not rows else 0
+    if len(points) > 1:
+        configs = {id(p): config for config, p in points}
+        text += (f"\nfrontier (*): output tok/s against {latency.replace('_', ' ')}, the points no other beats on both: "
+                 + ("; ".join(f"{configs[id(p)]} at {p['load']:g} ({p['output_throughput']:,.1f} tok/s, "
+                              f"{p[latency]:.1f} ms)" for p in frontier) or "none (no valid point)"))
+    return text
+
+
+def _pareto_metric(text: str) -> str:
+    """--pareto e2el_p99 -> the point figure 'e2el_p99_ms'; one line for a name that is none."""
+    from llmadapt.experiments.loadsweep import METRICS, QUANTILES
+
+    name = text.removesuffix("_ms")
+    if name not in {f"{m}_{q}" for m in METRICS for q in QUANTILES}:
+        raise LlmadaptError(f"--pareto {text!r}: a latency percentile such as e2el_p99 or ttft_p90 (metrics "
+                            f"{', '.join(METRICS)}; quantiles {', '.join(QUANTILES)})")
+    return f"{name}_ms"
+
+
+def _mark_frontier(points: list[dict[str, Any]], latency: str) -> list[dict[str, Any]]:
+    """Sets each point's 'frontier' (output throughput against ``latency``; only valid points count) and returns
+    the frontier's points, lowest latency first."""
+    from llmadapt.analysis.pareto import on_frontier
+
+    usable = [_point_status(p) == "ok" for p in points]
+    marks = on_frontier([(p.get(latency), p.get("output_throughput")) if ok else (None, None)
+                         for p, ok in zip(points, usable)])
+    for p, mark in zip(points, marks):
+        p["frontier"] = mark
+    return sorted((p for p in points if p["frontier"]), key=lambda p: p[latency])
 
 
 def _point_status(f: dict[str, Any]) -> str:
@@ -125,17 +181,18 @@ def cmd_sla(args) -> int:
     engines = _engines(args)
     results, lines, rows = [], [], []
     for info, workload in engines:
-        print(f"{info.name}: SLA search over {kind} ({', '.join(map(str, objectives))})", file=sys.stderr, flush=True)
+        config = config_label(info, workload)
+        print(f"{config}: SLA search over {kind} ({', '.join(map(str, objectives))})", file=sys.stderr, flush=True)
         folder, r = sla_search(workload, info, objectives, kind, args.out, start=start, maximum=maximum,
                                resolution=args.resolution, repeats=args.repeats, timeout=args.timeout,
                                progress=_progress)
-        results.append({"folder": str(folder), **attrs.asdict(r)})
+        results.append({"config": config, "folder": str(folder), **attrs.asdict(r)})
         unit = "req/s" if kind == "rate" else "in flight"
-        rows.append([info.name, "-" if r.capacity is None else f"{r.capacity:g} {unit}",
+        rows.append([config, "-" if r.capacity is None else f"{r.capacity:g} {unit}",
                      "-" if r.above is None else f"{r.above:g}", "-" if r.boundary is None else f"{r.boundary:.3g}",
                      r.shape or "-", r.passes_at_capacity, str(len(r.probes)),
                      "-" if r.scan_probes is None else str(r.scan_probes), r.note])
-        lines += ["", f"{info.name}: probes in order (search history: {folder / 'sla.json'})"]
+        lines += ["", f"{config}: probes in order (search history: {folder / 'sla.json'})"]
         lines += text_table(["#", "phase", "load", "margin", "met", "deciding figure"],
                             [[str(i + 1), p.phase, f"{p.load:g}", f"{p.margin:+.2f}", "yes" if p.passed else "no",
                               p.why] for i, p in enumerate(r.probes)])

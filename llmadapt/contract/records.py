@@ -30,7 +30,9 @@ SCHEMA_VERSION = "1.11"  # 1.1: end records, summary warnings; 1.2: client_load 
 # 1.8: the 'diverged' status and failure cause; the step's run_delay_s and the interference summary's step
 # waits; serving's 'degraded' status and the request's 'truncated'; 1.9: the launch record (launch.json, typed:
 # llmadapt.contract.launch); 1.10: the step's grad_norm and the summary's grad_norms; 1.11: the summary's
-# measured_by (serving runs imported from other tools' result files), the header's and the summary's notes
+# measured_by (serving runs imported from other tools' result files), the header's and the summary's notes, the
+# client load's prefix_cache_metrics and stream_prefix_share, the serving stats' stream_prefix_share and
+# engine_prefix_cache_hit_share
 
 
 @attrs.frozen
@@ -594,6 +596,11 @@ class ClientLoad:
     requests_sent: int
     engine_itl_metric: str | None = None
     """The engine's inter-token latency histogram (Prometheus, seconds) among the server samples, if it has one."""
+    prefix_cache_metrics: list[str] | None = None
+    """The engine's prefix-cache counters among the server samples, [tokens found, tokens looked up], if it has them."""
+    stream_prefix_share: float | None = None
+    """Of the measured requests' prompt tokens, the share that repeats the start of an earlier prompt of the stream:
+    what a prefix cache of unlimited size, reusing any number of tokens, would find."""
     sched_autogroup: bool | None = None
     """Linux schedules by session (autogroup) on the client's machine: an engine in another session then has a
     CPU share equal to this whole session's (None: not Linux)."""
@@ -635,6 +642,12 @@ class ServingStats:
     tokens_per_chunk: float | None = None
     """Output tokens over streamed chunks, for responses whose token count is known: above 1, the engine sent
     several tokens in a chunk, so ITL there is per chunk, not per token (None: no such response)."""
+    stream_prefix_share: float | None = None
+    """Of the measured prompts' tokens, the share that repeats the start of an earlier prompt (ClientLoad's)."""
+    engine_prefix_cache_hit_share: float | None = None
+    """The engine's prefix-cache hits over its lookups, in tokens, between the first and last scrape of the run
+    (vLLM's prefix_cache_hits / prefix_cache_queries; None: the engine reports none). It finds whole KV blocks only,
+    so it stays below stream_prefix_share."""
 
 
 @attrs.frozen

@@ -343,7 +343,8 @@ def serving_stats(records: list[dict[str, Any]], workload: Workload):
         output_length_forced=all(r["output_forced"] for r in reqs) if reqs else False,
         total_input_tokens=in_tokens, total_output_tokens=out_tokens, loop_lag_ms=loop, client_cpu_s=cpu_s,
         client_cpu_ms_per_request=cpu_per_request, engine_itl_ms=engine_itl, bunched_share=bunched,
-        tokens_per_chunk=tokens_per_chunk,
+        tokens_per_chunk=tokens_per_chunk, stream_prefix_share=client.get("stream_prefix_share") if client else None,
+        engine_prefix_cache_hit_share=_engine_counter_share(records, (client or {}).get("prefix_cache_metrics")),
     )
 
 
@@ -363,6 +364,19 @@ def _stall_cause(client: dict[str, Any]) -> str:
     if busy > lagged / 2:
         return f"; it was busy {busy:.0f} of those {lagged:.0f} ms: work on the event loop"
     return f"; it neither ran nor waited for a CPU most of those {lagged:.0f} ms: blocked in a system call"
+
+
+def _engine_counter_share(records: list[dict[str, Any]], counters: list[str] | None) -> float | None:
+    """An engine's counter over another (e.g. prefix-cache hits over lookups) between its first and last sample."""
+    samples = [r["values"] for r in records if r["type"] == "server_sample"]
+    if not counters or len(samples) < 2:
+        return None
+
+    def total(values: dict[str, float], name: str) -> float:
+        return sum(v for k, v in values.items() if k.partition("{")[0] == name)
+
+    part, whole = ((total(samples[-1], name) - total(samples[0], name)) for name in counters)
+    return part / whole if whole > 0 else None
 
 
 def _engine_mean_ms(records: list[dict[str, Any]], histogram: str | None) -> float | None:

@@ -87,6 +87,7 @@ class LoadGenerator:
         s = self.w.serve
         # Stopped by an event, not cancel(): a cancel that lands as a scrape completes can be lost (3.11).
         stop = asyncio.Event()
+        await self._scrape_once(session)  # the engine's counters before the first request: differences cover them all
         scraper = asyncio.create_task(self._scrape_loop(session, stop))
         watch = _LoopWatch()
         watcher = asyncio.create_task(watch.run(stop))
@@ -101,7 +102,9 @@ class LoadGenerator:
             stop.set()
             await scraper
             await watcher
-            self.writer.write(watch.record(self.sent, self.server.itl_histogram))
+            self.writer.write(watch.record(self.sent, self.server.itl_histogram,
+                                           getattr(self.server, "prefix_cache_counters", None),
+                                           prefix_share(self.plan)))
             await self._scrape_once(session)
 
     async def _open_loop(self, session) -> None:
@@ -319,13 +322,37 @@ class _LoopWatch:
                                     None if waited is None or queued is None else round((waited - queued) / 1e6, 2)])
         self.end_ns, self.cpu1 = time.monotonic_ns(), time.process_time()
 
-    def record(self, sent: int, itl_metric: str | None):
+    def record(self, sent: int, itl_metric: str | None, prefix_metrics: tuple[str, str] | None = None,
+               stream_prefix_share: float | None = None):
         from llmadapt.contract.records import ClientLoad
         from llmadapt.contract.stats import describe
 
         return ClientLoad(interval_ms=self.interval_ns / 1e6, loop_lag_ms=describe(self.lags_ms), stalls=self.stalls,
                           cpu_s=self.cpu1 - self.cpu0, wall_s=(self.end_ns - self.start_ns) / 1e9,
-                          requests_sent=sent, engine_itl_metric=itl_metric, sched_autogroup=sched_autogroup())
+                          requests_sent=sent, engine_itl_metric=itl_metric, sched_autogroup=sched_autogroup(),
+                          prefix_cache_metrics=list(prefix_metrics) if prefix_metrics else None,
+                          stream_prefix_share=stream_prefix_share)
+
+
+def prefix_share(plan: list[PlannedRequest]) -> float | None:
+    """Of the measured requests' prompt tokens, the share that repeats the start of an earlier prompt of the plan
+    (warm-up prompts count as earlier; the plan's order, which is the send order but for multi-turn conversations,
+    whose turns interleave): the most a prefix cache could find. A token trie, one pass."""
+    root: dict = {}
+    found = total = 0
+    for req in plan:
+        ids = req.prompt_token_ids or []
+        node, shared, matching = root, 0, True
+        for token in ids:
+            child = node.get(token)
+            if child is None:
+                matching, child = False, node.setdefault(token, {})
+            elif matching:
+                shared += 1
+            node = child
+        if not req.warmup:
+            found, total = found + shared, total + len(ids)
+    return found / total if total else None
 
 
 def _runqueue_wait_ns() -> int | None:

