@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import datetime as dt
+import json
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -88,8 +89,18 @@ class _Run:
         first = self.headers.get(0) or next(iter(self.headers.values()), {})
         self.adapter = first.get("adapter") or launch.adapter
         self.run_id = first.get("run_id") or launch.run_id or folder.name
-        self.label = label or layout_label(self.adapter, self.workload)
+        self.label = label or self._measured_by(rundir) or layout_label(self.adapter, self.workload)
         self.problem_hash = first.get("problem_hash", "")
+
+    def _measured_by(self, rundir: RunDir) -> str | None:
+        """A run imported from another tool's result file is labelled with the tool (cells.run_label)."""
+        from llmadapt.analysis.cells import run_label
+
+        try:
+            summary = json.loads(rundir.summary_file.read_text())
+        except (OSError, ValueError):
+            return None
+        return run_label(summary, self.workload) if isinstance(summary, dict) and summary.get("measured_by") else None
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [r for r in self.records if r["type"] == kind]

@@ -30,6 +30,7 @@ def attach_settings(text: str | None, adapters: list[str]) -> list[str]:
 def _engines(args) -> list[tuple[Any, Any]]:
     """(adapter info, workload) per engine configuration: each adapter on each combination of --engine-matrix,
     every one checked before any engine starts (an engine setting an adapter does not take is one line)."""
+    from llmadapt.adapter.plugins import get_adapter
     from llmadapt.analysis.cells import matrix_settings
     from llmadapt.analysis.comparison import parse_matrix
     from llmadapt.experiments.loadsweep import prepared
@@ -39,12 +40,27 @@ def _engines(args) -> list[tuple[Any, Any]]:
     names = name_list(args.adapters, distinct=True)
     workload = workload_of(args).with_overrides(attach_settings(args.attach, names), source="--set")
     matrix = parse_matrix(args.engine_matrix or [])
-    for key in (path.strip() for axis in matrix for path in axis.split(",")):
+    axes = {axis: [path.strip() for path in axis.split(",")] for axis in matrix}
+    for key in (path for paths in axes.values() for path in paths):
         if not key.startswith("serve.engine."):
             raise LlmadaptError(f"--engine-matrix {key!r}: only engine settings vary here (serve.engine.max_sequences, "
                                 "serve.engine.prefix_caching, ...); the load is --rates or --concurrencies")
-    return [prepared(workload.with_overrides(sets, source="--engine-matrix"), name)
-            for name in names for _, sets in matrix_settings(matrix)]
+    takes = {n: set(get_adapter(n).supports.engine) for n in names}
+
+    def taken_by(axis: str, name: str) -> bool:
+        return all(path.removeprefix("serve.engine.") in takes[name] for path in axes[axis])
+
+    out = []
+    for name in names:
+        # with several engines, an axis that one does not take varies on the others only (one taken by none is
+        # refused below, in one line)
+        dropped = [a for a in matrix if not taken_by(a, name) and any(taken_by(a, n) for n in names)]
+        if dropped:
+            print(f"{name} takes no {', '.join(dropped)}: varied on the other engines only", file=sys.stderr)
+        mine = {a: v for a, v in matrix.items() if a not in dropped}
+        out += [prepared(workload.with_overrides(sets, source="--engine-matrix"), name)
+                for _, sets in matrix_settings(mine)]
+    return out
 
 
 def config_label(info, workload) -> str:
