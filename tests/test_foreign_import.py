@@ -62,10 +62,13 @@ def test_each_tool_is_listed_by_name_and_version(root):
     assert runs["vllm bench serve 0.32.0"].summary["measured_by"] == "vllm bench serve 0.32.0"
     assert runs["vllm"].summary.get("measured_by") is None
     assert {r.adapter for r in runs.values()} == {"vllm", "vllm-bench", "aiperf", "guidellm"}
-    # the per-request frame of the store labels each run the same way
+    # the per-request frames label each run the same way, from the store and from the run folders alone
+    from llmadapt.analysis import frames
+
     with RunStore(root) as store:
-        frame = store.requests()
-    assert set(frame["label"]) == {"vllm", "vllm bench serve 0.32.0", "AIPerf 0.13.0", "guidellm 0.8.1"}
+        by_store = set(store.requests()["label"])
+    by_folder = set(frames.requests([r.folder for r in runs.values() if "summary only" not in r.layout])["label"])
+    assert by_store == by_folder == {"vllm", "vllm bench serve 0.32.0", "AIPerf 0.13.0", "guidellm 0.8.1"}
 
 
 def test_compare_puts_the_tools_beside_llmadapts_run_of_the_stream(root):
