@@ -85,11 +85,52 @@ class MicroBatch:
     tensors of shape ``[micro_batch, seq_len]``. Labels are already shifted (``labels[:, t]`` follows
     ``input_ids[:, t]``): compute cross-entropy of the logits against them directly, with
     ``ignore_index=IGNORE`` (-100), and do not pass them to a Hugging Face model's ``labels=``, which shifts
-    again. There is no attention mask: padding only follows a sample's real tokens, and a causal model
-    never attends forward, so the real tokens' logits are those of the unpadded sample."""
+    again. Unpacked, there is no attention mask: padding only follows a sample's real tokens, and a causal model
+    never attends forward, so the real tokens' logits are those of the unpadded sample.
+
+    Packed (``data.packing``), each row holds several samples: ``segment_ids`` says which (1, 2, ... in row order;
+    0 for the padding at the row's end) and ``position_ids`` restart at 0 with each sample. A sample's tokens
+    must attend only to earlier tokens of the same sample: pass ``model_inputs`` to a Hugging Face causal LM, or
+    build the model's own mask from ``attention_allowed``. Labels never cross a sample boundary (each sample's
+    last label is its own last token), so the loss needs nothing more."""
 
     input_ids: Any  # LongTensor [micro_batch, seq_len]
     labels: Any  # LongTensor [micro_batch, seq_len], IGNORE = no loss
+    position_ids: Any = None
+    """Packed rows only: LongTensor [micro_batch, seq_len], 0, 1, ... within each sample; None unpacked."""
+    segment_ids: Any = None
+    """Packed rows only: LongTensor [micro_batch, seq_len], the token's sample in its row (1, 2, ...), 0 on padding."""
+
+    @property
+    def packed(self) -> bool:
+        return self.segment_ids is not None
+
+    def attention_allowed(self, device=None):
+        """Bool ``[micro_batch, 1, seq_len, seq_len]``: True where query token t may attend key token k (the same
+        sample and k <= t): block-diagonal and causal. None for unpacked rows (plain causal attention is right)."""
+        if self.segment_ids is None:
+            return None
+        import torch
+
+        seg = self.segment_ids.to(device)
+        n = seg.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=seg.device).tril()
+        return (seg[:, None, :, None] == seg[:, None, None, :]) & causal
+
+    def model_inputs(self, device, dtype) -> dict[str, Any]:
+        """Keyword arguments for a Hugging Face causal LM (transformers 4.51 and 5.x, eager and SDPA attention):
+        ``input_ids``, and for packed rows the 4D additive ``attention_mask`` (0 where allowed, the dtype's minimum
+        elsewhere; transformers uses a 4D mask as given) and ``position_ids``. ``dtype`` is the attention's (the
+        model's compute dtype): SDPA refuses a float mask of another dtype."""
+        out = {"input_ids": self.input_ids.to(device)}
+        if self.segment_ids is not None:
+            import torch
+
+            allowed = self.attention_allowed(device)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+            out["attention_mask"] = mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+            out["position_ids"] = self.position_ids.to(device)
+        return out
 
 
 @attrs.frozen
@@ -103,6 +144,7 @@ class StepBatch:
     tokens: int
     """Input tokens (padding excluded) in this rank's share."""
     samples: int
+    """Samples (prompt and answer: queries) in this rank's share; packed, those inside its rows."""
 
 
 @attrs.frozen

@@ -112,6 +112,9 @@ class Supports:
     `quantization` in `engine`)"""
     families: tuple[str, ...] = ("llama", "mixtral")
     """`model.family`: `llama`, `mixtral`, `jamba` (a family is run only by adapters that name it)"""
+    packing: bool = False
+    """`data.packing = true`: the trainer keeps attention inside each packed sample (`MicroBatch.model_inputs` or
+    `MicroBatch.attention_allowed`); an adapter that ignores the mask would let samples see each other"""
 
     def engine_problems(self, workload: Workload) -> list[tuple[str, Any, str]]:
         """(field, value, what is allowed) for each engine argument the adapter does not take."""
@@ -158,6 +161,9 @@ class Supports:
              "0: evaluation reads the trained model through its Hugging Face save, which this adapter cannot write")
         need(not workload.model.is_moe or self.moe, "model.num_experts", workload.model.num_experts,
              "supported: 0 (dense models only)")
+        need(not workload.data.packing or self.packing, "data.packing", True,
+             "this adapter does not keep packed samples apart; data.packing = false, or an adapter whose "
+             "`llmadapt adapters` line says packing")
         return out
 
     def summary(self) -> str:
@@ -177,6 +183,8 @@ class Supports:
         if self.moe:
             parts.append("moe")
         parts += [i for i in self.optimizer_impls if i != "torch"]
+        if self.packing:
+            parts.append("packing")
         return " ".join(parts)
 
 

@@ -38,6 +38,7 @@ def llmadapt_register_adapters(register):
             moe=True,
             families=("llama", "mixtral", "jamba"),
             save=True,
+            packing=True,
         ),
         check=check,
         description="Plain PyTorch + transformers: DDP over gloo/NCCL, gradient checkpointing, peft LoRA, "

@@ -26,7 +26,7 @@ class TorchTrainer(Trainer):
         from transformers import AutoModelForCausalLM
 
         w, ctx = self.ctx.workload, self.ctx
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[w.precision]
+        self.dtype = dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[w.precision]
         kwargs = {"dtype": dtype, "attn_implementation": "sdpa" if w.optimizations.flash_attention else "eager"}
         quant = w.optimizations.quantization
         if quant != "none":
@@ -104,12 +104,12 @@ class TorchTrainer(Trainer):
             self.experts.start_step()
         for i, mb in enumerate(batch.micro_batches):
             sync = model.no_sync() if self.ddp and i < last else nullcontext()
-            input_ids, labels = mb.input_ids.to(ctx.device), mb.labels.to(ctx.device)
+            labels = mb.labels.to(ctx.device)
             with sync, self._attention_backend():
                 with ctx.phase("forward", phases, spans=spans, span=f"forward {i}"):
                     if self.experts:
                         self.experts.counting = True
-                    logits = model(input_ids=input_ids).logits
+                    logits = model(**mb.model_inputs(ctx.device, self.dtype)).logits
                     if self.experts:
                         self.experts.counting = False
                     token_loss = F.cross_entropy(

@@ -53,6 +53,7 @@ class TokenData:
         self._held: list[Example] | None = None
         self._tokenizer = tokenizer
         self._orders: dict[int, list[int]] = {}
+        self._row_starts = [0]  # packing: the global index of each packed row's first sample, and the next row's
         e = workload.eval
         if workload.data.source == "jsonl" or e.path:
             if tokenizer is None:
@@ -88,6 +89,8 @@ class TokenData:
     def step_batch(self, step: int, dp_rank: int, dp_size: int) -> StepBatch:
         import torch
 
+        if self.w.data.packing:
+            return self._packed_step_batch(step, dp_rank, dp_size)
         g = self.w.train.global_batch
         per_rank = g // dp_size
         first = step * g + dp_rank * per_rank
@@ -119,6 +122,53 @@ class TokenData:
             tokens=sum(s.length for s in mine),
             samples=len(mine),
         )
+
+    # -- packing (data.packing) -------------------------------------------------------
+    def row_samples(self, row: int) -> list[Sample]:
+        """The samples of packed row ``row`` of the global order: whole samples, in order, as many as fit in
+        seq_len (greedy: a sample that does not fit starts the next row). Rows depend on every earlier sample's
+        length only, so every stack and layout gets the same rows."""
+        while len(self._row_starts) <= row + 1:
+            i, used = self._row_starts[-1], 0
+            while True:
+                length = self.sample(i).length
+                if used and used + length > self.seq_len:
+                    break
+                used, i = used + length, i + 1
+            self._row_starts.append(i)
+        return [self.sample(i) for i in range(self._row_starts[row], self._row_starts[row + 1])]
+
+    def _packed_step_batch(self, step: int, dp_rank: int, dp_size: int) -> StepBatch:
+        import torch
+
+        g = self.w.train.global_batch  # rows
+        per_rank = g // dp_size
+        rows = [self.row_samples(r) for r in range(step * g, step * g + g)]
+        loss_tokens = sum(t != IGNORE for row in rows for s in row for t in s.labels)
+        if not loss_tokens:
+            raise ValueError(f"step {step}: no answer token within train.seq_len={self.seq_len} in any of the "
+                             f"step's samples: raise train.seq_len")
+        mine = rows[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        mb = self.w.train.micro_batch or per_rank
+        micro = []
+        for i in range(0, per_rank, mb):
+            packed = [self._packed_row(row) for row in mine[i:i + mb]]
+            micro.append(MicroBatch(*(torch.tensor([r[k] for r in packed], dtype=torch.long) for k in range(4))))
+        return StepBatch(step=step, micro_batches=micro, loss_tokens_global=loss_tokens,
+                         tokens=sum(s.length for row in mine for s in row), samples=sum(len(row) for row in mine))
+
+    def _packed_row(self, samples: list[Sample]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """input ids, labels, position ids and segment ids of one row: each sample's own tokens and labels (its
+        last label is its own last token, so no label crosses into the next sample), then padding (segment 0)."""
+        ids, labels, positions, segments = [], [], [], []
+        for n, s in enumerate(samples, 1):
+            ids += s.input_ids[:s.length]
+            labels += s.labels[:s.length]
+            positions += range(s.length)
+            segments += [n] * s.length
+        pad = self.seq_len - len(ids)
+        return (ids + [self._pad] * pad, labels + [IGNORE] * pad, positions + list(range(pad)),
+                segments + [0] * pad)
 
     # -- held-out examples -----------------------------------------------------------
     @property

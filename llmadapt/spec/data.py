@@ -24,3 +24,9 @@ class DataSpec:
     """The file's layout (llmadapt.dataformats, docs/workloads.md): 'prompt-answer' (prompt_field, answer_field),
     'instruction-input-output' (commonsense_15k, math_14k), 'hellaswag' (ctx, endings, label), 'gsm8k' (question,
     answer ending '#### <number>'). Left out of the hashes at its default."""
+    packing: bool = False
+    """Pack samples into rows of train.seq_len tokens: whole samples in dataset order, as many as fit (none split
+    across rows), attention kept inside each sample (a block-diagonal causal mask) and positions restarting at 0
+    per sample; padding only at a row's end. train.global_batch and micro_batch then count rows, the step's
+    samples (queries) vary. The same rows on every stack (llmadapt.runtime.data). Needs source='jsonl'. Left out
+    of the hashes when false."""

@@ -28,9 +28,9 @@ class TrainSpec:
 
     seq_len: int = attrs.field(default=64, validator=at_least(1))
     global_batch: int = attrs.field(default=8, validator=at_least(1))
-    """Samples per optimizer step, over all data-parallel ranks."""
+    """Samples per optimizer step, over all data-parallel ranks (packed rows with data.packing)."""
     micro_batch: int | None = None
-    """Samples per forward/backward; default: the whole per-rank batch (no accumulation)."""
+    """Samples (packed rows) per forward/backward; default: the whole per-rank batch (no accumulation)."""
     steps: int = attrs.field(default=10, validator=at_least(1))
     """Measured steps."""
     warmup_steps: int = attrs.field(default=2, validator=at_least(0))

@@ -83,6 +83,8 @@ def check_workload(w) -> None:
         raise WorkloadError("save.lora", w.save.lora, "'adapter' saves a LoRA adapter: needs lora.rank > 0")
     if w.kind == "serve":
         _check_serve(w)
+    if w.data.packing:
+        _check_packing(w)
     rows = None
     if w.data.source == "jsonl":
         if not w.data.path:
@@ -94,6 +96,18 @@ def check_workload(w) -> None:
         rows = _check_jsonl(w.data, w.data.path, "data.path",
                             number=held_here and w.eval.resolved_match(w.data.format) == "number")
     _check_eval(w, rows)
+
+
+def _check_packing(w) -> None:
+    if w.kind == "serve":
+        raise WorkloadError("data.packing", True, "packing is for train and finetune workloads")
+    if w.data.source != "jsonl":
+        raise WorkloadError("data.packing", True, "needs data.source = 'jsonl' (synthetic samples fill train.seq_len: "
+                                                  "nothing to pack)")
+    if w.model.family == "jamba":
+        raise WorkloadError("data.packing", True, "family 'jamba' cannot keep a packed row's samples apart (its Mamba "
+                                                  "layers carry state from one sample into the next; no mask stops "
+                                                  "that): use family llama or mixtral, or data.packing = false")
 
 
 def _check_eval(w, data_rows: int | None) -> None:

@@ -207,7 +207,7 @@ class Workload:
 def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
     """A workload's dict less what does not define it: labels, per-adapter settings, sources, the model
     folder's location (its content is the checksum; absent for a preset, so older hashes stay as they were), and
-    the eval section when nothing is evaluated, save.lora, serve.stream, serve.mode, serve.engine, serve.source,
+    the eval section when nothing is evaluated, data.packing off, save.lora, serve.stream, serve.mode, serve.engine, serve.source,
     parallelism.p2p, parallelism.threads_per_rank and train.on_nonfinite at their defaults (so are older hashes), and
     serve.max_failed_share (a judgement of the result)."""
     for key in ("name", "adapters", "sources"):
@@ -220,6 +220,8 @@ def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
                 data["eval"].pop(key)
     if data["data"]["format"] == "prompt-answer":
         data["data"].pop("format")
+    if not data["data"]["packing"]:
+        data["data"].pop("packing")
     if data["save"]["lora"] == "merged":
         data["save"].pop("lora")
     if not data["serve"]["stream"]:

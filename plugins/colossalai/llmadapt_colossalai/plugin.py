@@ -79,6 +79,9 @@ SUPPORTS = Supports(
     lora=True,
     moe=True,
     save=True,  # ColossalAI's checkpoint IO gathers; LoRA runs are refused in check()
+    # the packed rows' 4D mask and position ids go to transformers' model, whose forward shardformer keeps or
+    # replaces by one that uses a 4D mask as given (tp, pp)
+    packing=True,
 )
 
 GEMINI = ("ColossalAI offloads parameters only through GeminiPlugin, whose CPUAdam/HybridAdam kernels link "

@@ -47,6 +47,8 @@ class ColossalAITrainer(Trainer):
                 "colossalai is not installed in this environment: build it with `llmadapt env create colossalai` "
                 "(its recipe adds `pip install --no-deps colossalai==0.5.0 galore_torch==1.0`)") from exc
         self.plugin_name = booster_plugin(w)
+        # what the model computes in: every plugin casts to bf16 for precision=bf16 (TorchDDP loads bf16 weights)
+        self._compute_dtype = torch.bfloat16 if w.precision == "bf16" else torch.float32
         p = w.parallelism
         self.pipeline = self.plugin_name in ("HybridParallelPlugin", "MoeHybridParallelPlugin") and p.pp > 1
         self._own_group = False
@@ -282,12 +284,12 @@ class ColossalAITrainer(Trainer):
         last = len(batch.micro_batches) - 1
         for i, mb in enumerate(batch.micro_batches):
             sync = self.booster.no_sync(self.model, self.optimizer) if self.skip_sync and i < last else nullcontext()
-            input_ids, labels = mb.input_ids.to(ctx.device), mb.labels.to(ctx.device)
+            labels = mb.labels.to(ctx.device)
             with sync:
                 with ctx.phase("forward", phases, spans=spans, span=f"forward {i}"):
                     if self.experts:
                         self.experts.counting = True
-                    logits = self.model(input_ids=input_ids).logits
+                    logits = self.model(**mb.model_inputs(ctx.device, self._compute_dtype)).logits
                     if self.experts:
                         self.experts.counting = False
                     token_loss = self._token_loss(logits, labels)
@@ -302,8 +304,11 @@ class ColossalAITrainer(Trainer):
         ctx = self.ctx
         micro = len(batch.micro_batches)
         scale = micro * self._dp_size / batch.loss_tokens_global  # the schedule divides by the micro-batch count
-        data = {"input_ids": torch.cat([mb.input_ids for mb in batch.micro_batches]).to(ctx.device),
-                LABELS: torch.cat([mb.labels for mb in batch.micro_batches]).to(ctx.device)}
+        # The schedule cuts every tensor of the dict into micro-batches along dim 0 and hands each stage its piece:
+        # packed rows' 4D mask and position ids reach every stage's decoder layers.
+        inputs = [mb.model_inputs(ctx.device, self._compute_dtype) for mb in batch.micro_batches]
+        data = {key: torch.cat([x[key] for x in inputs]) for key in inputs[0]}
+        data[LABELS] = torch.cat([mb.labels for mb in batch.micro_batches]).to(ctx.device)
         sums = []
 
         def criterion(outputs, micro_batch):

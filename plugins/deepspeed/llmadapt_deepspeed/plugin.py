@@ -111,6 +111,7 @@ SUPPORTS = Supports(
     # torch.optim (default, nothing compiles) or DeepSpeedCPUAdam (C++, JIT-compiled once per machine).
     optimizer_impls=("torch", "cpu_adam"),
     save=True,  # ZeRO-3 partitions gathered; LoRA merged
+    packing=True,  # the packed rows' 4D mask and position ids go to transformers' model (MicroBatch.model_inputs)
 )
 
 

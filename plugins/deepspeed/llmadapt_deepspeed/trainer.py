@@ -81,6 +81,8 @@ class DeepSpeedTrainer(Trainer):
         if w.train.optimizer_impl == "cpu_adam":
             self._load_cpu_adam()
         quant = w.optimizations.quantization
+        self._compute_dtype = torch.bfloat16 if w.precision == "bf16" and quant == "none" else (
+            torch.float16 if w.precision == "fp16" else torch.float32)
         kwargs: dict[str, Any] = {}
         if quant != "none":
             # QLoRA as the reference adapter does it: bitsandbytes base weights (nf4 4-bit or LLM.int8),
@@ -275,17 +277,18 @@ class DeepSpeedTrainer(Trainer):
         if self.experts:
             self.experts.start_step()
         for i, mb in enumerate(batch.micro_batches):
-            input_ids, labels = mb.input_ids.to(ctx.device), mb.labels.to(ctx.device)
+            labels = mb.labels.to(ctx.device)
             profiler = self._start_flops_profile(batch.step, i)
             with self._attention_backend():
                 with ctx.phase("forward", phases, spans=spans, span=f"forward {i}"):
                     if self.experts:
                         self.experts.counting = True
-                    logits = engine(input_ids=input_ids).logits
+                    # the engine's compute dtype (it casts the module to bf16): a packed row's mask must match it
+                    logits = engine(**mb.model_inputs(ctx.device, self._compute_dtype)).logits
                     if self.experts:
                         self.experts.counting = False
                     if profiler is not None:
-                        self._end_flops_profile(profiler, batch.step, input_ids.numel())
+                        self._end_flops_profile(profiler, batch.step, mb.input_ids.numel())
                     token_loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                  ignore_index=-100, reduction="sum")
                 with ctx.phase("backward", phases, spans=spans, span=f"backward {i}"):

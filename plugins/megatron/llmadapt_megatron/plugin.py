@@ -45,6 +45,9 @@ SUPPORTS = Supports(
     recompute=("none", "selective", "full"),
     moe=True,
     save=True,  # every rank's slice gathered and converted back (convert.megatron_to_hf)
+    # packed rows: the local spec's attention takes a [b, 1, s, s] mask (THD PackedSeqParams needs
+    # TransformerEngine); RoPE gets each token's position from a hook (trainer._packed_rope)
+    packing=True,
 )
 
 

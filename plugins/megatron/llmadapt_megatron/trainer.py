@@ -145,6 +145,8 @@ class MegatronTrainer(Trainer):
             position_embedding_type="rope", rotary_base=m.rope_theta,
         )
         _mark_tensor_parallel(model)
+        if w.data.packing:
+            model.rotary_pos_emb.register_forward_hook(self._packed_rope)
         self._load_rank_shard(model, ps)
         self.model_loaded()
         model.to(ctx.device)
@@ -229,18 +231,29 @@ class MegatronTrainer(Trainer):
     def _forward_step(self, data_iterator, model):
         import torch
 
-        input_ids, labels = next(data_iterator)
+        input_ids, labels, positions, allowed = next(data_iterator)
         mask = labels != -100
         targets = torch.where(mask, labels, torch.zeros_like(labels))  # megatron's CE has no ignore_index
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+        # Packed rows: megatron's local attention takes a [b, 1, s, s] mask, True where a score is masked out (it
+        # then builds no causal mask of its own: ours is causal too); RoPE reads the positions (_packed_rope).
+        attention_mask = None if allowed is None else ~allowed
+        self._positions = positions
         if self.experts:
             self.experts.counting = True
         try:
-            output = model(input_ids, positions, None, labels=targets)
+            output = model(input_ids, positions, attention_mask, labels=targets)
         finally:
             if self.experts:
                 self.experts.counting = False
         return output, partial(self._loss, mask)
+
+    def _packed_rope(self, module, args, emb):
+        """GPTModel's RoPE angles are those of positions 0..s-1 for every row ([s, 1, 1, d]); a packed row's
+        positions restart at 0 with each sample: pick each token's own ([s, b, 1, d], which the rotation
+        broadcasts over the heads)."""
+        return emb[:, 0, 0, :][self._positions.t()].unsqueeze(2)
 
     def _loss(self, mask, token_losses):
         # token_losses: [b, s] per-token cross-entropy (fp32), on the last pipeline stage.
@@ -256,7 +269,9 @@ class MegatronTrainer(Trainer):
         n = len(batch.micro_batches)
         # The schedule divides by n and DDP averages over dp: undo both, normalise by the global token count.
         self._scale = n * self._dp_size / batch.loss_tokens_global
-        data = iter([(mb.input_ids.to(ctx.device), mb.labels.to(ctx.device)) for mb in batch.micro_batches])
+        data = iter([(mb.input_ids.to(ctx.device), mb.labels.to(ctx.device),
+                      None if mb.position_ids is None else mb.position_ids.to(ctx.device),
+                      mb.attention_allowed(ctx.device)) for mb in batch.micro_batches])
         mb_size, seq = batch.micro_batches[0].input_ids.shape
         if self.experts:
             self.experts.start_step()
