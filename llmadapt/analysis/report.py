@@ -58,8 +58,7 @@ def show(run_dir: str | Path) -> dict[str, Any]:
 
 
 def summary_text(summary: dict[str, Any]) -> str:
-    """What ``llmadapt show`` prints for a run, for a tracking tool to keep; never raises: a summary it cannot
-    render (another version's, damaged) is given as JSON under a line saying so."""
+    """What ``llmadapt show`` prints, for a tracking tool to keep; a summary it cannot render comes as JSON."""
     try:
         return render_summary(summary) + "\n"
     except (KeyError, TypeError, ValueError) as exc:

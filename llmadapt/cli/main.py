@@ -1,5 +1,8 @@
 """``llmadapt``: the parser, the entry point, and how a command ends: its exit code from one table
-(errors.ExitCode, docs/runs.md), Ctrl-C and SIGTERM, a closed pipe on stdout, errors as one line."""
+(errors.ExitCode, docs/runs.md), Ctrl-C and SIGTERM, a closed pipe on stdout, errors as one line.
+
+It is over 400 lines because every command's options are declared here, beside one another: one file to read for
+what the command line takes (the commands' code is imported only when a command runs)."""
 
 from __future__ import annotations
 
