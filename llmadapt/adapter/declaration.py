@@ -115,6 +115,9 @@ class Supports:
     packing: bool = False
     """`data.packing = true`: the trainer keeps attention inside each packed sample (`MicroBatch.model_inputs` or
     `MicroBatch.attention_allowed`); an adapter that ignores the mask would let samples see each other"""
+    engine_profile: bool = False
+    """serving: `serve.profile = true`: the engine gives its own torch profile of a window of the run
+    (`Server.start_profile` / `stop_profile`)"""
 
     def engine_problems(self, workload: Workload) -> list[tuple[str, Any, str]]:
         """(field, value, what is allowed) for each engine argument the adapter does not take."""
@@ -126,6 +129,8 @@ class Supports:
             elif name == "quantization" and value not in self.engine_quantization:
                 out.append(("serve.engine.quantization", value, "supported: none, " + ", ".join(
                     self.engine_quantization)))
+        if workload.serve.profile and not self.engine_profile:
+            out.append(("serve.profile", True, "this engine gives no profile of its own (vllm does)"))
         return out
 
     def problems(self, workload: Workload) -> list[tuple[str, Any, str]]:
@@ -185,6 +190,8 @@ class Supports:
         parts += [i for i in self.optimizer_impls if i != "torch"]
         if self.packing:
             parts.append("packing")
+        if self.engine_profile:
+            parts.append("profile")
         return " ".join(parts)
 
 

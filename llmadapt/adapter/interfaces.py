@@ -180,6 +180,14 @@ class Server(abc.ABC):
         """The engine's own metrics now (name -> value); empty when the engine has none."""
         return {}
 
+    async def start_profile(self, session: Any) -> None:
+        """Start the engine's own torch profiler (``serve.profile``; only where ``Supports.engine_profile``)."""
+        raise NotImplementedError(f"{type(self).__name__} gives no profile of its own")
+
+    async def stop_profile(self, session: Any) -> list[Path]:
+        """Stop it and return the trace files it wrote (Kineto JSON, gzipped or not) of the engine's model worker."""
+        raise NotImplementedError(f"{type(self).__name__} gives no profile of its own")
+
     def alive(self) -> bool:
         """False once a started engine has exited (its in-flight and remaining requests then fail fast)."""
         return True

@@ -6,13 +6,22 @@ from __future__ import annotations
 from typing import Any
 
 
-def render_breakdown(b: dict[str, Any]) -> list[str]:
-    """The profiled steps: timeline, module classes, operator classes, layers, collectives."""
+def render_breakdown(b: dict[str, Any], engine: bool = False) -> list[str]:
+    """The profiled steps: timeline, module classes, operator classes, layers, collectives. ``engine``: a serving
+    engine's own steps (serve.profile), whose time outside operators is the engine's Python."""
     from llmadapt.texttable import text_table
 
     def ms(seconds: float) -> str:
         return f"{seconds * 1e3:.2f}"
 
+    if engine:
+        lines = [f"engine     its own profile, {b['basis']} basis, mean per engine step over {b['profiled_steps']} "
+                 f"step(s): step {ms(b['step_seconds'])} ms = operators {ms(b['compute_seconds'])} + the engine's "
+                 f"Python {ms(b['idle_seconds'])}"]
+        total = sum(c["seconds"] for c in b["operators"]) or 1.0
+        return lines + text_table(["class", "ms", "share", "count"],
+                                  [[c["name"], ms(c["seconds"]), f"{c['seconds'] / total:.1%}", str(c["count"])]
+                                   for c in sorted(b["operators"], key=lambda c: -c["seconds"])])
     lines = [f"breakdown  level {b['level']}, {b['basis']} basis, mean per profiled step and rank over "
              f"{b['profiled_steps']} profiled step(s)"]
     lines += [f"profiling failed {e}" for e in b.get("errors", [])]

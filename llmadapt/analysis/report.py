@@ -153,7 +153,7 @@ def render_summary(s: dict[str, Any]) -> str:
     if s.get("breakdown"):
         from llmadapt.analysis.breakdown_text import render_breakdown
 
-        lines += ["", *render_breakdown(s["breakdown"])]
+        lines += ["", *render_breakdown(s["breakdown"], engine=s.get("role") == "serve")]
     return "\n".join(lines)
 
 

@@ -231,6 +231,7 @@ def _aggregate_serve(run_id, records, launch, workload, headers, failures) -> Su
         peak_memory_per_rank=[], memory_kind=None, model_flops_per_token=None, achieved_flops_per_s=None, mfu=None,
         phase_means_s={}, failures=failures, serving=serving, warnings=warnings,
         interference=interference_summary([r for r in records if r["type"] == "interference"]),
+        breakdown=breakdown_summary([r for r in records if r["type"] == "breakdown"], 1),  # the engine's own steps
     )
 
 

@@ -88,6 +88,8 @@ class LoadGenerator:
         # Stopped by an event, not cancel(): a cancel that lands as a scrape completes can be lost (3.11).
         stop = asyncio.Event()
         await self._scrape_once(session)  # the engine's counters before the first request: differences cover them all
+        if s.profile:
+            await self.server.start_profile(session)
         scraper = asyncio.create_task(self._scrape_loop(session, stop))
         watch = _LoopWatch()
         watcher = asyncio.create_task(watch.run(stop))
@@ -98,6 +100,8 @@ class LoadGenerator:
                 await self._closed_loop(session)
             else:
                 await self._open_loop(session)
+            if s.profile:
+                self._write_engine_profile(await self.server.stop_profile(session))
         finally:
             stop.set()
             await scraper
@@ -106,6 +110,16 @@ class LoadGenerator:
                                            getattr(self.server, "prefix_cache_counters", None),
                                            prefix_share(self.plan)))
             await self._scrape_once(session)
+
+    def _write_engine_profile(self, traces: list[Path]) -> None:
+        """The engine's trace, one breakdown record per engine step (llmadapt.runtime.engine_profile)."""
+        from llmadapt.runtime.engine_profile import engine_steps, read_trace
+
+        if not traces:
+            raise RuntimeError("the engine wrote no profile trace after its profiler stopped")
+        for path in traces:
+            for record in engine_steps(read_trace(path)):
+                self.writer.write(record)
 
     async def _open_loop(self, session) -> None:
         s = self.w.serve

@@ -172,3 +172,7 @@ class ServeSpec:
     source: SourceSpec = attrs.field(factory=SourceSpec)
     """Where the requests come from: synthetic lengths, a conversation or prompt file, shared prefixes, multi-turn
     conversations, a replayed trace (SourceSpec)."""
+    profile: bool = False
+    """Ask the engine for its own torch profile over the run (from before the first request to after the last),
+    broken down per engine step into the training breakdown's operator classes plus sampling, the scheduler and
+    the engine's Python (llmadapt.runtime.engine_profile); engines that can say so (`Supports.engine_profile`)."""

@@ -170,6 +170,8 @@ def _check_serve(w) -> None:
     s = w.serve
     if s.mode == "offline" and s.url is not None:
         raise WorkloadError("serve.mode", s.mode, "offline runs the engine's offline API here: not with serve.url")
+    if s.mode == "offline" and s.profile:
+        raise WorkloadError("serve.profile", True, "the engine's profile is of its server (serve.mode = 'online')")
     if s.url is not None and s.engine.given():
         name, value = next(iter(s.engine.given().items()))
         raise WorkloadError(f"serve.engine.{name}", value, "an attached engine (serve.url) runs with the arguments "

