@@ -159,16 +159,18 @@ def _master(w: Workload, options: Options) -> bool:
     return w.precision != "fp32" and w.optimizations.zero_stage > 0 and not w.lora.rank
 
 
-def activation_bytes(w: Workload, b: int) -> float:
-    """Activation memory of one micro-batch of b samples per rank, at the peak of its backward pass."""
+# LoRA's target names for each group of linears that share an input (Llama's and Mixtral's, transformers 4 and 5)
+_QKV, _OUT = ("q_proj", "k_proj", "v_proj"), ("o_proj",)
+_UP, _DOWN = ("gate_proj", "up_proj", "w1", "w3", "gate_up_proj"), ("down_proj", "w2")
+
+
+def layer_activation_bytes(w: Workload, b: int) -> float:
+    """What one decoder layer saves for its backward pass, for a micro-batch of b samples (no recomputation)."""
     m, p, o = w.model, w.parallelism, w.optimizations
     e = DTYPE_BYTES[w.precision]
-    s = w.train.seq_len
-    t = b * s
+    t = b * w.train.seq_len
     tp = p.tp
-    layers = math.ceil(m.num_layers / p.pp)
-    h, hq, kv, i, v = (m.hidden_size, m.hidden_size / tp, m.num_kv_heads * m.head_dim / tp,
-                       m.intermediate_size / tp, m.vocab_size / tp)
+    h, hq, kv, i = m.hidden_size, m.hidden_size / tp, m.num_kv_heads * m.head_dim / tp, m.intermediate_size / tp
     heads = m.num_heads / tp
     flash = o.flash_attention
     # Saved for backward in one decoder layer (transformers' Llama/Mixtral, no dropout):
@@ -181,9 +183,38 @@ def activation_bytes(w: Workload, b: int) -> float:
         mlp = t * m.num_experts * 4 * 2 + routed * e * (2 * h + 4 * i)
     else:
         mlp = 4 * t * i * e
+    s = w.train.seq_len
     scores = b * heads * s * 4 if flash else b * heads * s * s * (4 + (e if e != 4 else 0))
     lora = t * w.lora.rank * e * len(w.lora.target_modules) if w.lora.rank else 0
-    per_layer = full_h + sharded + mlp + scores + lora
+    frozen = 0.0
+    if w.lora.rank:
+        # A frozen base keeps no input for its own weights' gradients: not the two RMSNorms' normalised inputs,
+        # and a linear's input only where LoRA targets it (measured with autograd's saved-tensor hooks:
+        # tests/test_estimate.py::test_the_activation_model_against_what_autograd_saves).
+        targets = set(w.lora.target_modules)
+
+        def frozen_input(names: tuple[str, ...]) -> bool:
+            return "all-linear" not in targets and not targets & set(names)
+
+        frozen = 2 * t * h * e  # the two RMSNorms' normalised inputs
+        frozen += t * e * (h * frozen_input(_QKV) + hq * frozen_input(_OUT))
+        if m.is_moe:  # the router's input (the MLP norm's output); each expert's gathered input and its product
+            frozen += t * h * e + t * m.experts_per_token * e * (h * frozen_input(_UP) + i * frozen_input(_DOWN))
+        else:  # the MLP norm's output (gate's and up's input) and the product (down's input)
+            frozen += t * e * (h * frozen_input(_UP) + i * frozen_input(_DOWN))
+    return full_h + sharded + mlp + scores + lora - frozen
+
+
+def activation_bytes(w: Workload, b: int) -> float:
+    """Activation memory of one micro-batch of b samples per rank, at the peak of its backward pass."""
+    m, p, o = w.model, w.parallelism, w.optimizations
+    e = DTYPE_BYTES[w.precision]
+    t = b * w.train.seq_len
+    h, v = m.hidden_size, m.vocab_size / p.tp
+    layers = math.ceil(m.num_layers / p.pp)
+    per_layer = layer_activation_bytes(w, b)
+    scores = (b * m.num_heads / p.tp * w.train.seq_len * 4 if o.flash_attention else
+              b * m.num_heads / p.tp * w.train.seq_len ** 2 * (4 + (e if e != 4 else 0)))
     top = t * h * e * 3 + t * v * (e + (4 if e != 4 else 0) + 4)
     transient = max(t * v * 4, per_layer)  # gradient of the logits, or of one layer, while it is computed
     in_flight = min(p.pp, max(1, w.per_rank_batch // b)) if p.pp > 1 else 1
