@@ -141,7 +141,18 @@ def check_supported(info: AdapterInfo, workload) -> None:
     if problems:
         field, value, allowed = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise UnsupportedError(f"adapter {info.name!r} cannot run {field}={value!r}: {allowed}{more}")
+        use = _who_can(workload, field, info.name) if field in NAME_WHO_CAN else ""
+        raise UnsupportedError(f"adapter {info.name!r} cannot run {field}={value!r}: {allowed}{use}{more}")
+
+
+NAME_WHO_CAN = ("lora.rank", "data.packing", "optimizations.quantization")
+"""Features a stack has or lacks outright: their refusal names the registered adapters that run them."""
+
+
+def _who_can(workload, field: str, refused: str) -> str:
+    others = [name for name, a in adapters().items() if name != refused and workload.kind in a.roles
+              and not any(p[0] == field for p in a.supports.problems(workload))]
+    return f"; {' or '.join(others)} can" if others else ""
 
 
 def _family_refusal(workload) -> str:
