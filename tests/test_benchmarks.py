@@ -35,6 +35,7 @@ SMOKE = {
     "loadgen.py": ("test_loadgen", "--smoke"),
     "load_sweep.py": ("test_load_sweep", "--smoke"),
     "vllm_crosscheck.py": ("test_vllm_crosscheck", "--smoke"),
+    "foreign_results.py": ("test_foreign_results", "--smoke"),
     "model_loading.py": ("test_model_loading", "--smoke"),
     "repeat.py": ("test_repeat", "--smoke"),
     "hta_crosscheck.py": ("test_hta_crosscheck", "--smoke"),
@@ -161,6 +162,22 @@ def test_load_sweep(tmp_path):
 
 
 @unready("vllm", "hf")
+def test_foreign_results(tmp_path):
+    """vllm bench serve's result file, as today's vllm environment writes it, beside llmadapt's run of the same
+    stream, and `runs import` of it with that run as its workload: the import reads what the tool writes now."""
+    from llmadapt.testing import environments_unready
+
+    if environments_unready("vllm"):
+        pytest.skip(environments_unready("vllm"))
+    bench("foreign_results.py", "--smoke", "--out", str(tmp_path / "work"), cwd=tmp_path)
+    (run_dir,) = (tmp_path / "work" / "runs").iterdir()
+    done = subprocess.run([sys.executable, "-m", "llmadapt.cli", "runs", "import", str(tmp_path / "work" / "vllm-bench.json"),
+                           "--workload", str(run_dir), "--tool-version", "smoke", "--root", str(tmp_path / "store"),
+                           "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["imported"]) == 1
+
+
 def test_vllm_crosscheck(tmp_path):
     """Both clients on one transformers-serve engine (vLLM's engine takes minutes to start on a CPU)."""
     out = tmp_path / "crosscheck.json"

@@ -238,7 +238,7 @@ def _cmd_load_sweep(monkeypatch, tmp_path, figures: list[dict], capsys) -> tuple
     monkeypatch.setattr(cli_serving, "_engines", lambda args: [(_Info(), Workload(kind="serve"))])
     monkeypatch.setattr(loadsweep, "load_sweep", lambda *a, **k: (tmp_path, points))
     args = argparse.Namespace(rates=",".join(str(2**i) for i in range(len(figures))), concurrencies=None, repeat=1,
-                              out=tmp_path, timeout=None, json=False)
+                              out=tmp_path, timeout=None, json=False, pareto="e2el_p99")
     code = cli_serving.cmd_load_sweep(args)
     return code, capsys.readouterr().out
 

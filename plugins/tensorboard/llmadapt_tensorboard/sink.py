@@ -122,7 +122,9 @@ class ComparisonFolder:
                 logdir = self.folder / Path(run_dir).name if run_dir else None
                 if logdir is None or not logdir.is_dir():
                     continue
-                with SummaryWriter(logdir=str(logdir)) as writer:  # a second event file: TensorBoard reads both
+                # a second event file, TensorBoard reads both; its own suffix: an event file's name is the second
+                # it was made in and the host, which the run's own may share
+                with SummaryWriter(logdir=str(logdir), filename_suffix=".comparison") as writer:
                     writer.add_text("llmadapt/row", str(row.get("label")))
                     if delta is not None:
                         writer.add_scalar("comparison/parity_delta", delta, 0)

@@ -5,10 +5,9 @@ batching inside one process), greedy, output lengths forced (``ignore_eos``), wi
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
-from .server import DTYPES, KV_CACHE_BYTES, KV_CACHE_ENV
+from .server import DTYPES, KV_CACHE_BYTES, KV_CACHE_ENV, socket_dir
 
 # serve.engine's arguments as LLM(...) keywords
 ENGINE_KWARGS = {"tensor_parallel": "tensor_parallel_size", "quantization": "quantization",
@@ -21,7 +20,7 @@ class VLLMOffline:
 
     def __init__(self, workload, checkpoint: Path) -> None:
         # as the server: engine sockets in a short private folder, loopback only, no usage reports, offline hub
-        os.environ.update({"TMPDIR": tempfile.mkdtemp(prefix="llmadapt-vllm-"), "VLLM_HOST_IP": "127.0.0.1",
+        os.environ.update({"TMPDIR": str(socket_dir()), "VLLM_HOST_IP": "127.0.0.1",
                            "VLLM_LOOPBACK_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
         from vllm import LLM

@@ -66,6 +66,16 @@ METRICS_PREFIXES = (
     "vllm:prefix_cache_hits",
 )
 
+def socket_dir() -> Path:
+    """A short private folder for vLLM's ZeroMQ IPC sockets and gloo file store: a socket path must fit in 107
+    bytes, so a long TMPDIR (a test's, a job scheduler's) is passed over for /tmp."""
+    base = tempfile.gettempdir()
+    return Path(tempfile.mkdtemp(prefix="llmadapt-vllm-", dir=base if len(base) <= SHORT_TMP else "/tmp"))
+
+
+SHORT_TMP = 40
+"""Longest TMPDIR used for sockets: the folder name (22) and vLLM's socket names (37) must fit in 107 bytes."""
+
 PROFILE_WAIT_S = 60.0
 """How long to wait for the model worker's trace file after /stop_profile answers."""
 
@@ -228,7 +238,7 @@ class VLLMServer(OpenAICompatibleServer):
         cache.mkdir(exist_ok=True)
         # vLLM puts its ZeroMQ IPC sockets and its gloo file store (vllm_dist_*) in TMPDIR. A socket path must fit
         # in 107 bytes, which a run directory may not: a short private directory, removed at stop.
-        self.tmp = Path(tempfile.mkdtemp(prefix="llmadapt-vllm-"))
+        self.tmp = socket_dir()
         tmp = self.tmp
         extra = {
             "VLLM_CACHE_ROOT": str(cache),
