@@ -27,7 +27,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Iterator
 
-from llmadapt.adapter.tracking import RecordMetrics, is_figure, summary_metrics
+from llmadapt.adapter.tracking import RecordMetrics, summary_metrics
 from llmadapt.analysis.report import summary_text
 
 DEFAULT_EXPERIMENT = "llmadapt"
@@ -122,7 +122,6 @@ class MlflowSink:
         self.client, self.run_dir = MlflowClient(tracking_uri=uri), Path(run["run_dir"])
         self.metrics: list[Any] = []
         self.metrics_of = RecordMetrics()
-        self.anchor: tuple[int, int] | None = None  # (wall, monotonic) ns of rank 0's header
         self.flushed = time.monotonic()
         parent = current_parent.get()
         tags = {"llmadapt.run_id": run["run_id"], "llmadapt.run_dir": str(self.run_dir.resolve()),
@@ -141,22 +140,14 @@ class MlflowSink:
             for i in range(0, len(params), BATCH_PARAMS):
                 self.client.log_batch(self.mlflow_run_id, params=params[i:i + BATCH_PARAMS])
 
-    def _when_ms(self, mono_ns: int | None) -> int:
-        if self.anchor and mono_ns:
-            return (self.anchor[0] + mono_ns - self.anchor[1]) // 1_000_000
-        return int(time.time() * 1000)
-
-    def _add(self, name: str, value: Any, step: int, when_ms: int) -> None:
+    def _add(self, name: str, value: float, step: int, when_ms: int) -> None:
         from mlflow.entities import Metric
 
-        if is_figure(value):
-            self.metrics.append(Metric(metric_name(name), float(value), when_ms, step))
+        self.metrics.append(Metric(metric_name(name), value, when_ms, step))
 
     def write(self, record: dict[str, Any]) -> None:
-        if record.get("type") == "header" and record.get("rank", 0) == 0:
-            self.anchor = (record["wall_anchor_ns"], record["mono_anchor_ns"])
         for m in self.metrics_of(record):
-            self._add(m.name, m.value, m.step, self._when_ms(m.mono_ns))
+            self._add(m.name, m.value, m.step, m.wall_ns // 1_000_000)
         if len(self.metrics) >= BATCH_METRICS or (self.metrics and time.monotonic() - self.flushed > FLUSH_EVERY_S):
             self.flush()
 

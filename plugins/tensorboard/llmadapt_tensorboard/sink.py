@@ -72,21 +72,13 @@ class TensorBoardSink:
         self.logdir = writable_folder((current_comparison.get() or root) / run["run_id"])
         self.writer = SummaryWriter(logdir=str(self.logdir))
         self.metrics_of = RecordMetrics()
-        self.anchor: tuple[int, int] | None = None  # (wall, monotonic) ns of rank 0's header
         what = {k: run.get(k) for k in ("run_id", "adapter", "label", "world_size")}
         self.writer.add_text("llmadapt/run", code_block(json.dumps({**what, "run_dir": str(run["run_dir"])}, indent=1)))
         self.writer.add_text("llmadapt/workload", code_block("\n".join(settings_lines(run.get("workload") or {}))))
 
-    def _walltime(self, mono_ns: int | None) -> float:
-        if self.anchor and mono_ns:
-            return (self.anchor[0] + mono_ns - self.anchor[1]) / 1e9
-        return time.time()
-
     def write(self, record: dict[str, Any]) -> None:
-        if record.get("type") == "header" and record.get("rank", 0) == 0:
-            self.anchor = (record["wall_anchor_ns"], record["mono_anchor_ns"])
         for m in self.metrics_of(record):
-            self.writer.add_scalar(m.name, m.value, m.step, walltime=self._walltime(m.mono_ns))
+            self.writer.add_scalar(m.name, m.value, m.step, walltime=m.wall_ns / 1e9)
 
     def close(self, summary: dict[str, Any]) -> None:
         try:
