@@ -96,6 +96,7 @@ def cmd_load_sweep(args) -> int:
         data.append({"adapter": info.name, "config": config, "engine": workload.serve.engine.given(),
                      "folder": str(folder), "points": [p.to_dict() for p in points]})
     statuses = [_point_status(p) for c in data for p in c["points"]]
+    _mark_frontier([p for c in data for p in c["points"]], latency)
     text = sweep_text(data, latency, args.repeat)
     if statuses and all(s == "client behind" for s in statuses):
         text += "\nevery point: client behind (exit 1): " + BEHIND_REMEDY
@@ -109,14 +110,14 @@ def cmd_load_sweep(args) -> int:
 
 
 def sweep_text(data: list[dict[str, Any]], latency: str, repeat: int = 1) -> str:
-    """The sweep's table, one row per point of each engine configuration, with the throughput-latency frontier
-    marked (each point's 'frontier' is set here: output tokens/s against ``latency``, valid points only)."""
+    """The sweep's table, one row per point of each engine configuration, with the points on the throughput-latency
+    frontier (each point's 'frontier', output tokens/s against ``latency``: _mark_frontier) marked and listed."""
     from llmadapt.analysis.comparison import format_value
     from llmadapt.experiments.loadsweep import Load
     from llmadapt.texttable import text_table
 
     points = [(c["config"], p) for c in data for p in c["points"]]
-    frontier = _mark_frontier([p for _, p in points], latency)
+    frontier = sorted((p for _, p in points if p["frontier"]), key=lambda p: p[latency])
     rows = [[config, str(Load(p["kind"], p["load"])) + (f" #{p['repeat'] + 1}" if repeat > 1 else ""),
              *(format_value(p.get(k), fmt) for k, _, fmt in _SWEEP_COLUMNS), "*" if p["frontier"] else "",
              _point_status(p)] for config, p in points]
@@ -143,9 +144,8 @@ def _pareto_metric(text: str) -> str:
     return f"{name}_ms"
 
 
-def _mark_frontier(points: list[dict[str, Any]], latency: str) -> list[dict[str, Any]]:
-    """Sets each point's 'frontier' (output throughput against ``latency``; only valid points count) and returns
-    the frontier's points, lowest latency first."""
+def _mark_frontier(points: list[dict[str, Any]], latency: str) -> None:
+    """Sets each point's 'frontier': output throughput against ``latency``, only valid points counting."""
     from llmadapt.analysis.pareto import on_frontier
 
     usable = [_point_status(p) == "ok" for p in points]
@@ -153,7 +153,6 @@ def _mark_frontier(points: list[dict[str, Any]], latency: str) -> list[dict[str,
                          for p, ok in zip(points, usable)])
     for p, mark in zip(points, marks):
         p["frontier"] = mark
-    return sorted((p for p in points if p["frontier"]), key=lambda p: p[latency])
 
 
 def _point_status(f: dict[str, Any]) -> str:
