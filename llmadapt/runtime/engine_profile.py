@@ -12,6 +12,7 @@ that no operator took, as ``python``. On a GPU the kernels are in the trace too 
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import re
@@ -59,8 +60,9 @@ def engine_steps(trace: dict[str, Any]) -> list[Breakdown]:
     steps = sorted((e for e in events if e["cat"] == "user_annotation" and STEP.match(e["name"])),
                    key=lambda e: e["ts"])
     by_thread: dict[Any, list[dict[str, Any]]] = defaultdict(list)
-    for e in events:
+    for e in sorted(events, key=lambda e: e["ts"]):
         by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    starts = {thread: [e["ts"] for e in mine] for thread, mine in by_thread.items()}
     self_us = _self_times(by_thread)
     out = []
     for index, step in enumerate(steps):
@@ -71,8 +73,9 @@ def engine_steps(trace: dict[str, Any]) -> list[Breakdown]:
         until = steps[index + 1]["ts"] if index + 1 < len(steps) else float("inf")
         classes: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
         unclaimed: dict[str, float] = defaultdict(float)
-        for e in by_thread[thread]:
-            if e is step or not start <= e["ts"] < until or e["ts"] + e["dur"] > until:
+        mine = by_thread[thread]
+        for e in mine[bisect.bisect_left(starts[thread], start):bisect.bisect_left(starts[thread], until)]:
+            if e is step or e["ts"] + e["dur"] > until:
                 continue
             cls = "python" if e["cat"] == "user_annotation" else op_class(e["name"])
             classes[cls][0] += self_us[id(e)]
