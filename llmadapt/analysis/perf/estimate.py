@@ -171,7 +171,6 @@ def layer_activation_bytes(w: Workload, b: int) -> float:
     t = b * w.train.seq_len
     tp = p.tp
     h, hq, kv, i = m.hidden_size, m.hidden_size / tp, m.num_kv_heads * m.head_dim / tp, m.intermediate_size / tp
-    heads = m.num_heads / tp
     flash = o.flash_attention
     # Saved for backward in one decoder layer (transformers' Llama/Mixtral, no dropout):
     # layer input, two RMSNorm outputs and the residual sum (+ fp32 internals below fp32),
@@ -183,8 +182,7 @@ def layer_activation_bytes(w: Workload, b: int) -> float:
         mlp = t * m.num_experts * 4 * 2 + routed * e * (2 * h + 4 * i)
     else:
         mlp = 4 * t * i * e
-    s = w.train.seq_len
-    scores = b * heads * s * 4 if flash else b * heads * s * s * (4 + (e if e != 4 else 0))
+    scores = _scores_bytes(w, b)
     lora = t * w.lora.rank * e * len(w.lora.target_modules) if w.lora.rank else 0
     frozen = 0.0
     if w.lora.rank:
@@ -205,6 +203,14 @@ def layer_activation_bytes(w: Workload, b: int) -> float:
     return full_h + sharded + mlp + scores + lora - frozen
 
 
+def _scores_bytes(w: Workload, b: int) -> float:
+    """What attention keeps of its scores in one layer: the s x s probabilities (in fp32, and a copy in the
+    working precision below it), or with FlashAttention only its per-row statistics."""
+    e, s = DTYPE_BYTES[w.precision], w.train.seq_len
+    heads = w.model.num_heads / w.parallelism.tp
+    return b * heads * s * 4 if w.optimizations.flash_attention else b * heads * s * s * (4 + (e if e != 4 else 0))
+
+
 def activation_bytes(w: Workload, b: int) -> float:
     """Activation memory of one micro-batch of b samples per rank, at the peak of its backward pass."""
     m, p, o = w.model, w.parallelism, w.optimizations
@@ -213,8 +219,7 @@ def activation_bytes(w: Workload, b: int) -> float:
     h, v = m.hidden_size, m.vocab_size / p.tp
     layers = math.ceil(m.num_layers / p.pp)
     per_layer = layer_activation_bytes(w, b)
-    scores = (b * m.num_heads / p.tp * w.train.seq_len * 4 if o.flash_attention else
-              b * m.num_heads / p.tp * w.train.seq_len ** 2 * (4 + (e if e != 4 else 0)))
+    scores = _scores_bytes(w, b)
     top = t * h * e * 3 + t * v * (e + (4 if e != 4 else 0) + 4)
     transient = max(t * v * 4, per_layer)  # gradient of the logits, or of one layer, while it is computed
     in_flight = min(p.pp, max(1, w.per_rank_batch // b)) if p.pp > 1 else 1
