@@ -205,17 +205,13 @@ def tensor_plan(model: Any) -> list[tuple[str, tuple[int, ...]]]:
     Mixtral layouts (Mixtral's experts as ``block_sparse_moe.experts.E.w1/w2/w3``, which every loader reads).
     ``model``: a ModelSpec, or anything with its shape fields, ``head_dim`` and ``is_moe``. The canonical
     checkpoint is written from it and a model folder's weights are checked against it."""
-    h, i, v, d = model.hidden_size, model.intermediate_size, model.vocab_size, model.head_dim
+    h, i, v = model.hidden_size, model.intermediate_size, model.vocab_size
     if getattr(model, "family", "llama") == "jamba":
         return _jamba_plan(model)
     plan = [("model.embed_tokens.weight", (v, h))]
     for n in range(model.num_layers):
         p = f"model.layers.{n}"
-        plan += [(f"{p}.input_layernorm.weight", (h,)),
-                 (f"{p}.self_attn.q_proj.weight", (model.num_heads * d, h)),
-                 (f"{p}.self_attn.k_proj.weight", (model.num_kv_heads * d, h)),
-                 (f"{p}.self_attn.v_proj.weight", (model.num_kv_heads * d, h)),
-                 (f"{p}.self_attn.o_proj.weight", (h, model.num_heads * d)),
+        plan += [(f"{p}.input_layernorm.weight", (h,)), *_attention_plan(model, p),
                  (f"{p}.post_attention_layernorm.weight", (h,))]
         if model.is_moe:
             plan.append((f"{p}.block_sparse_moe.gate.weight", (model.num_experts, h)))
@@ -231,20 +227,26 @@ def tensor_plan(model: Any) -> list[tuple[str, tuple[int, ...]]]:
     return plan
 
 
+def _attention_plan(model: Any, p: str) -> list[tuple[str, tuple[int, ...]]]:
+    """One layer's attention projections (Llama's, Mixtral's and Jamba's names and shapes)."""
+    h, d = model.hidden_size, model.head_dim
+    return [(f"{p}.self_attn.q_proj.weight", (model.num_heads * d, h)),
+            (f"{p}.self_attn.k_proj.weight", (model.num_kv_heads * d, h)),
+            (f"{p}.self_attn.v_proj.weight", (model.num_kv_heads * d, h)),
+            (f"{p}.self_attn.o_proj.weight", (h, model.num_heads * d))]
+
+
 def _jamba_plan(model: Any) -> list[tuple[str, tuple[int, ...]]]:
     """ai21labs/Jamba-v0.1's layout (what transformers' JambaForCausalLM loads; its experts as
     ``feed_forward.experts.E.gate_proj/up_proj/down_proj``, which it fuses on loading)."""
-    h, i, v, d = model.hidden_size, model.intermediate_size, model.vocab_size, model.head_dim
+    h, i, v = model.hidden_size, model.intermediate_size, model.vocab_size
     inner, rank, state = model.mamba_inner, model.mamba_dt_rank, MAMBA_D_STATE
     plan = [("model.embed_tokens.weight", (v, h))]
     for n, (mixer, moe) in enumerate(model.layer_kinds):
         p = f"model.layers.{n}"
         plan.append((f"{p}.input_layernorm.weight", (h,)))
         if mixer == "attention":
-            plan += [(f"{p}.self_attn.q_proj.weight", (model.num_heads * d, h)),
-                     (f"{p}.self_attn.k_proj.weight", (model.num_kv_heads * d, h)),
-                     (f"{p}.self_attn.v_proj.weight", (model.num_kv_heads * d, h)),
-                     (f"{p}.self_attn.o_proj.weight", (h, model.num_heads * d))]
+            plan += _attention_plan(model, p)
         else:
             q = f"{p}.mamba"
             plan += [(f"{q}.A_log", (inner, state)), (f"{q}.D", (inner,)),
