@@ -37,3 +37,44 @@ def local_server():
     for proc in procs:
         proc.kill()
         proc.wait()
+
+
+# -- tracking sinks (tests/test_mlflow.py, tests/test_tensorboard.py) ----------------------------------------------
+@pytest.fixture
+def compare_two_cells(tmp_path):
+    """`llmadapt compare` from the command line, inline, on tiny-llama's two cells of one problem (torch, and torch
+    with one thread per rank) for STEPS steps, with ENV added: its rows (--json). For the sinks' comparison tests."""
+    import json
+    import os
+
+    def compare(env: dict[str, str], steps: int) -> list[dict]:
+        done = subprocess.run(
+            [sys.executable, "-m", "llmadapt.cli", "compare", str(HERE.parent / "examples" / "tiny-llama.toml"),
+             "--cell", "torch", "--cell", "torch:parallelism.threads_per_rank=1", "--launcher", "inline",
+             "--set", f"train.steps={steps}", "--out", str(tmp_path / "runs"), "--json"],
+            capture_output=True, text=True, env={**os.environ, **env}, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout)["rows"]
+
+    return compare
+
+
+@pytest.fixture
+def run_with_a_failing_sink(tmp_path):
+    """Run tiny-llama (WORKLOAD) inline with a sink that fails: the run is ok, the console gets one warning naming the
+    plugin and the failure, and every step record is on disk and reached on_record as well."""
+    from llmadapt.contract.jsonl import read_jsonl
+    from llmadapt.launch.run import run
+
+    def check(workload, plugin: str, failure: str) -> None:
+        events, seen = [], []
+        result = run(workload, "torch", launcher="inline", out=tmp_path / "runs", progress=events.append,
+                     on_record=seen.append)
+        assert result.ok
+        warnings = [e["message"] for e in events if e["type"] == "warning"]
+        assert len(warnings) == 1 and f"plugin '{plugin}'" in warnings[0] and failure in warnings[0], warnings
+        on_disk = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "step"]
+        assert [r["step"] for r in seen if r["type"] == "step"] == [r["step"] for r in on_disk]
+        assert len(on_disk) == result.summary.steps_completed
+
+    return check

@@ -127,7 +127,7 @@ def test_a_run_becomes_an_mlflow_run(server, tmp_path, monkeypatch):
     assert report.startswith(f"run        {result.run_dir.name}  [ok]")
 
 
-def test_a_sink_that_fails_during_the_run_loses_no_record(server, tmp_path, monkeypatch):
+def test_a_sink_that_fails_during_the_run_loses_no_record(server, monkeypatch, run_with_a_failing_sink):
     """The server refuses the metrics: the sink is dropped with one warning; the records stay on disk and still
     reach on_record."""
     from llmadapt_mlflow import MlflowSink
@@ -138,15 +138,7 @@ def test_a_sink_that_fails_during_the_run_loses_no_record(server, tmp_path, monk
         raise ConnectionError("the server went away")
 
     monkeypatch.setattr(MlflowSink, "flush", refuse)
-    events, seen = [], []
-    result = run(tiny(), "torch", launcher="inline", out=tmp_path / "runs", progress=events.append,
-                 on_record=seen.append)
-    assert result.ok
-    warnings = [e["message"] for e in events if e["type"] == "warning"]
-    assert len(warnings) == 1 and "plugin 'mlflow'" in warnings[0] and "the server went away" in warnings[0]
-    on_disk = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "step"]
-    assert [r["step"] for r in seen if r["type"] == "step"] == [r["step"] for r in on_disk]
-    assert len(on_disk) == result.summary.steps_completed
+    run_with_a_failing_sink(tiny(), "mlflow", "the server went away")
 
 
 def test_a_comparison_is_a_parent_run_with_its_cells_as_children(server, tmp_path, monkeypatch):
@@ -174,21 +166,12 @@ def test_a_comparison_is_a_parent_run_with_its_cells_as_children(server, tmp_pat
                                                                   for d in row.run_dirs}
 
 
-def test_a_comparison_from_the_command_line_is_a_parent_run_with_parity_deltas(server, tmp_path):
+def test_a_comparison_from_the_command_line_is_a_parent_run_with_parity_deltas(server, tmp_path, compare_two_cells):
     """`llmadapt compare` with a tracking URI and no parent of the user's: the comparison is the parent run (named
     for its cells), its runs the children, each tagged with its row and its parity delta (the second layout of
     one problem against the first), the rows as the artifact comparison.json."""
-    import sys
-
     uri = server()
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_NAME": "cli-compare"}
-    done = subprocess.run(
-        [sys.executable, "-m", "llmadapt.cli", "compare", str(ROOT / "examples" / "tiny-llama.toml"),
-         "--cell", "torch", "--cell", "torch:parallelism.threads_per_rank=1", "--launcher", "inline",
-         "--set", f"train.steps={STEPS}", "--out", str(tmp_path / "runs"), "--json"],
-        capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout)["rows"]
+    rows = compare_two_cells({"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_NAME": "cli-compare"}, STEPS)
 
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("cli-compare")

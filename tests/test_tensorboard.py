@@ -3,11 +3,8 @@ buffers (TFRecord framing undone here), for a run, a failing folder, a failing s
 checks as the MLflow sink's (tests/test_mlflow.py)."""
 
 import json
-import os
 import re
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -111,7 +108,7 @@ def test_a_run_becomes_a_tensorboard_run(tmp_path, monkeypatch):
     assert text["llmadapt/report"].startswith(f"run        {result.run_dir.name}  [ok]")
 
 
-def test_a_sink_that_fails_during_the_run_loses_no_record(tmp_path, monkeypatch):
+def test_a_sink_that_fails_during_the_run_loses_no_record(tmp_path, monkeypatch, run_with_a_failing_sink):
     """The sink raises on a record: it is dropped with one warning; the records stay on disk and reach on_record."""
     from llmadapt_tensorboard import TensorBoardSink
 
@@ -121,28 +118,13 @@ def test_a_sink_that_fails_during_the_run_loses_no_record(tmp_path, monkeypatch)
         raise OSError("No space left on device")
 
     monkeypatch.setattr(TensorBoardSink, "write", refuse)
-    events_seen, seen = [], []
-    result = run(tiny(), "torch", launcher="inline", out=tmp_path / "runs", progress=events_seen.append,
-                 on_record=seen.append)
-    assert result.ok
-    warnings = [e["message"] for e in events_seen if e["type"] == "warning"]
-    assert len(warnings) == 1 and "plugin 'tensorboard'" in warnings[0] and "No space left" in warnings[0], warnings
-    on_disk = [r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "step"]
-    assert [r["step"] for r in seen if r["type"] == "step"] == [r["step"] for r in on_disk]
-    assert len(on_disk) == result.summary.steps_completed
+    run_with_a_failing_sink(tiny(), "tensorboard", "No space left on device")
 
 
-def test_a_comparison_from_the_command_line_puts_its_runs_side_by_side(tmp_path):
+def test_a_comparison_from_the_command_line_puts_its_runs_side_by_side(tmp_path, compare_two_cells):
     """`llmadapt compare`: one folder for the comparison with its runs inside (TensorBoard draws them together),
     each with its row and parity delta, and the rows as comparison.json."""
-    env = {**os.environ, "LLMADAPT_TENSORBOARD_DIR": str(tmp_path / "tb")}
-    done = subprocess.run(
-        [sys.executable, "-m", "llmadapt.cli", "compare", str(ROOT / "examples" / "tiny-llama.toml"),
-         "--cell", "torch", "--cell", "torch:parallelism.threads_per_rank=1", "--launcher", "inline",
-         "--set", f"train.steps={STEPS}", "--out", str(tmp_path / "runs"), "--json"],
-        capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout)["rows"]
+    rows = compare_two_cells({"LLMADAPT_TENSORBOARD_DIR": str(tmp_path / "tb")}, STEPS)
     (folder,) = (tmp_path / "tb").iterdir()
     assert re.fullmatch(r"\d{8}-\d{6}-tiny-llama-pretrain-torch-dp1-mb4-torch-dp1-mb4", folder.name), folder.name
     saved = json.loads((folder / "comparison.json").read_text())
