@@ -179,6 +179,11 @@ def test_every_training_stack_packs_with_the_same_losses(adapter, reference, tmp
     report = loss_parity(reference.losses, result.losses)
     assert report.ok, report.text()
     assert result.summary.grad_norms[0] == pytest.approx(reference.summary.grad_norms[0], rel=1e-5)
+    if adapter == "megatron":  # the RoPE positions come from a hook: every rank's trace says so
+        for path in sorted(result.run_dir.glob("rank-*.jsonl")):
+            header = next(r for r in read_jsonl(path) if r["type"] == "header")
+            assert {"name": "packed-rope-positions", "kind": "shim"}.items() <= next(
+                p for p in header["patches"] if p["name"] == "packed-rope-positions").items()
 
 
 # -- refusals ----------------------------------------------------------------------------------------------------------

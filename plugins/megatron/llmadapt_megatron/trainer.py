@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from llmadapt.adapter import FineTuner, Phase, StepResult, Trainer
+from llmadapt.adapter import FineTuner, Patch, Phase, StepResult, Trainer
 from llmadapt.adapter.breakdown import DATA_PARALLEL_WRAPPERS
 
 from .convert import CONVERT_VERSION, hf_to_megatron, load_into, megatron_to_hf
@@ -147,6 +147,12 @@ class MegatronTrainer(Trainer):
         _mark_tensor_parallel(model)
         if w.data.packing:
             model.rotary_pos_emb.register_forward_hook(self._packed_rope)
+            # it changes what megatron computes (on every device), so every packed run's trace says so
+            self.patches.append(Patch(
+                framework="megatron-core", name="packed-rope-positions", kind="shim",
+                description="a forward hook on GPTModel.rotary_pos_emb gives each token of a packed row the RoPE "
+                            "angle of its own position (restarting at 0 with each sample): megatron-core's local "
+                            "attention path takes the block-diagonal mask but reads no position ids"))
         self._load_rank_shard(model, ps)
         self.model_loaded()
         model.to(ctx.device)
