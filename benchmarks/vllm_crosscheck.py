@@ -17,6 +17,13 @@ A point is a Poisson rate in requests/s (`30`: llmadapt `arrival = {process = "p
 TPOT, E2EL; transformers serve has none) are differenced to exactly that pass's requests: their means are
 exact (sum / count), their medians interpolated inside Prometheus buckets (as histogram_quantile does).
 
+On the wire (vLLM): the engine's API server runs an ASGI middleware (`--middleware`, the module WIRE below,
+written into the work folder) that stamps each completions request on the same monotonic clock as both clients:
+when the server begins to handle it and when it hands the first event carrying a token to the socket. Each
+request's TTFT then splits into the client's send path (client start -> server has the request), the server's
+own time to first token, and the receive path (first event leaves the server -> the client has read it), so
+a difference between the clients' TTFT is put where it arises.
+
 Per pass: p50 and p99 of TTFT, TPOT, ITL and E2EL, the client's CPU per request (llmadapt: its process over
 the run; vllm bench: its process from "Starting main benchmark run" to its exit), llmadapt's validity and
 event-loop lag. Per point: the median over passes of each. vllm environment needed (`llmadapt env create
@@ -41,6 +48,42 @@ MODEL = {"preset": "tiny-llama", "hidden_size": 128}  # head size 32: one vllm-c
 HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "tpot": "vllm:request_time_per_output_token_seconds",
               "itl": "vllm:inter_token_latency_seconds", "e2el": "vllm:e2e_request_latency_seconds"}
 METRICS = ("ttft", "tpot", "itl", "e2el")
+WIRE_MODULE = "crosscheck_wire"
+WIRE = '''"""Stamps each /v1/completions request on CLOCK_MONOTONIC (the clients' clock) into wire-times.jsonl."""
+import json, time
+from pathlib import Path
+
+LOG = Path(__file__).with_name("wire-times.jsonl")
+
+
+class WireTimes:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/completions":
+            return await self.app(scope, receive, send)
+        seen_ns = time.monotonic_ns()  # the server begins to handle the request (its headers are parsed)
+        body, first_ns = bytearray(), None
+
+        async def receive_body():
+            message = await receive()
+            body.extend(message.get("body", b""))
+            return message
+
+        async def send_stamped(message):
+            nonlocal first_ns
+            if first_ns is None and message["type"] == "http.response.body" and b'"choices"' in message.get("body", b""):
+                first_ns = time.monotonic_ns()  # handed to the socket right after this
+            await send(message)
+
+        try:
+            await self.app(scope, receive_body, send_stamped)
+        finally:
+            prompt = json.loads(bytes(body) or b"{}").get("prompt")
+            with open(LOG, "a") as f:
+                f.write(json.dumps({"prompt": prompt, "seen_ns": seen_ns, "first_ns": first_ns}) + "\\n")
+'''
 
 
 # -- Prometheus histograms ----------------------------------------------------------------------
@@ -215,6 +258,34 @@ def bench_pass(python: Path, base_url: str, checkpoint: Path, served: str, plan,
     return out
 
 
+# -- on the wire ---------------------------------------------------------------------------------
+def wire_split(client: str, plan, work: Path, tag: str, log: Path, offset: int) -> dict:
+    """Each request's TTFT split at the server's stamps: medians (ms) of send path, server TTFT, receive path,
+    over the pass's requests, matched by prompt (the plan's prompts are distinct)."""
+    from llmadapt.contract.jsonl import read_jsonl
+
+    with open(log) as f:
+        f.seek(offset)
+        stamps = {r["prompt"]: r for r in map(json.loads, f.read().splitlines())}
+    if client == "llmadapt":  # sent_ns and first_token_ns: monotonic ns
+        requests = [r for r in read_jsonl(work / f"llmadapt-{tag}.jsonl") if r["type"] == "request"]
+        times = {plan[r["index"]].prompt: (r["sent_ns"], r["first_token_ns"]) for r in requests
+                 if r["status"] == "ok" and not r["warmup"]}
+    else:  # start_times (perf_counter, which is CLOCK_MONOTONIC on Linux) and ttfts, in seconds, in plan order
+        result = json.loads((work / f"vllm-bench-{tag}.json").read_text())
+        times = {p.prompt: (int(start * 1e9), int((start + ttft) * 1e9))
+                 for p, start, ttft in zip(plan, result["start_times"], result["ttfts"]) if ttft}
+    parts: dict[str, list[float]] = {"send": [], "server": [], "receive": []}
+    for prompt, (start, first) in times.items():
+        stamp = stamps.get(prompt)
+        if stamp is None or stamp["first_ns"] is None or start is None or first is None:
+            continue
+        parts["send"].append((stamp["seen_ns"] - start) / 1e6)
+        parts["server"].append((stamp["first_ns"] - stamp["seen_ns"]) / 1e6)
+        parts["receive"].append((first - stamp["first_ns"]) / 1e6)
+    return {"matched": len(parts["send"]), **{k: _median(v) for k, v in parts.items()}}
+
+
 # -- main ---------------------------------------------------------------------------------------
 def parse_point(text: str) -> tuple[str, float]:
     if text.startswith("c"):
@@ -286,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         from llmadapt.reference.serve import HFServer as ServerClass
 
         served = str(checkpoint)
+    if args.engine == "vllm":  # the wire stamps (WIRE): the module sits in the engine's working folder
+        (work / f"{WIRE_MODULE}.py").write_text(WIRE)
+
+        class ServerClass(ServerClass):  # noqa: F811 (the adapter's server, plus the middleware)
+            def command(self, kv_cache_bytes: int) -> list[str]:
+                return super().command(kv_cache_bytes) + ["--middleware", f"{WIRE_MODULE}.WireTimes"]
     server = ServerClass(ServeContext(w0, args.engine, work, python, checkpoint, free_port()))
     bench_env = process_env(vllm_env, {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                                        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TMPDIR": str(work / "tmp"),
@@ -293,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"engine": args.engine, "model": MODEL, "requests": args.requests, "input_len": args.input_len,
                      "output_len": args.output_len, "forced": forced, "spin_ms": args.spin_ms,
                      "scrape_s": args.scrape_s, "points": {}}
+
+    wire_log = work / "wire-times.jsonl"
 
     async def drive() -> None:
         connector = aiohttp.TCPConnector(limit=0)
@@ -319,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                     client = "llmadapt" if i % 2 == 0 else "vllm bench"
                     tag = f"{point[0]}{point[1]:g}-{i}"
                     before = parse_histograms(await scrape_text(session, server.ctx.base_url))
+                    wire_from = wire_log.stat().st_size if wire_log.exists() else 0
                     if client == "vllm bench":
                         figures = await asyncio.to_thread(bench_pass, bench_python, server.ctx.base_url, checkpoint,
                                                           served, plan, point, forced, work, tag, bench_env, args.engine)
@@ -326,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                         figures = await llmadapt_pass(server, w, plan, work / f"llmadapt-{tag}.jsonl", session)
                     after = parse_histograms(await scrape_text(session, server.ctx.base_url))
                     figures["client"] = client
+                    if wire_log.exists():
+                        figures["wire"] = wire_split(client, plan, work, tag, wire_log, wire_from)
                     figures["server"] = server_figures(delta(after, before))
                     passes.append(figures)
                     print(f"{label}: pass {i + 1}/{args.passes * 2} {client}: TTFT p50 {figures['ttft']['p50']:.2f} "
@@ -379,6 +461,14 @@ def report(results: dict) -> str:
                              for m in METRICS)
             lines.append(f"{label:<14} {client:<10} {valid:>5} {cells} "
                          f"{_fmt(_median(p['cpu_ms_per_request'] for p in mine), 8)}")
+        for client in ("llmadapt", "vllm bench"):
+            wire = [p["wire"] for p in passes if p["client"] == client and p.get("wire", {}).get("matched")]
+            if wire:
+                lines.append(f"{label:<14} {client:<10} TTFT on the wire (medians): send path "
+                             f"{_fmt(_median(x['send'] for x in wire), 5)}, server "
+                             f"{_fmt(_median(x['server'] for x in wire), 5)}, receive path "
+                             f"{_fmt(_median(x['receive'] for x in wire), 5)} ms "
+                             f"({sum(x['matched'] for x in wire)} requests)")
         engine = [p["server"] for p in passes if p["server"]["itl"]["count"]]
         if engine:
             lines.append(f"{label:<14} {'engine':<10} {'':>5} " + " ".join(

@@ -167,6 +167,22 @@ def test_the_reference_counts_real_tokens_and_queries(reference, data):
     assert unpacked.ok and abs(unpacked.losses[1] - reference.losses[1]) > 1e-3  # other batches: other losses
 
 
+def test_the_flop_count_takes_each_samples_own_context(reference, data):
+    """The attention term's T is sum(L^2) / sum(L) over the measured steps' samples, not the row's seq_len: what
+    the model computes for a packed row is its samples' attention, each within itself (llmadapt.contract.flops)."""
+    from llmadapt.contract.flops import training_flops
+
+    w = reference.summary
+    workload = Workload().with_overrides(PACKED)
+    measured = [data.step_batch(step, 0, 1) for step in range(workload.train.warmup_steps, workload.train.total_steps)]
+    lengths = [s.length for b in measured for r in range(b.step * 4, b.step * 4 + 4) for s in data.row_samples(r)]
+    context = sum(n * n for n in lengths) / sum(lengths)
+    assert context < 0.5 * workload.train.seq_len  # several samples a row: far below the row's length
+    assert w.model_flops_per_token == pytest.approx(training_flops(workload, context)[0], rel=1e-12)
+    assert w.model_flops_per_token < training_flops(workload)[0]
+    assert w.hardware_flops_per_token == pytest.approx(training_flops(workload, context)[1], rel=1e-12)
+
+
 @pytest.mark.parametrize("adapter", list(STACKS))
 def test_every_training_stack_packs_with_the_same_losses(adapter, reference, tmp_path):
     """fp32: the default parity tolerance holds with packing on (measured: 5e-7 at most over 4 steps)."""

@@ -145,6 +145,8 @@ class StepBatch:
     """Input tokens (padding excluded) in this rank's share."""
     samples: int
     """Samples (prompt and answer: queries) in this rank's share; packed, those inside its rows."""
+    sample_length_squares: int | None = None
+    """Sum of its samples' real lengths squared (the attention term's context: llmadapt.contract.flops)."""
 
 
 @attrs.frozen

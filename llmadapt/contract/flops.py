@@ -4,10 +4,16 @@ Convention (stated in every summary that uses it): training FLOPs per token =
 6 * N + 12 * L * H * Q * T, where N counts every parameter that takes part in a matmul per
 token except the input embedding lookup (the output projection is counted, as torchtitan
 does), for MoE only the active experts (top-k) plus the router; L layers, H query heads,
-Q head dim, T sequence length. GQA shrinks N (smaller K/V projections) but not the attention
+Q head dim, T the context each token attends over. GQA shrinks N (smaller K/V projections) but not the attention
 term, whose score and value products run over all H query heads. The attention term is the
 non-causal one (PaLM), so it overstates causal attention work by about 2x. Forward is 1/3,
 backward 2/3. Recomputation is not counted in MFU's model FLOPs; HFU's hardware FLOPs count it.
+
+T in a run's summary: each token attends within its own sample, so T is the mean over the run's tokens of the
+length of the sample each token belongs to, sum(L^2) / sum(L) over the measured steps' samples (the step records'
+sample_length_squares over their tokens). That is train.seq_len for full-length rows (synthetic data); for a
+padded row it counts its real tokens, and for a packed row each sample's own length, not the row's: the scores a
+mask removes or padding fills are not model work (a dense masked kernel still runs them).
 
 Jamba (a hybrid of attention and Mamba layers): N counts each layer as it is (attention or Mamba mixer, MoE block
 or dense MLP); the attention term runs over its attention layers only; each Mamba layer adds its selective scan,
@@ -114,12 +120,12 @@ def _lora_params(workload) -> int:
                for t in workload.lora.target_modules if t in _TARGET_SHAPES)
 
 
-def training_flops(workload) -> tuple[float, float]:
+def training_flops(workload, context: float | None = None) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) per token of a training or fine-tuning workload: model FLOPs for MFU (PaLM's
     convention; for LoRA, the frozen base without weight gradients plus the adapters), hardware FLOPs for HFU
     (model FLOPs plus the forward that recomputation runs again: all of it for 'full', attention's score and
-    value products for 'selective')."""
-    m, seq = workload.model, workload.train.seq_len
+    value products for 'selective'). ``context``: the attention term's T (module docstring), default seq_len."""
+    m, seq = workload.model, context or workload.train.seq_len
     full = model_flops_per_token(m, seq)
     attention = attention_flops(m, seq)
     if workload.lora.rank:

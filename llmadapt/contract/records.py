@@ -21,7 +21,7 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.11"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.12"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
@@ -32,7 +32,7 @@ SCHEMA_VERSION = "1.11"  # 1.1: end records, summary warnings; 1.2: client_load 
 # llmadapt.contract.launch); 1.10: the step's grad_norm and the summary's grad_norms; 1.11: the summary's
 # measured_by (serving runs imported from other tools' result files), the header's and the summary's notes, the
 # client load's prefix_cache_metrics and stream_prefix_share, the serving stats' stream_prefix_share and
-# engine_prefix_cache_hit_share
+# engine_prefix_cache_hit_share; 1.12: the step's sample_length_squares (the attention term's context)
 
 
 @attrs.frozen
@@ -198,6 +198,10 @@ class Step:
     grad_norm: float | None = None
     """Global L2 norm of the gradients the optimizer step received (every rank's shard, the framework's own
     reduction); None where the adapter does not report one."""
+    sample_length_squares: int | None = None
+    """Sum over this rank's samples of their real length squared: each token attends within its own sample, so
+    sample_length_squares / tokens is the context the FLOP count's attention term takes (llmadapt.contract.flops);
+    None in records written before 1.12."""
     type: Literal["step"] = "step"
 
 

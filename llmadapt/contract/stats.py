@@ -76,6 +76,7 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest)
     grad_norms: list[float | None] = []
     times, tokens_s, samples_s, tokens_per_step = [], [], [], None
     window_tokens, expert_loads, step_waits = 0, [], []  # over every step after warm-up, profiled ones too
+    squares, squared_tokens = 0, 0  # the attention term's context (llmadapt.contract.flops), over measured steps
     phase_sums: dict[str, list[float]] = defaultdict(list)
     for i in complete:
         by_rank = steps_by_index[i]
@@ -95,6 +96,9 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest)
                        if s.get("run_delay_s") is not None and s["seconds"] > 0]
         seconds = max(s["seconds"] for s in by_rank.values())
         samples = sum(s["samples"] for s in by_rank.values()) // model_parallel
+        if all(s.get("sample_length_squares") for s in by_rank.values()):  # the ratio: tp x pp copies cancel
+            squares += sum(s["sample_length_squares"] for s in by_rank.values())
+            squared_tokens += sum(s["tokens"] for s in by_rank.values())
         times.append(seconds)
         tokens_s.append(tokens / seconds)
         samples_s.append(samples / seconds)
@@ -115,7 +119,7 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest)
 
     head = headers.get(0) or (next(iter(headers.values())) if headers else None)
     device = Device(**head["device"]) if head else None
-    fpt, hardware_fpt = training_flops(workload)
+    fpt, hardware_fpt = training_flops(workload, squares / squared_tokens if squared_tokens else None)
     tok_stats = describe(tokens_s)
     achieved = fpt * tok_stats.mean if tok_stats else None
     peak = peak_flops(device.name, workload.precision) if device else None

@@ -121,6 +121,7 @@ class TokenData:
             loss_tokens_global=loss_tokens,
             tokens=sum(s.length for s in mine),
             samples=len(mine),
+            sample_length_squares=sum(s.length ** 2 for s in mine),
         )
 
     # -- packing (data.packing) -------------------------------------------------------
@@ -155,7 +156,8 @@ class TokenData:
             packed = [self._packed_row(row) for row in mine[i:i + mb]]
             micro.append(MicroBatch(*(torch.tensor([r[k] for r in packed], dtype=torch.long) for k in range(4))))
         return StepBatch(step=step, micro_batches=micro, loss_tokens_global=loss_tokens,
-                         tokens=sum(s.length for row in mine for s in row), samples=sum(len(row) for row in mine))
+                         tokens=sum(s.length for row in mine for s in row), samples=sum(len(row) for row in mine),
+                         sample_length_squares=sum(s.length ** 2 for row in mine for s in row))
 
     def _packed_row(self, samples: list[Sample]) -> tuple[list[int], list[int], list[int], list[int]]:
         """input ids, labels, position ids and segment ids of one row: each sample's own tokens and labels (its

@@ -180,6 +180,7 @@ def _train(worker: lifecycle.WorkerProcess, fault: dict[str, Any] | None, worklo
             expert_near_ties=result.expert_near_ties, profiled=step_index in profiled,
             run_delay_s=None if None in (waited_before, waited_after) else (waited_after - waited_before) / 1e9,
             grad_norm=(grad_norm := None if result.grad_norm is None else float(result.grad_norm)),
+            sample_length_squares=batch.sample_length_squares,
         ))
         for extra in (*([breakdown] if breakdown else []), *result.comms, *result.metrics):
             writer.write(extra if extra is breakdown else attrs.evolve(extra, step=step_index))
