@@ -46,7 +46,7 @@ def profiler_routes(app, folder: Path) -> None:
             profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU]
                 + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []),
-                experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))
+                experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True))
             profiler.start()
             state["profiler"] = profiler
         return JSONResponse({"status": "started"})
@@ -86,7 +86,8 @@ def install(folder: Path) -> None:
     @functools.wraps(prepare_tensors)
     def prepare_and_note(self, requests_in_batch, *args, **kwargs):
         # A request decodes once it has a generated token to feed back; until then it prefills (some of) its prompt.
-        # Not its status: the scheduler marks a prompt it schedules whole DECODING before its prefill runs.
+        # Not its status: the scheduler marks a prompt it schedules whole DECODING before its prefill runs. (With
+        # asynchronous batching, a GPU's, a request whose prefill is still in flight counts as prefilling.)
         decode = [r for r in requests_in_batch if r.state.generated_len() > 0]
         prefill = [r for r in requests_in_batch if r.state.generated_len() == 0]
         _shape.name = STEP.format(len(prefill), sum(r.query_length for r in prefill),
