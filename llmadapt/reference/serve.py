@@ -52,14 +52,14 @@ class HFServer(OpenAICompatibleServer):
         return (self.ctx.run_dir / "engine-profile").absolute()
 
     async def start_profile(self, session) -> None:
-        async with session.post(self.ctx.base_url + "/start_profile") as r:
+        async with session.post(self.ctx.base_url + "/start_profile", headers=self.headers()) as r:
             if r.status != 200:
                 raise LlmadaptError(f"transformers serve did not start its profiler: POST /start_profile answered "
                                     f"HTTP {r.status} (an attached server must run under "
                                     "llmadapt.reference.profiled_serve)")
 
     async def stop_profile(self, session) -> list[Path]:
-        async with session.post(self.ctx.base_url + "/stop_profile") as r:
+        async with session.post(self.ctx.base_url + "/stop_profile", headers=self.headers()) as r:
             if r.status != 200:
                 raise LlmadaptError(f"transformers serve did not stop its profiler: POST /stop_profile answered "
                                     f"HTTP {r.status}")
