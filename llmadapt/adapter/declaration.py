@@ -130,7 +130,7 @@ class Supports:
                 out.append(("serve.engine.quantization", value, "supported: none, " + ", ".join(
                     self.engine_quantization)))
         if workload.serve.profile and not self.engine_profile:
-            out.append(("serve.profile", True, "this engine gives no profile of its own (vllm does)"))
+            out.append(("serve.profile", True, "this engine gives no profile of its own (vllm and hf do)"))
         return out
 
     def problems(self, workload: Workload) -> list[tuple[str, Any, str]]:

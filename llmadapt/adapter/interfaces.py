@@ -163,6 +163,8 @@ class Server(abc.ABC):
     def __init__(self, ctx: ServeContext) -> None:
         self.ctx = ctx
         self.patches: list[Patch] = []
+        self.notes: list[str] = []
+        """Lines for what a reader must know of how the engine ran (the header's ``notes``), added by ``start``."""
 
     @abc.abstractmethod
     def start(self) -> None:

@@ -185,7 +185,7 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest)
             window_tokens),
         evaluations=_evaluations(records),
         interference=interference_summary([r for r in records if r["type"] == "interference"], step_waits),
-        notes=list(dict.fromkeys(note for h in headers.values() for note in h.get("notes", []))),
+        notes=_notes(headers.values()),
     )
 
 
@@ -198,6 +198,11 @@ def _evaluations(records: list[dict[str, Any]]) -> list[Evaluation] | None:
 
 def _peak(memory: dict[str, Any]) -> int | None:
     return memory["peak_allocated_bytes"] if memory["kind"] == "cuda" else memory["peak_rss_bytes"]
+
+
+def _notes(headers: Iterable[dict[str, Any]]) -> list[str]:
+    """Every header's notes, once each, in order."""
+    return list(dict.fromkeys(note for h in headers for note in h.get("notes", [])))
 
 
 def _patches(headers: Iterable[dict[str, Any]]) -> list[Patch]:
@@ -236,6 +241,7 @@ def _aggregate_serve(run_id, records, launch, workload, headers, failures) -> Su
         phase_means_s={}, failures=failures, serving=serving, warnings=warnings,
         interference=interference_summary([r for r in records if r["type"] == "interference"]),
         breakdown=breakdown_summary([r for r in records if r["type"] == "breakdown"], 1),  # the engine's own steps
+        notes=_notes(headers.values()),  # e.g. the reference server run under the profiler launcher
     )
 
 

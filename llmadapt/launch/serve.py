@@ -339,7 +339,8 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
             writer.write(run_header(
                 p.launch, framework_version=redact(server.engine_version(), secrets), device=None,
                 software=software_versions(("aiohttp", "tokenizers")), patches=list(server.patches), workload=w,
-                checkpoint_hash=_recorded_hash(checkpoint)))
+                checkpoint_hash=_recorded_hash(checkpoint),
+                notes=list(getattr(server, "notes", []))))  # a server written before notes may not call our __init__
             run = LoadGenerator(server, w, plan_requests(w, tokenizer), writer, progress).run(session)
             engine = _engine_group(engine_dir)
             quiet_start, engine_start = interference.snapshot(), interference.group_cpu_s(engine)

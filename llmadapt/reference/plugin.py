@@ -50,7 +50,8 @@ def llmadapt_register_adapters(register):
         framework="transformers-serve",
         roles={"serve": "llmadapt.reference.serve:HFServer", "offline": "llmadapt.reference.offline:HFOffline"},
         environment=ENVIRONMENT,
-        supports=Supports(engine=("max_batched_tokens",)),  # --cb-max-batch-tokens
+        # --cb-max-batch-tokens; the profile from llmadapt.reference.profiled_serve
+        supports=Supports(engine=("max_batched_tokens",), engine_profile=True),
         description="transformers' own OpenAI-compatible server (continuous batching) on the canonical checkpoint, "
                     "as a subprocess: the reference for serving.",
     ))

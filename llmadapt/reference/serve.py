@@ -1,5 +1,7 @@
 """The reference server ``hf``: transformers' own OpenAI-compatible server (`transformers serve`,
-continuous batching) on the canonical checkpoint, as a subprocess in the reference environment.
+continuous batching) on the canonical checkpoint, as a subprocess in the reference environment. With
+``serve.profile`` the same command runs under ``llmadapt.reference.profiled_serve`` (a torch profiler in the
+engine's process, started and stopped by the client).
 
 Runs in the orchestrator (no torch import here): the engine is the subprocess.
 """
@@ -10,7 +12,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from llmadapt.adapter import RunDir, engine_popen_options, stop_engine
+from llmadapt.adapter import LlmadaptError, RunDir, engine_popen_options, stop_engine
 from llmadapt.adapter.sse import OpenAICompatibleServer
 
 STOP_GRACE_S = 30.0
@@ -26,17 +28,43 @@ class HFServer(OpenAICompatibleServer):
         if ctx.workload.serve.url:
             self.proc = None
             return
-        cli = Path(ctx.python).parent / "transformers"
-        cmd = [str(cli), "serve", str(ctx.checkpoint), "--continuous-batching", "--device", "auto",
+        cli, base = [str(Path(ctx.python).parent / "transformers")], os.environ
+        if ctx.workload.serve.profile:
+            # the same command in a launcher that holds the profiler: it imports llmadapt (PYTHONPATH in ctx.env)
+            cli = [str(Path(ctx.python).absolute()), "-m", "llmadapt.reference.profiled_serve", str(self.profile_dir())]
+            base = ctx.env or os.environ
+            self.notes.append("the reference server ran under llmadapt's profiler launcher "
+                              "(llmadapt.reference.profiled_serve: transformers serve in one process with a torch "
+                              "profiler, its continuous-batching steps wrapped in profiler ranges)")
+        env = {**base, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        cmd = [*cli, "serve", str(ctx.checkpoint), "--continuous-batching", "--device", "auto",
                "--host", "127.0.0.1", "--port", str(ctx.port), "--log-level", "warning",
                # a sized KV cache: unsized, transformers sizes it (and its batch) from the device's free memory,
                # which on CPU is the machine's RAM: 17 GB resident on a 23 GB machine, OOM-killed in CI
                "--cb-num-blocks", str(CB_NUM_BLOCKS), "--cb-max-batch-tokens",
                str(ctx.workload.serve.engine.max_batched_tokens or CB_MAX_BATCH_TOKENS)]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
         self.log = open(RunDir(ctx.run_dir).engine_log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, **engine_popen_options())
         RunDir(ctx.run_dir).engine_pid.write_text(str(self.proc.pid))  # its own process group, for tools and tests
+
+    def profile_dir(self) -> Path:
+        """Where the launcher writes the profiler's traces (absolute: the engine's working folder may differ)."""
+        return (self.ctx.run_dir / "engine-profile").absolute()
+
+    async def start_profile(self, session) -> None:
+        async with session.post(self.ctx.base_url + "/start_profile", headers=self.headers()) as r:
+            if r.status != 200:
+                raise LlmadaptError(f"transformers serve did not start its profiler: POST /start_profile answered "
+                                    f"HTTP {r.status} (an attached server must run under "
+                                    "llmadapt.reference.profiled_serve)")
+
+    async def stop_profile(self, session) -> list[Path]:
+        async with session.post(self.ctx.base_url + "/stop_profile", headers=self.headers()) as r:
+            if r.status != 200:
+                raise LlmadaptError(f"transformers serve did not stop its profiler: POST /stop_profile answered "
+                                    f"HTTP {r.status}")
+            trace = Path((await r.json())["trace"])  # written before the answer
+        return [trace] if trace.is_file() else []
 
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None

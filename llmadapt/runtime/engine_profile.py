@@ -1,13 +1,17 @@
 """A serving engine's own profile, per engine step, in the training breakdown's classes (``serve.profile``).
 
-The engine writes a Kineto trace of its model worker (vLLM: ``/start_profile`` .. ``/stop_profile``); each engine
-step is a range the engine names (vLLM: ``execute_context_<n>(<tokens>)_generation_<n>(<tokens>)``, the prefill and
-decode requests it batched). One ``Breakdown`` record per engine step, on the CPU basis (self time of every event
-inside the step, as a profiled training step is read): operators by ``operator_class`` (gemm, attention,
-normalization, elementwise, memory, collectives ...), the engine's own operators by what they do (``sampling``,
-``scheduler``; its KV-cache writes under ``memory``), and the engine step's own Python, the time inside the step
-that no operator took, as ``python``. On a GPU the kernels are in the trace too and the per-kernel reading of
-``llmadapt.analysis.traces`` applies; this module reads the CPU side, which every engine trace has.
+The engine writes a Kineto trace of its model worker (vLLM, and the reference server under
+``llmadapt.reference.profiled_serve``: ``/start_profile`` .. ``/stop_profile``); each engine step is a range the
+engine names (vLLM: ``execute_context_<n>(<tokens>)_generation_<n>(<tokens>)``; the reference server:
+``continuous_batching_prefill_<n>(<tokens>)_decode_<n>(<tokens>)``), the prefill and decode requests it batched.
+One ``Breakdown`` record per engine step, on the CPU basis (self time of every event inside the step, as a profiled
+training step is read): operators by ``operator_class`` (gemm, attention, normalization, elementwise, memory,
+collectives ...), the engine's own operators by what they do (``sampling``, ``scheduler``; its KV-cache writes under
+``memory``), and the engine step's own Python, the time inside the step that no operator took, as ``python``. A
+range named ``llmadapt::call::<class>`` (the reference server's scheduling and sampling, as in a profiled training
+step) takes its whole time, operators inside it included, as ``<class>``. On a GPU the kernels are in the trace too
+and the per-kernel reading of ``llmadapt.analysis.traces`` applies; this module reads the CPU side, which every
+engine trace has.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ from typing import Any
 from llmadapt.adapter.breakdown import operator_class
 from llmadapt.contract.records import Breakdown, ClassTime
 
-STEP = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
-"""vLLM's name for one engine step: requests and tokens in prefill (context) and in decode (generation)."""
+STEPS = (re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)"),
+         re.compile(r"^continuous_batching_prefill_(\d+)\((\d+)\)_decode_(\d+)\((\d+)\)"))
+"""The names of one engine step, vLLM's and the reference server's (``llmadapt.reference.profiled_serve``):
+requests and tokens in prefill (vLLM: context) and in decode (vLLM: generation)."""
+_CALL = "llmadapt::call::"
 _ENGINE_OPS = (  # the engine's own operators (not ATen), by what they do; the first match decides
     ("sampling", re.compile(r"sampl|gumbel|argmax|top_?[kp]|multinomial|logprob", re.IGNORECASE)),
     ("scheduler", re.compile(r"schedul", re.IGNORECASE)),
@@ -52,15 +59,24 @@ def op_class(name: str) -> str:
     return operator_class(name)
 
 
+def step_match(name: str) -> re.Match[str] | None:
+    """The engine step a range's name says (its groups: the step's shape), or None."""
+    for pattern in STEPS:
+        m = pattern.match(name)
+        if m:
+            return m
+    return None
+
+
 def engine_steps(trace: dict[str, Any]) -> list[Breakdown]:
     """One Breakdown per engine step in the trace (step = its index in the trace), classes in seconds: they add up to
     the step's time."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e
               and e.get("cat") in ("cpu_op", "user_annotation")]
-    steps = sorted((e for e in events if e["cat"] == "user_annotation" and STEP.match(e["name"])),
+    steps = sorted((e for e in events if e["cat"] == "user_annotation" and step_match(e["name"])),
                    key=lambda e: e["ts"])
     by_thread: dict[Any, list[dict[str, Any]]] = defaultdict(list)
-    for e in sorted(events, key=lambda e: e["ts"]):
+    for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):  # a range before what starts with it, inside it
         by_thread[(e.get("pid"), e.get("tid"))].append(e)
     starts = {thread: [e["ts"] for e in mine] for thread, mine in by_thread.items()}
     self_us = _self_times(by_thread)
@@ -74,14 +90,20 @@ def engine_steps(trace: dict[str, Any]) -> list[Breakdown]:
         classes: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
         unclaimed: dict[str, float] = defaultdict(float)
         mine = by_thread[thread]
+        claimed_until = float("-inf")  # the end of the llmadapt::call:: range the events are in, if any
         for e in mine[bisect.bisect_left(starts[thread], start):bisect.bisect_left(starts[thread], until)]:
-            if e is step or e["ts"] + e["dur"] > until:
+            if e is step or e["ts"] + e["dur"] > until or e["ts"] < claimed_until:
                 continue
-            cls = "python" if e["cat"] == "user_annotation" else op_class(e["name"])
-            classes[cls][0] += self_us[id(e)]
+            us = self_us[id(e)]
+            if e["cat"] == "user_annotation" and e["name"].startswith(_CALL):
+                # its class takes all of it, its operators included (their own times add up to its duration)
+                cls, us, claimed_until = e["name"][len(_CALL):], e["dur"], e["ts"] + e["dur"]
+            else:
+                cls = "python" if e["cat"] == "user_annotation" else op_class(e["name"])
+            classes[cls][0] += us
             classes[cls][1] += 1
             if cls == "other":
-                unclaimed[e["name"]] += self_us[id(e)]
+                unclaimed[e["name"]] += us
         classes["python"][0] += self_us[id(step)]  # the range's own time: the engine's Python around its operators
         classes["python"][1] += 1
         out.append(Breakdown(
@@ -98,9 +120,9 @@ def engine_steps(trace: dict[str, Any]) -> list[Breakdown]:
 
 def step_shape(trace: dict[str, Any]) -> list[tuple[int, int, int, int]]:
     """Each engine step's (prefill requests, prefill tokens, decode requests, decode tokens), from its name."""
-    return [tuple(int(g) for g in STEP.match(e["name"]).groups())  # type: ignore[misc, union-attr]
+    return [tuple(int(g) for g in step_match(e["name"]).groups())  # type: ignore[misc, union-attr]
             for e in sorted((e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
-                             and e.get("cat") == "user_annotation" and STEP.match(e.get("name", ""))),
+                             and e.get("cat") == "user_annotation" and step_match(e.get("name", ""))),
                             key=lambda e: e["ts"])]
 
 

@@ -175,4 +175,5 @@ class ServeSpec:
     profile: bool = False
     """Ask the engine for its own torch profile over the run (from before the first request to after the last),
     broken down per engine step into the training breakdown's operator classes plus sampling, the scheduler and
-    the engine's Python (llmadapt.runtime.engine_profile); engines that can say so (`Supports.engine_profile`)."""
+    the engine's Python (llmadapt.runtime.engine_profile); engines that can say so (`Supports.engine_profile`: vllm,
+    and hf under its profiler launcher llmadapt.reference.profiled_serve)."""
