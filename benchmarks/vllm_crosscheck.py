@@ -502,6 +502,12 @@ def report(results: dict) -> str:
                              f"{_fmt(_median(x['server'] for x in wire), 5)}, receive path "
                              f"{_fmt(_median(x['receive'] for x in wire), 5)} ms "
                              f"({sum(x['matched'] for x in wire)} requests)")
+        for client in ("llmadapt", "vllm bench"):  # each pass against the engine's own exact mean of that pass
+            gaps = [p["tpot"]["mean"] - p["server"]["tpot"]["mean_ms"] for p in passes if p["client"] == client
+                    and p["tpot"]["mean"] is not None and p["server"]["tpot"].get("mean_ms") is not None]
+            if gaps:
+                lines.append(f"{label:<14} {client:<10} TPOT mean minus the engine's own mean, same pass: "
+                             + ", ".join(f"{g:+.3f}" for g in gaps) + " ms")
         engine = [p["server"] for p in passes if p["server"]["itl"]["count"]]
         if engine:
             lines.append(f"{label:<14} {'engine':<10} {'':>5} " + " ".join(
