@@ -249,8 +249,8 @@ def lora_step_bytes(w: Workload, b: int, trainable: float, grads: float) -> floa
       fp32 adapters, the final norm's input (fp32) and output, and the fp32 logits three times (the upcast, the
       shifted copy, the log-probabilities);
     - the top layer's backward: the saved tensors, that layer's activations recomputed, the gradients flowing through
-      it (the residual stream's in and out, one MLP's or one expert's, the dequantised copy of a 4-bit weight), and
-      its adapters' gradients;
+      it (the residual stream's in and out and the MLP input's, one MLP's or one expert's gradients, the dequantised
+      copy of a 4-bit weight), and its adapters' gradients;
     - the bottom layer's backward: the same for one layer's saved tensors, with every adapter gradient allocated;
     - the optimizer step: the gradients and foreach Adam's temporary copy of them.
     """
@@ -270,7 +270,7 @@ def lora_step_bytes(w: Workload, b: int, trainable: float, grads: float) -> floa
     cache = trainable * e if fp32_adapters else 0.0
     top = 3 * 4 * t * v + t * h * (e + 4)
     mlp_tokens = t * m.experts_per_token / m.num_experts if m.is_moe else t
-    transient = 2 * c + 3 * mlp_tokens * i * e + (h * i * e if o.quantization != "none" else 0.0)
+    transient = 3 * c + (3 * i + 2 * h) * mlp_tokens * e + (h * i * e if o.quantization != "none" else 0.0)
     optimizer_temp = grads if w.train.optimizer != "sgd" else 0.0
     return max(saved + cache + top, saved + rerun + transient + grads / layers,
                keep * in_flight + rerun + transient + grads, grads + optimizer_temp)
