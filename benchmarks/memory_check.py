@@ -23,6 +23,9 @@ What is measured and what is modelled:
 Not in any figure: the CUDA context, the caching allocator's rounding and fragmentation, cuBLAS/flash workspaces.
 
 Layers: the step is run at 1, 2 and 4 layers and extrapolated linearly to 32 (the checks print how linear it is).
+
+Size: over 400 lines because the rebuilt 4.36 model, the counting mode, the step and the two reports (peaks, max
+batches) belong to one measurement and read best together.
 """
 
 from __future__ import annotations
@@ -258,7 +261,8 @@ def measure(shape: dict, layers: int, batch: int, seq: int, recompute: bool, kee
 def extrapolate(rows: dict[int, dict], to: int) -> dict:
     """Each phase's peak is linear in the layers: its line through the two largest layer counts, taken to ``to``
     layers; the step's peak is the highest phase there. The smallest count checks the line."""
-    (l1, a), (l2, b), (l3, c) = sorted(rows.items())
+    ordered = sorted(rows.items())
+    (l1, a), (l2, b), (l3, c) = ordered[0], ordered[-2], ordered[-1]
     phases = {}
     for phase, top in c["phase_peaks"].items():
         slope = (top - b["phase_peaks"][phase]) / (l3 - l2)
@@ -273,13 +277,11 @@ def extrapolate(rows: dict[int, dict], to: int) -> dict:
             "bf16_params": per_layer("bf16_params")}
 
 
-def estimate_dynamic(shape: dict, batch: int, seq: int, recompute: bool) -> float:
-    """llmadapt's estimate of the same step, less the weights and the runtime: gradients + optimizer + activations."""
+def workload(shape: dict, batch: int, seq: int, recompute: bool):
+    """The same step as an llmadapt workload (Study B's recipe)."""
     from llmadapt import Workload
-    from llmadapt.analysis.perf import estimate as est
-    from llmadapt.contract.catalog import find_device
 
-    w = Workload.from_dict({
+    return Workload.from_dict({
         "kind": "finetune", "precision": "bf16",
         "model": {"preset": "mixtral-8x7b", "vocab_size": shape["vocab"], "hidden_size": shape["hidden"],
                   "intermediate_size": shape["intermediate"], "num_layers": shape["layers"],
@@ -288,8 +290,66 @@ def estimate_dynamic(shape: dict, batch: int, seq: int, recompute: bool) -> floa
         "train": {"seq_len": seq, "global_batch": batch, "micro_batch": batch},
         "lora": {"rank": 16, "target_modules": ["w1", "w2", "w3", "gate"]},
         "optimizations": {"quantization": "nf4", "flash_attention": True, "recompute": "full" if recompute else "none"}})
-    m = est.memory(w, find_device("A40"), batch, est.Options(check_fit=False))
+
+
+def estimate_dynamic(shape: dict, batch: int, seq: int, recompute: bool) -> float:
+    """llmadapt's estimate of the same step, less the weights and the runtime: gradients + optimizer + activations."""
+    from llmadapt.analysis.perf import estimate as est
+    from llmadapt.contract.catalog import find_device
+
+    m = est.memory(workload(shape, batch, seq, recompute), find_device("A40"), batch, est.Options(check_fit=False))
     return m.gradients_bytes + m.optimizer_bytes + m.activations_bytes
+
+
+def study_bounds(small: float, big: float) -> dict:
+    """Study B's max batches (4 fit on the small device and 5 did not, 17 on the big one and 18 did not) as bounds on
+    a fixed cost F and a cost per sample m: 4m + F <= small < 5m + F and 17m + F <= big < 18m + F."""
+    feasible = []
+    for k in range(1, 100000):
+        m = (big - small) / 14 + k * ((big - small) / 12 - (big - small) / 14) / 100000
+        lo, hi = max(small - 5 * m, big - 18 * m), min(small - 4 * m, big - 17 * m)
+        if lo < hi:
+            feasible.append((m, lo, hi))
+    return {"per_sample": (feasible[0][0], feasible[-1][0]),
+            "fixed": (min(f[1] for f in feasible), max(f[2] for f in feasible))}
+
+
+def max_batches(shape: dict, devices: list[str], seqs: list[int], layer_counts: list[int], keep: bool) -> list[dict]:
+    """The largest batch that fits each device: the modelled weights + the measured dynamic peak + 1 GiB of runtime
+    (the estimate's default for a GPU) against the catalog's capacity; beside it, the estimate's own max batch."""
+    from llmadapt.analysis.perf import estimate as est
+    from llmadapt.contract.catalog import find_device
+
+    peaks: dict[tuple, float] = {}
+
+    def peak(b, seq, recompute):
+        if (b, seq, recompute) not in peaks:
+            rows = {n: measure(shape, n, b, seq, recompute, keep) for n in layer_counts}
+            peaks[b, seq, recompute] = extrapolate(rows, shape["layers"])["peak_bytes"]
+        return peaks[b, seq, recompute]
+
+    first = measure(shape, layer_counts[0], 1, seqs[0], True, keep)
+    scale = shape["layers"] / layer_counts[0]
+    weights = (first["quantized_params"] * scale * NF4_BYTES + first["bf16_params"] * 2
+               + first["lora_params"] * scale * 4)
+    out = []
+    for name in devices:
+        dev = find_device(name)
+        for recompute in (True, False):
+            for seq in seqs:
+                fits = lambda b: weights + peak(b, seq, recompute) + est.GPU_RUNTIME_OVERHEAD <= dev.memory_bytes  # noqa: E731,B023
+                w = workload(shape, 1, seq, recompute)
+                guess = est.max_micro_batch(w, dev, est.Options(check_fit=False))
+                b = max(1, guess)  # start at the estimate's answer and step to the boundary: few fake steps
+                if fits(b):
+                    while fits(b + 1):
+                        b += 1
+                else:
+                    while b > 0 and not fits(b):
+                        b -= 1
+                out.append({"device": dev.name, "recompute": recompute, "seq": seq, "measured": b, "estimate": guess,
+                            "weights_bytes": weights, "estimate_weights_bytes": est.memory(w, dev, 1).weights_bytes})
+    return out
 
 
 def main(argv=None) -> int:
@@ -299,6 +359,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", default="128,256,512,1024")
     ap.add_argument("--layers", default="1,2,4")
     ap.add_argument("--no-keep-input", action="store_true", help="bitsandbytes 0.50's MatMul4Bit (keeps no input)")
+    ap.add_argument("--maxbatch", metavar="DEVICES", help="catalog devices (A40,A100-80GB): the largest batch that fits")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     shape = TINY if args.smoke else MIXTRAL
@@ -308,6 +369,25 @@ def main(argv=None) -> int:
     keep = not args.no_keep_input
     results = []
     t0 = time.perf_counter()
+    if args.maxbatch:
+        rows = max_batches(shape, args.maxbatch.split(","), seqs, layer_counts, keep)
+        print(f"shape {shape}; bitsandbytes keeps the 4-bit linears' input: {keep}")
+        print(f"weights: modelled {rows[0]['weights_bytes'] / GIB:.3f} GiB, the estimate's "
+              f"{rows[0]['estimate_weights_bytes'] / GIB:.3f} GiB; runtime 1 GiB")
+        print("device     recompute  seq    max batch: fake-measured  estimate")
+        for r in rows:
+            print(f"{r['device']:10} {'full' if r['recompute'] else 'none':9}  {r['seq']:5}  {r['measured']:24}  "
+                  f"{r['estimate']:8}")
+        from llmadapt.contract.catalog import find_device
+
+        bounds = study_bounds(find_device("A40").memory_bytes / GIB, find_device("A100-80GB").memory_bytes / GIB)
+        print("Study B's 4 (A40) and 17 (80 GB) at catalog capacities: per sample {:.2f}-{:.2f} GiB, fixed "
+              "{:.1f}-{:.1f} GiB".format(*bounds["per_sample"], *bounds["fixed"]))
+        print(f"({time.perf_counter() - t0:.0f} s)")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"shape": shape, "keep_input": keep, "maxbatch": rows,
+                                                   "study_bounds": bounds}, indent=1))
+        return 0
     print(f"shape {shape}; bitsandbytes keeps the 4-bit linears' input: {keep}")
     print("recompute  batch  seq    peak GiB @%d layers  per layer MiB  line error  peak in          estimate GiB  error"
           % shape["layers"])

@@ -223,8 +223,8 @@ def test_the_lora_peak_against_a_fake_tensor_step(vocab, batch, seq, recompute, 
     """The estimate's peak of a Mixtral QLoRA step (LoRA on the experts and the router, 4-bit base, bf16, flash
     attention), less the weights, against the peak that transformers' training step allocates on fake tensors
     (benchmarks/memory_check.py: forward, 4.36's loss, backward, AdamW; 2 layers). The model is the highest of its
-    moments: dropping the logits from it misses the peak by 14-62% (three cases fail); without recomputation it is 5-7% low
-    (4.36's expert loop keeps one more tensor per routed token than the grouped experts it models)."""
+    moments: without the logits it misses the peak by 14-62% (three cases fail); without recomputation it is 5-9%
+    low (4.36's expert loop keeps one more tensor per routed token than the grouped experts it models)."""
     mc = _memory_check()
     if vocab == 32000:
         shape = {**mc.MIXTRAL, "layers": 2}

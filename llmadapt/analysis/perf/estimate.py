@@ -243,8 +243,9 @@ def lora_step_bytes(w: Workload, b: int, trainable: float, grads: float) -> floa
     """Activations, adapter gradients and transients at a LoRA step's highest moment, for a micro-batch of b samples.
 
     With a frozen base the gradients are the adapters', freed after each optimizer step, and the peak is the highest of
-    four moments, not the sum of their parts (the sum, as activation_bytes counts it, overestimated Mixtral-8x7B QLoRA
-    by 2-4x; benchmarks/memory_check.py measured each moment of transformers' step on fake tensors):
+    four moments, not the sum of their parts (benchmarks/memory_check.py measured each moment of transformers' step on
+    fake tensors; for Mixtral-8x7B QLoRA with full recomputation, the sum activation_bytes counts put 0.60 GiB on each
+    512-token sample where the step holds 0.32, and missed the optimizer step's peak at small batches):
     - the loss: each layer's saved tensors (only its input under full recomputation), the autocast's bf16 copies of
       fp32 adapters, the final norm's input (fp32) and output, and the fp32 logits three times (the upcast, the
       shifted copy, the log-probabilities);
