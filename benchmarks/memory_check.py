@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from functools import partial
@@ -289,7 +288,8 @@ def workload(shape: dict, batch: int, seq: int, recompute: bool):
                   "experts_per_token": shape["top_k"]},
         "train": {"seq_len": seq, "global_batch": batch, "micro_batch": batch},
         "lora": {"rank": 16, "target_modules": ["w1", "w2", "w3", "gate"]},
-        "optimizations": {"quantization": "nf4", "flash_attention": True, "recompute": "full" if recompute else "none"}})
+        "optimizations": {"quantization": "nf4", "flash_attention": True,
+                          "recompute": "full" if recompute else "none"}})
 
 
 def estimate_dynamic(shape: dict, batch: int, seq: int, recompute: bool) -> float:
@@ -337,7 +337,9 @@ def max_batches(shape: dict, devices: list[str], seqs: list[int], layer_counts: 
         dev = find_device(name)
         for recompute in (True, False):
             for seq in seqs:
-                fits = lambda b: weights + peak(b, seq, recompute) + est.GPU_RUNTIME_OVERHEAD <= dev.memory_bytes  # noqa: E731,B023
+                def fits(b, seq=seq, recompute=recompute, cap=dev.memory_bytes):
+                    return weights + peak(b, seq, recompute) + est.GPU_RUNTIME_OVERHEAD <= cap
+
                 w = workload(shape, 1, seq, recompute)
                 guess = est.max_micro_batch(w, dev, est.Options(check_fit=False))
                 b = max(1, guess)  # start at the estimate's answer and step to the boundary: few fake steps
@@ -359,7 +361,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", default="128,256,512,1024")
     ap.add_argument("--layers", default="1,2,4")
     ap.add_argument("--no-keep-input", action="store_true", help="bitsandbytes 0.50's MatMul4Bit (keeps no input)")
-    ap.add_argument("--maxbatch", metavar="DEVICES", help="catalog devices (A40,A100-80GB): the largest batch that fits")
+    ap.add_argument("--maxbatch", metavar="DEVICES",
+                    help="catalog devices (A40,A100-80GB): the largest batch that fits each")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     shape = TINY if args.smoke else MIXTRAL
@@ -389,8 +392,8 @@ def main(argv=None) -> int:
                                                    "study_bounds": bounds}, indent=1))
         return 0
     print(f"shape {shape}; bitsandbytes keeps the 4-bit linears' input: {keep}")
-    print("recompute  batch  seq    peak GiB @%d layers  per layer MiB  line error  peak in          estimate GiB  error"
-          % shape["layers"])
+    print("recompute  batch  seq    peak GiB @%d layers  per layer MiB  line error  peak in          "
+          "estimate GiB  error" % shape["layers"])
     for recompute in (True, False):
         for seq in seqs:
             for batch in batches:

@@ -536,6 +536,9 @@ def estimate(workload: Workload | str | Path, device: str | DeviceSpec, *, optio
         "memory: decimal catalog capacity; activations counted as the tensors transformers' Llama/Mixtral "
         "layers save for backward, plus one layer's gradients in flight",
     ]
+    if w.lora.rank:
+        assumptions.append("LoRA: the peak is the step's highest moment (loss, top or bottom layer's backward, optimizer "
+                           "step), as measured on fake tensors (benchmarks/memory_check.py)")
     if _master(w, options):
         assumptions.append("mixed precision with fp32 master weights and fp32 Adam states (16 bytes/parameter)")
     elif w.precision != "fp32":
