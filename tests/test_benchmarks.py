@@ -42,6 +42,7 @@ SMOKE = {
     "independent_check.py": ("test_independent_check", "--smoke"),
     "verdicts.py": ("test_verdicts", "--smoke"),
     "store_scale.py": ("test_store_scale", "--smoke"),
+    "memory_check.py": ("test_memory_check", "--smoke"),
     "gpu_check.py": ("tests/test_gpu_check.py::test_the_gpu_check_rehearses_every_step_on_cpu", "--rehearse"),
 }
 
@@ -255,3 +256,14 @@ def test_store_scale(tmp_path):
         "cli_list_s", "cli_list_all_s", "loadavg", "date")
     assert r["runs"] == 100 and r["repeat"] == 1
     assert r["cli_list_lines"] == 2 + 50 + 1 and r["cli_list_all_lines"] == 2 + 100 + 1  # head, rule; rows; count
+
+
+@unready("torch")
+def test_memory_check(tmp_path):
+    out = tmp_path / "memory.json"
+    text = bench("memory_check.py", "--smoke", "--json", str(out), cwd=tmp_path)
+    assert "weights (modelled)" in text and "estimate GiB" in text
+    r = json.loads(out.read_text())
+    has(r, "shape", "keep_input", "weights_bytes", "results")
+    assert len(r["results"]) == 2 and {x["recompute"] for x in r["results"]} == {True, False}
+    has(r["results"][0], "peak_bytes", "peak_phase", "phases", "estimate_bytes", "rows")

@@ -16,7 +16,9 @@ EVAL_MATCHES = ("tokens", "number")
 # parameters in transformers 5, not linear layers: LoRA targets its attention projections.
 LORA_TARGETS = {
     "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-    "mixtral": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    # mixtral: attention, and the experts' w1/w2/w3 and the router as transformers 4 names them (peft maps these names
+    # onto transformers 5's fused experts)
+    "mixtral": ("q_proj", "k_proj", "v_proj", "o_proj", "w1", "w2", "w3", "gate"),
     # jamba: the attention layers' projections and the Mamba mixers' (experts fused, as Mixtral's)
     "jamba": ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "x_proj", "dt_proj", "out_proj"),
 }

@@ -162,6 +162,7 @@ def _master(w: Workload, options: Options) -> bool:
 # LoRA's target names for each group of linears that share an input (Llama's and Mixtral's, transformers 4 and 5)
 _QKV, _OUT = ("q_proj", "k_proj", "v_proj"), ("o_proj",)
 _UP, _DOWN = ("gate_proj", "up_proj", "w1", "w3", "gate_up_proj"), ("down_proj", "w2")
+_EXPERTS = ("w1", "w2", "w3")
 
 
 def layer_activation_bytes(w: Workload, b: int) -> float:
@@ -179,11 +180,16 @@ def layer_activation_bytes(w: Workload, b: int) -> float:
     sharded = t * e * (3 * hq + 3 * kv + (2 * hq if (not flash and kv != hq) else 0))
     if m.is_moe:
         routed = t * m.experts_per_token
+        # per routed token: the gathered input, the expert's output and the four SwiGLU tensors (transformers 5's
+        # grouped_mm experts; 4.36's per-expert loop also keeps index_add_'s source, one more h: measured by
+        # benchmarks/memory_check.py, 5% of a layer)
         mlp = t * m.num_experts * 4 * 2 + routed * e * (2 * h + 4 * i)
     else:
         mlp = 4 * t * i * e
     scores = _scores_bytes(w, b)
-    lora = t * w.lora.rank * e * len(w.lora.target_modules) if w.lora.rank else 0
+    # LoRA's r-wide intermediate, per target; an expert's adapter sees the routed copies of the tokens
+    lora = sum(t * (m.experts_per_token if m.is_moe and name in _EXPERTS else 1) * w.lora.rank * e
+               for name in w.lora.target_modules) if w.lora.rank else 0
     frozen = 0.0
     if w.lora.rank:
         # A frozen base keeps no input for its own weights' gradients: not the two RMSNorms' normalised inputs,
@@ -197,7 +203,8 @@ def layer_activation_bytes(w: Workload, b: int) -> float:
         frozen = 2 * t * h * e  # the two RMSNorms' normalised inputs
         frozen += t * e * (h * frozen_input(_QKV) + hq * frozen_input(_OUT))
         if m.is_moe:  # the router's input (the MLP norm's output); each expert's gathered input and its product
-            frozen += t * h * e + t * m.experts_per_token * e * (h * frozen_input(_UP) + i * frozen_input(_DOWN))
+            frozen += t * h * e * frozen_input(("gate",))
+            frozen += t * m.experts_per_token * e * (h * frozen_input(_UP) + i * frozen_input(_DOWN))
         else:  # the MLP norm's output (gate's and up's input) and the product (down's input)
             frozen += t * e * (h * frozen_input(_UP) + i * frozen_input(_DOWN))
     return full_h + sharded + mlp + scores + lora - frozen
@@ -230,6 +237,44 @@ def activation_bytes(w: Workload, b: int) -> float:
     else:
         saved = layers * per_layer
     return saved * in_flight + top + transient
+
+
+def lora_step_bytes(w: Workload, b: int, trainable: float, grads: float) -> float:
+    """Activations, adapter gradients and transients at a LoRA step's highest moment, for a micro-batch of b samples.
+
+    With a frozen base the gradients are the adapters', freed after each optimizer step, and the peak is the highest of
+    four moments, not the sum of their parts (benchmarks/memory_check.py measured each moment of transformers' step on
+    fake tensors; for Mixtral-8x7B QLoRA with full recomputation, the sum activation_bytes counts put 0.60 GiB on each
+    512-token sample where the step holds 0.32, and missed the optimizer step's peak at small batches):
+    - the loss: each layer's saved tensors (only its input under full recomputation), the autocast's bf16 copies of
+      fp32 adapters, the final norm's input (fp32) and output, and the fp32 logits three times (the upcast, the
+      shifted copy, the log-probabilities);
+    - the top layer's backward: the saved tensors, that layer's activations recomputed, the gradients flowing through
+      it (the residual stream's in and out and the MLP input's, one MLP's or one expert's gradients, the dequantised
+      copy of a 4-bit weight), and its adapters' gradients;
+    - the bottom layer's backward: the same for one layer's saved tensors, with every adapter gradient allocated;
+    - the optimizer step: the gradients and foreach Adam's temporary copy of them.
+    """
+    m, p, o = w.model, w.parallelism, w.optimizations
+    e = DTYPE_BYTES[w.precision]
+    t = b * w.train.seq_len
+    h, i, v = m.hidden_size, m.intermediate_size / p.tp, m.vocab_size / p.tp
+    layers = math.ceil(m.num_layers / p.pp)
+    per_layer = layer_activation_bytes(w, b)
+    scores = _scores_bytes(w, b)
+    c = t * h * e
+    keep, rerun = {"full": (c, per_layer), "selective": (per_layer - scores, scores),
+                   "none": (per_layer, 0.0)}[o.recompute]
+    in_flight = min(p.pp, max(1, w.per_rank_batch // b)) if p.pp > 1 else 1
+    saved = layers * keep * in_flight
+    fp32_adapters = o.quantization != "none" and e != 4
+    cache = trainable * e if fp32_adapters else 0.0
+    top = 3 * 4 * t * v + t * h * (e + 4)
+    mlp_tokens = t * m.experts_per_token / m.num_experts if m.is_moe else t
+    transient = 3 * c + (3 * i + 2 * h) * mlp_tokens * e + (h * i * e if o.quantization != "none" else 0.0)
+    optimizer_temp = grads if w.train.optimizer != "sgd" else 0.0
+    return max(saved + cache + top, saved + rerun + transient + grads / layers,
+               keep * in_flight + rerun + transient + grads, grads + optimizer_temp)
 
 
 def kv_cache_bytes_per_token(w: Workload) -> float:
@@ -303,7 +348,10 @@ def memory(w: Workload, device: DeviceSpec, b: int, options: Options = Options()
     if o.offload in ("optimizer", "optimizer+params"):
         host += opt
         opt = 0.0
-    acts = activation_bytes(w, b)
+    if w.lora.rank:  # the activations at the peak, net of the adapter gradients not yet allocated then
+        acts = lora_step_bytes(w, b, params.trainable / (dp if o.zero_stage >= 2 else 1), grads) - grads
+    else:
+        acts = activation_bytes(w, b)
     total = weights + grads + opt + acts + overhead
     fits = None if device.memory_bytes is None else total <= device.memory_bytes
     return MemoryEstimate(weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=opt, activations_bytes=acts,
@@ -488,6 +536,9 @@ def estimate(workload: Workload | str | Path, device: str | DeviceSpec, *, optio
         "memory: decimal catalog capacity; activations counted as the tensors transformers' Llama/Mixtral "
         "layers save for backward, plus one layer's gradients in flight",
     ]
+    if w.lora.rank:
+        assumptions.append("LoRA: the peak is the step's highest moment (loss, top or bottom layer's backward, optimizer "
+                           "step), as measured on fake tensors (benchmarks/memory_check.py)")
     if _master(w, options):
         assumptions.append("mixed precision with fp32 master weights and fp32 Adam states (16 bytes/parameter)")
     elif w.precision != "fp32":

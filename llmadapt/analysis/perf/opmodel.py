@@ -35,6 +35,17 @@ QUANT_BYTES = {"int8": 1.0 + 0.0, "nf4": 0.5 + 4 / 64, "fp4": 0.5 + 4 / 64}  # 4
 LORA_DIMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+MOE_LORA_DIMS = ("w1", "w2", "w3", "gate")  # Mixtral's experts (one LoRA per expert) and router, transformers 4 names
+
+
+def moe_lora_shape(m, name: str) -> tuple[int, int, int, int]:
+    """(adapters per layer, tokens each token sends through them, in, out) of a LoRA on Mixtral's experts or router."""
+    h, i = m.hidden_size, m.intermediate_size
+    if name == "gate":
+        return 1, 1, h, m.num_experts
+    return m.num_experts, m.experts_per_token, (i if name == "w2" else h), (h if name == "w2" else i)
+
+
 @attrs.frozen
 class Op:
     """One operator as the step runs it: per call, per rank."""
@@ -105,12 +116,14 @@ def lora_params_per_layer(w: Workload) -> int:
     if not m.is_moe:
         dims.update({"gate_proj": (m.hidden_size, m.intermediate_size), "up_proj": (m.hidden_size, m.intermediate_size),
                      "down_proj": (m.intermediate_size, m.hidden_size)})
-    return sum(r * (a + b) for name, (a, b) in dims.items() if name in w.lora.target_modules)
+    moe = sum(n * r * (a + b) for n, _, a, b in (moe_lora_shape(m, t) for t in w.lora.target_modules
+                                                 if m.is_moe and t in MOE_LORA_DIMS))
+    return sum(r * (a + b) for name, (a, b) in dims.items() if name in w.lora.target_modules) + moe
 
 
 def lora_targets(w: Workload) -> list[str]:
     m = w.model
-    allowed = LORA_DIMS if not m.is_moe else LORA_DIMS[:4]
+    allowed = LORA_DIMS if not m.is_moe else LORA_DIMS[:4] + MOE_LORA_DIMS
     return [t for t in w.lora.target_modules if t in allowed]
 
 
@@ -118,7 +131,7 @@ def trainable_tensors(w: Workload) -> int:
     """Parameter tensors the optimizer updates (per rank, before ZeRO)."""
     m = w.model
     if w.lora.rank:
-        return 2 * len(lora_targets(w)) * m.num_layers
+        return 2 * sum(moe_lora_shape(m, t)[0] if t in MOE_LORA_DIMS else 1 for t in lora_targets(w)) * m.num_layers
     per_layer = 9  # q, k, v, o, (gate, up, down | router, gate_up, down), 2 norms
     return per_layer * m.num_layers + 2 + (0 if m.tie_embeddings else 1)
 
@@ -179,6 +192,15 @@ def layer_ops(w: Workload, b: int) -> list[Op]:
         r = w.lora.rank
         for target in lora_targets(w):
             # x @ A (r columns) then @ B, scaled and added: two thin GEMMs that train
+            if target in MOE_LORA_DIMS:  # one adapter per expert: the routed copies of the tokens, the expert's shape
+                n, k, a, o = moe_lora_shape(m, target)
+                n = min(n, t * k)
+                tok = t * k
+                ops.append(Op(f"lora_{target}", "gemm", layers, {"t": tok, "in": a, "out": o, "r": r},
+                              2.0 * tok * r * (a + o), e * (tok * (a + o) + 2 * tok * r + n * r * (a + o)), 5 * n,
+                              4.0 * tok * r * (a + o), 2 * e * (tok * (a + o) + 2 * tok * r + n * r * (a + o)), 8 * n,
+                              dtype=dtype))
+                continue
             ops.append(Op(f"lora_{target}", "gemm", layers, {"t": t, "h": h, "r": r}, 4.0 * t * h * r,
                           e * (2 * t * h + 2 * t * r + 2 * h * r), 5, 8.0 * t * h * r,
                           e * (4 * t * h + 4 * t * r + 4 * h * r), 8, dtype=dtype))
