@@ -105,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         attached = workload.with_overrides([f"serve.url={base}"])
         result = run(attached, "vllm", out=out / "runs")
         print(f"llmadapt: {result.run_dir} [{result.summary.status}]", file=sys.stderr, flush=True)
-        bench_pass(python, base, checkpoint, VLLMServer.served_model_name, plan, ("closed", args.concurrency), True,
-                   out, "closed", tool_env, "vllm")
+        sharegpt = out / "requests.json"  # the plan's prompts, in order, one output length (--sharegpt-output-len)
+        sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": p.prompt},
+                                                           {"from": "gpt", "value": "-"}]} for p in plan]))
+        bench_pass(python, base, checkpoint, VLLMServer.served_model_name, sharegpt, len(plan),
+                   ("closed", args.concurrency), True, out, "closed", tool_env, "vllm", output_len=args.output_len)
         (out / f"vllm-bench-closed.json").replace(out / "vllm-bench.json")
         print(f"vllm bench: {out / 'vllm-bench.json'}", file=sys.stderr, flush=True)
         prompts = out / "prompts.jsonl"

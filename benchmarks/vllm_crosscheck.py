@@ -219,9 +219,11 @@ cli.main()
 
 
 def bench_pass(python: Path, base_url: str, checkpoint: Path, served: str, sharegpt: Path, requests: int,
-               point: tuple[str, float], forced: bool, work: Path, tag: str, env: dict, engine: str) -> dict:
+               point: tuple[str, float], forced: bool, work: Path, tag: str, env: dict, engine: str,
+               output_len: int | None = None) -> dict:
     """One vllm bench pass over every entry of the ShareGPT file, in its order; ``served``: the model name the
-    server answers to (vLLM: its served-model-name; transformers serve: the checkpoint path)."""
+    server answers to (vLLM: its served-model-name; transformers serve: the checkpoint path); ``output_len``: one
+    output length for all (--sharegpt-output-len) instead of each gpt turn's."""
     name = f"vllm-bench-{tag}.json"
     kind, value = point
     load = (["--request-rate", f"{value:g}", "--burstiness", "1", "--seed", "0"] if kind == "poisson"
@@ -230,6 +232,7 @@ def bench_pass(python: Path, base_url: str, checkpoint: Path, served: str, share
            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", str(checkpoint),
            "--tokenizer", str(checkpoint), "--served-model-name", served, "--dataset-name", "sharegpt",
            "--dataset-path", str(sharegpt), "--disable-shuffle", "--num-prompts", str(requests), *load,
+           *(["--sharegpt-output-len", str(output_len)] if output_len else []),
            *(["--ignore-eos"] if forced else []),
            "--temperature", "0", "--ready-check-timeout-sec", "0", "--num-warmups", "0",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",

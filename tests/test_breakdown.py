@@ -65,6 +65,7 @@ def assert_attributed(records: list[dict], where: object = "") -> None:
     alike passed under load; it was found on a quiet machine)."""
     named = []
     for b in (r for r in records if r["type"] == "breakdown"):
+        assert b.get("error") is None, (where, b["step"], b["error"])  # profiling itself failed on this step
         if b["operators"]:  # a framework's own machinery has a class named for what it does, not 'other'
             ops = sum(c["seconds"] for c in b["operators"])
             other_ops = sum(c["seconds"] for c in b["operators"] if c["name"] == "other")
