@@ -75,7 +75,7 @@ def assert_attributed(records: list[dict], where: object = "") -> None:
         assert total == pytest.approx(b["step_seconds"], rel=1e-6), where
         # the thread's waits for a core lie inside the step's range: at most its length (the scheduler's clock and
         # the profiler's differ by a little: 2% and 1 ms of slack, reached when a loaded machine starves the step)
-        assert b["descheduled_seconds"] is not None, where
+        assert b["descheduled_seconds"] is not None, (where, b["step"], b["step_seconds"], b["error"])
         assert 0 <= b["descheduled_seconds"] <= 1.02 * b["step_seconds"] + 1e-3, where
         other = next((c["seconds"] for c in b["modules"] if c["name"] == "other"), 0.0)
         named.append((1 - max(other - b["descheduled_seconds"], 0.0) / total, b["step"], b["other"][:3],
