@@ -113,19 +113,24 @@ class StepProfiler:
         Kineto timeline (kept at level full: profile/step-N/rank-R.json, one folder per step as HTA reads it)."""
         import json
         import os
+        import tempfile
 
-        path = RunDir(self.run_dir).profile_trace(self.step, self.rank)
-        folder = path.parent
-        folder.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(path))
+        if self.level == "full":
+            path = RunDir(self.run_dir).profile_trace(self.step, self.rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+        else:  # read once, then removed: a file of this rank's own, never a folder that another rank may be writing
+            # into (removing the shared step folder when empty raced another rank's export under load)
+            fd, name = tempfile.mkstemp(prefix=f".trace-step{self.step}-rank{self.rank}-", suffix=".json",
+                                        dir=self.run_dir)
+            os.close(fd)
+            path = Path(name)
         try:
+            prof.export_chrome_trace(str(path))
             timeline = analyse(json.loads(path.read_text()), self.world_size)
         finally:
             if self.level != "full":
-                os.unlink(path)
                 with contextlib.suppress(OSError):
-                    folder.rmdir()
-                    folder.parent.rmdir()
+                    os.unlink(path)
         breakdown = fold(prof.events(), rank=self.rank, step=self.step, level=self.level,
                          basis="device" if self.cuda else "cpu")
         trace = str(path.relative_to(self.run_dir)) if self.level == "full" else None
