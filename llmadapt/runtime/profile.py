@@ -118,10 +118,8 @@ class StepProfiler:
         if self.level == "full":
             path = RunDir(self.run_dir).profile_trace(self.step, self.rank)
             path.parent.mkdir(parents=True, exist_ok=True)
-        else:  # read once, then removed: a file of this rank's own, never a folder that another rank may be writing
-            # into (removing the shared step folder when empty raced another rank's export under load)
-            fd, name = tempfile.mkstemp(prefix=f".trace-step{self.step}-rank{self.rank}-", suffix=".json",
-                                        dir=self.run_dir)
+        else:  # read once: a file of this rank's own (removing a shared folder raced other ranks' exports)
+            fd, name = tempfile.mkstemp(prefix=f".trace-{self.step}-{self.rank}-", suffix=".json", dir=self.run_dir)
             os.close(fd)
             path = Path(name)
         try:
