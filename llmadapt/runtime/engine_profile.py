@@ -26,12 +26,12 @@ from typing import Any
 
 from llmadapt.adapter.breakdown import operator_class
 from llmadapt.contract.records import Breakdown, ClassTime
+from llmadapt.runtime.profile import CALL_RANGE
 
 STEPS = (re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)"),
          re.compile(r"^continuous_batching_prefill_(\d+)\((\d+)\)_decode_(\d+)\((\d+)\)"))
 """The names of one engine step, vLLM's and the reference server's (``llmadapt.reference.profiled_serve``):
 requests and tokens in prefill (vLLM: context) and in decode (vLLM: generation)."""
-_CALL = "llmadapt::call::"
 _ENGINE_OPS = (  # the engine's own operators (not ATen), by what they do; the first match decides
     ("sampling", re.compile(r"sampl|gumbel|argmax|top_?[kp]|multinomial|logprob", re.IGNORECASE)),
     ("scheduler", re.compile(r"schedul", re.IGNORECASE)),
@@ -95,9 +95,9 @@ def engine_steps(trace: dict[str, Any]) -> list[Breakdown]:
             if e is step or e["ts"] + e["dur"] > until or e["ts"] < claimed_until:
                 continue
             us = self_us[id(e)]
-            if e["cat"] == "user_annotation" and e["name"].startswith(_CALL):
+            if e["cat"] == "user_annotation" and e["name"].startswith(CALL_RANGE):
                 # its class takes all of it, its operators included (their own times add up to its duration)
-                cls, us, claimed_until = e["name"][len(_CALL):], e["dur"], e["ts"] + e["dur"]
+                cls, us, claimed_until = e["name"][len(CALL_RANGE):], e["dur"], e["ts"] + e["dur"]
             else:
                 cls = "python" if e["cat"] == "user_annotation" else op_class(e["name"])
             classes[cls][0] += us

@@ -28,7 +28,7 @@ from llmadapt.contract.rundir import RunDir
 from llmadapt.runtime.interference import thread_run_delay
 from llmadapt.runtime.timeline import STEP_MARK, analyse, intersect, length, subtract, union
 
-_MODULE, _CALL, _LAYER = "llmadapt::module::", "llmadapt::call::", "llmadapt::layer::"
+_MODULE, CALL_RANGE, _LAYER = "llmadapt::module::", "llmadapt::call::", "llmadapt::layer::"
 _BACKWARD = "autograd::engine::evaluate_function"
 _STEP_EVENT = "ProfilerStep"  # the profiler's events name every ProfilerStep#N range 'ProfilerStep*'
 
@@ -164,7 +164,7 @@ class _Wrapped:
 def _install_hooks(trainer, record_function) -> list[Any]:
     """A profiler range around every module the trainer classifies, around every transformer block, and around
     the calls it names (``Trainer.profiled_calls``)."""
-    hooks: list[Any] = [_Wrapped(owner, name, f"{_CALL}{cls}", record_function)
+    hooks: list[Any] = [_Wrapped(owner, name, f"{CALL_RANGE}{cls}", record_function)
                         for owner, name, cls in trainer.profiled_calls()]
     for root in trainer.profiled_modules():
         for name, module in root.named_modules():
@@ -198,7 +198,7 @@ def _range_hooks(module, labels: list[str], record_function) -> list[Any]:
 
 def _range_class(name: str) -> str | None:
     """The class of one of the core's ranges around a module or a call; None for anything else."""
-    for prefix in (_MODULE, _CALL):
+    for prefix in (_MODULE, CALL_RANGE):
         if name.startswith(prefix):
             return name[len(prefix):]
     return "model" if name.startswith(_LAYER) else None
@@ -255,7 +255,7 @@ def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float, s
             name = node.name
             if collective_kind(name):
                 comm = True
-            if backward_key is None and name.startswith((_MODULE, _CALL)):
+            if backward_key is None and name.startswith((_MODULE, CALL_RANGE)):
                 forward = forward or name.startswith(_MODULE)
                 in_module = True
                 if cls is None:
@@ -286,7 +286,7 @@ def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float, s
     comm_unions = {kind: union(spans) for kind, spans in by_kind.items()}
     if basis == "cpu":
         for parent in events:
-            waits = parent.name.startswith((_STEP_EVENT, _CALL)) or _framework_function(parent.name)
+            waits = parent.name.startswith((_STEP_EVENT, CALL_RANGE)) or _framework_function(parent.name)
             if not waits and not any(c.name.startswith(_BACKWARD) for c in parent.cpu_children):
                 continue
             end = parent.time_range.start
