@@ -151,15 +151,26 @@ def test_serving_engines_refuse_jamba_in_one_line(adapter):
         pytest.skip(f"the {adapter} adapter is not registered")
     serve = Workload.from_dict({"kind": "serve", "model": {"preset": "tiny-jamba"}})
     with pytest.raises(UnsupportedError, match=rf"^adapter '{adapter}' cannot run model.family='jamba': this adapter "
-                                               r"does not run jamba models; no registered adapter runs it for "
-                                               r"kind='serve'( \(and \d more\))?$"):
+                                               r"does not run jamba models; no installed adapter runs this: "
+                                               r"[\w, -]+ refuse model.family='jamba'( \(and \d more\))?$"):
         check_supported(get_adapter(adapter), serve)
 
 
-def test_quantized_jamba_is_refused():
-    with pytest.raises(UnsupportedError, match=r"cannot run optimizations.quantization='nf4': none for jamba"):
-        check_supported(get_adapter("torch"), JAMBA.with_overrides(["kind=finetune", "lora.rank=8",
+@pytest.mark.parametrize("adapter", ["torch", "deepspeed"])
+def test_quantized_jamba_is_refused_naming_no_stack_that_refuses_it_too(adapter):
+    """Neither stack that runs jamba quantizes it: each refuses, and says no adapter runs it rather than naming
+    the other (which would refuse it in turn)."""
+    if adapter not in adapters():
+        pytest.skip(f"the {adapter} adapter is not registered")
+    other = "deepspeed" if adapter == "torch" else "torch"
+    with pytest.raises(UnsupportedError) as err:
+        check_supported(get_adapter(adapter), JAMBA.with_overrides(["kind=finetune", "lora.rank=8",
                                                                     "optimizations.quantization=nf4"]))
+    message = str(err.value)
+    assert message.startswith(f"adapter {adapter!r} cannot run optimizations.quantization='nf4': none for jamba")
+    assert f"{other} can" not in message and " can" not in message.split("; ", 1)[1]
+    assert "no installed adapter runs this: " in message
+    assert f"{other} refuses optimizations.quantization='nf4'" in message
 
 
 def test_estimate_refuses_jamba():

@@ -1,6 +1,8 @@
 """Plugins: registration through pluggy, support checks before launch, the adapters listing."""
 
+import itertools
 import json
+import re
 import subprocess
 import sys
 
@@ -97,6 +99,51 @@ def test_adapter_check_hook_adds_rules():
                          check=lambda w: [("precision", w.precision, "fp16 needs a GPU")])
     with pytest.raises(UnsupportedError, match=r"adapter 'c' cannot run precision='fp32': fp16 needs a GPU"):
         check_supported(custom, Workload())
+
+
+SUGGESTED = re.compile(r"; (?:use )?([\w-]+(?: or [\w-]+)*)(?: can)?(?: \(and \d+ more\))?$")
+AXES = {  # every combination is a workload (where the spec accepts it) put to every registered adapter
+    "model.preset": ["tiny-llama", "tiny-mixtral", "tiny-jamba"],
+    "lora.rank": [0, 8],
+    "optimizations.quantization": ["none", "nf4", "int8"],
+    "data.packing": ["false", "true"],
+    "parallelism.tp": [1, 2],
+}
+
+
+def suggestion_workloads():
+    for values in itertools.product(*AXES.values()):
+        sets = [f"{k}={v}" for k, v in zip(AXES, values)]
+        sets += ["kind=finetune", "train.seq_len=32", "train.global_batch=4"] if "lora.rank=8" in sets else []
+        try:
+            yield sets, Workload().with_overrides(sets)
+        except llmadapt.WorkloadError:
+            continue  # a combination the spec refuses itself: no adapter is asked
+
+
+def test_a_refusal_names_only_adapters_that_run_the_workload():
+    """Property: whatever a refusal suggests ('X can', 'use X') is an adapter whose own check accepts the whole
+    workload; where none does, the refusal says so instead of naming one."""
+    from llmadapt.adapter.plugins import adapters
+
+    seen = 0
+    for sets, workload in suggestion_workloads():
+        for name, adapter in adapters().items():
+            try:
+                check_supported(adapter, workload)
+                continue
+            except UnsupportedError as err:
+                message = str(err)
+            found = SUGGESTED.search(message)
+            if found and "no installed adapter runs this" not in message and "no other installed" not in message:
+                seen += 1
+                for other in found.group(1).split(" or "):
+                    check_supported(get_adapter(other), workload)  # raises, naming the workload, if it cannot
+            elif "no installed adapter runs this" in message:
+                for other, adapter_other in adapters().items():
+                    with pytest.raises(UnsupportedError):
+                        check_supported(adapter_other, workload)
+    assert seen  # the property was put to suggestions, not only to refusals without one
 
 
 def test_load_plugins_variable_limits_entry_points(monkeypatch):

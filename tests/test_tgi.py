@@ -590,7 +590,7 @@ def test_adapters_refuse_what_they_cannot_do(tmp_path):
     for adapter in ("tgi", "tgi-openai"):
         with pytest.raises(UnsupportedError, match=f"adapter '{adapter}' cannot run serve.url=None"):
             run(Workload.from_dict({"kind": "serve"}), adapter, out=tmp_path)
-    with pytest.raises(UnsupportedError, match="serve.api='chat'.*use the tgi-openai adapter"):
+    with pytest.raises(UnsupportedError, match=r"serve.api='chat'.*; (\w[\w-]* or )*tgi-openai( or [\w-]+)* can$"):
         run(serve_workload("http://127.0.0.1:9", api="chat"), "tgi", out=tmp_path)
 
 

@@ -15,6 +15,7 @@ import tomllib
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pluggy
 
@@ -122,45 +123,71 @@ def get_adapter(name: str, pm: pluggy.PluginManager | None = None) -> AdapterInf
     return found[name]
 
 
-def check_supported(info: AdapterInfo, workload) -> None:
-    """Raise UnsupportedError (one line: adapter, field, value, what is allowed) before anything starts."""
+def problems(info: AdapterInfo, workload) -> list[tuple[str, Any, str]]:
+    """Every reason INFO cannot run WORKLOAD, as (field, value, what is allowed); empty: it runs it. The one
+    capability check: `check_supported` refuses on it, and a refusal names another adapter only when this
+    accepts the workload for that adapter."""
     if workload.kind not in info.roles:
-        raise UnsupportedError(
-            f"adapter {info.name!r} does not support kind={workload.kind!r}; roles: {', '.join(info.roles)}"
-        )
+        return [("kind", workload.kind, f"roles: {', '.join(info.roles)}")]
     if workload.kind == "serve" and workload.serve.mode == "offline" and "offline" not in info.roles:
-        raise UnsupportedError(f"adapter {info.name!r} cannot run serve.mode='offline': it has no offline API "
-                               f"(roles: {', '.join(info.roles)})")
+        return [("serve.mode", "offline", f"it has no offline API (roles: {', '.join(info.roles)})")]
     # Training declarations say nothing about serving engines: serve workloads meet only the adapter's own rules
     # (and the model family, which every role needs).
     family = workload.model.family
-    problems = [] if family in info.supports.families else [("model.family", family, _family_refusal(workload))]
-    problems += info.supports.engine_problems(workload) if workload.kind == "serve" else \
+    found = [] if family in info.supports.families else [
+        ("model.family", family, f"this adapter does not run {family} models")]
+    found += info.supports.engine_problems(workload) if workload.kind == "serve" else \
         [p for p in info.supports.problems(workload) if p[0] != "model.family"]
-    problems += info.check(workload) if info.check else []
-    if problems:
-        field, value, allowed = problems[0]
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        use = _who_can(workload, field, info.name) if field in NAME_WHO_CAN else ""
-        raise UnsupportedError(f"adapter {info.name!r} cannot run {field}={value!r}: {allowed}{use}{more}")
+    return found + (info.check(workload) if info.check else [])
 
 
-NAME_WHO_CAN = ("lora.rank", "data.packing", "optimizations.quantization")
-"""Features a stack has or lacks outright: their refusal names the registered adapters that run them."""
+def check_supported(info: AdapterInfo, workload) -> None:
+    """Raise UnsupportedError (one line: adapter, field, value, what is allowed) before anything starts."""
+    found = problems(info, workload)
+    if not found:
+        return
+    field, value, allowed = found[0]
+    if field == "kind":
+        raise UnsupportedError(f"adapter {info.name!r} does not support kind={value!r}; {allowed}")
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    if field == "model.family":
+        use = alternatives(workload, info.name, "use {}")
+    elif field in NAME_WHO_CAN:
+        use = alternatives(workload, info.name, "{} can")
+    else:
+        use = ""
+    raise UnsupportedError(f"adapter {info.name!r} cannot run {field}={value!r}: {allowed}{use}{more}")
 
 
-def _who_can(workload, field: str, refused: str) -> str:
-    others = [name for name, a in adapters().items() if name != refused and workload.kind in a.roles
-              and not any(p[0] == field for p in a.supports.problems(workload))]
-    return f"; {' or '.join(others)} can" if others else ""
+NAME_WHO_CAN = ("lora.rank", "data.packing", "optimizations.quantization", "save.path", "serve.api")
+"""Features a stack has or lacks outright: their refusal names the registered adapters that run the workload."""
 
 
-def _family_refusal(workload) -> str:
-    """What runs a model family this adapter does not: the registered adapters that declare it for this role."""
-    family, role = workload.model.family, workload.kind
-    others = [name for name, a in adapters().items() if family in a.supports.families and role in a.roles]
-    use = f"use {' or '.join(others)}" if others else f"no registered adapter runs it for kind={role!r}"
-    return f"this adapter does not run {family} models; {use}"
+def runners(workload, pm: pluggy.PluginManager | None = None) -> list[str]:
+    """The registered adapters that run WORKLOAD as it is: those whose `problems` is empty."""
+    return [name for name, a in adapters(pm).items() if not problems(a, workload)]
+
+
+def alternatives(workload, refused: str, form: str) -> str:
+    """What a refusal by adapter REFUSED adds: '; ' + FORM naming the other adapters that run the whole workload
+    (by `problems`, the check that would accept it: never one that would refuse it in turn), or, where none
+    does, each other adapter of this kind with the first thing it refuses."""
+    others = [name for name in runners(workload) if name != refused]
+    if others:
+        return "; " + form.format(" or ".join(others))
+    why: dict[str, list[str]] = {}
+    for name, a in adapters().items():
+        if name != refused and workload.kind in a.roles:
+            field, value, _ = problems(a, workload)[0]
+            why.setdefault(f"{field}={value!r}", []).append(name)
+    if not why:
+        return f"; no other installed adapter runs kind={workload.kind!r}"
+    return "; no installed adapter runs this: " + "; ".join(
+        f"{_names(names)} {'refuses' if len(names) == 1 else 'refuse'} {what}" for what, names in why.items())
+
+
+def _names(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 @lru_cache(maxsize=1)

@@ -174,7 +174,7 @@ def check(workload) -> list[tuple[str, Any, str]]:
         out.append(("lora.rank", workload.lora.rank, "0 for MoE (not exercised)"))
     if workload.save.path and workload.lora.rank:
         out.append(("save.path", workload.save.path, "not with LoRA here (ColossalAI saves LoRA weights apart, "
-                    "unmerged): save a full fine-tune, or use the torch or deepspeed adapter"))
+                    "unmerged): save a full fine-tune"))
     if workload.eval.examples and workload.lora.rank:
         out.append(("eval.examples", workload.eval.examples, "0 with LoRA here (evaluation reads the model through "
                     "its Hugging Face save, and ColossalAI saves LoRA weights apart, unmerged)"))

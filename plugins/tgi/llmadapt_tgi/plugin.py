@@ -17,7 +17,7 @@ def _checker(name: str, native: bool):
                                                 "base URL (TGI cannot be started from here)"))
         if native and workload.serve.api == "chat":
             problems.append(("serve.api", "chat", "supported: completions (TGI's native /generate_stream takes a "
-                                                  "prompt; use the tgi-openai adapter for chat)"))
+                                                  "prompt)"))
         return problems
 
     return check
