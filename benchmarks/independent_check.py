@@ -11,9 +11,9 @@ of the machine hits both:
 - bare: this file run by the same environment's interpreter with ``--bare``: it imports torch and transformers
   only (it checks that no llmadapt module was loaded) and does by hand what the torch adapter's step does: the
   same checkpoint loaded by transformers with the workload's dtype and attention, AdamW with the workload's lr
-  and weight decay, the same batches (written to a file by this process), the same loss (sum-reduced cross
-  entropy times 1 / loss-bearing tokens of the global batch per micro-batch), backward, optimizer step,
-  zero_grad; the same warm-up steps unprofiled, then each profiled step under its own ``torch.profiler``
+  and weight decay, the same batches (written to a file by this process), zero_grad, the same loss (sum-reduced
+  cross entropy times 1 / loss-bearing tokens of the global batch per micro-batch), backward, the gradients'
+  total norm (the adapter records it every step), optimizer step (``bare_step``); the same warm-up steps unprofiled, then each profiled step under its own ``torch.profiler``
   session as llmadapt opens it (CPU activity, record_shapes and with_flops, Python's collector paused, the step
   in a ``ProfilerStep#N`` range, the profiler's results freed before the next step: kept alive, they cost the
   next profiled step thousands of page faults, docs/status.md). It writes every profiler event (name, thread,
@@ -37,7 +37,9 @@ that both sides count the same thing:
   ``framework_function`` and the optimizer's plain ATen operators ``elementwise``; the report gives the bare
   shares by name alone too).
 
-Each side's share of a class is its seconds over the operator time of the run's profiled steps; the table gives
+Before any share is compared, the check asserts its own precondition: in every round both sides ran as many
+operators of each class (``same_work``; it stops naming the classes whose counts differ). Each side's share of a
+class is its seconds over the operator time of the run's profiled steps; the table gives
 the median over runs of each side, the difference in points and whether it is within the tolerance (5 points).
 The losses of the profiled steps are compared as a check that both sides did the same work (on the CPU they
 agree exactly).
@@ -46,7 +48,8 @@ agree exactly).
     python benchmarks/independent_check.py --runs 9 --json figures.json
     python benchmarks/independent_check.py --smoke            # one round, one profiled step, not judged (CI)
 
-Exit status 1 when a class differs by more than the tolerance. Everything it writes is in a temporary folder
+Exit status 1 when a class differs by more than the tolerance, or when the two sides did not run the same
+operators (the precondition, judged under --smoke too). Everything it writes is in a temporary folder
 (or --keep DIR), and the --json file.
 """
 
@@ -82,7 +85,6 @@ def bare_main(spec_path: str, out_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     os.environ["OMP_NUM_THREADS"] = str(spec["threads"])
     import torch
-    import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile, record_function
     from transformers import AutoModelForCausalLM
 
@@ -100,20 +102,10 @@ def bare_main(spec_path: str, out_path: str) -> int:
                 "micro_batches": [(torch.tensor(ids, dtype=torch.long), torch.tensor(lab, dtype=torch.long))
                                   for ids, lab in b["micro_batches"]]} for b in spec["batches"]]
 
+    model.train()  # once, as the reference adapter does: train() walks every module
+
     def train_step(batch) -> float:
-        model.train()
-        optimizer.zero_grad(set_to_none=True)
-        scale = 1 / batch["loss_tokens_global"]
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for ids, lab in batch["micro_batches"]:
-            input_ids, labels = ids.to(device), lab.to(device)
-            logits = model(input_ids=input_ids).logits
-            token_loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                         ignore_index=-100, reduction="sum")
-            (token_loss * scale).backward()
-            loss_sum += token_loss.detach().double()
-        optimizer.step()
-        return loss_sum.item() / batch["loss_tokens_global"]
+        return bare_step(model, optimizer, params, batch, spec["flash"])
 
     def run_delay() -> float | None:  # this thread's wait for a core so far (schedstat), as llmadapt reads it
         try:
@@ -142,13 +134,8 @@ def bare_main(spec_path: str, out_path: str) -> int:
         mark.__exit__(None, None, None)
         prof.__exit__(None, None, None)
         gc.enable()
-        events = []
-        for e in prof.events():
-            parent = e.cpu_parent
-            events.append({"id": e.id, "name": e.name, "thread": e.thread, "start_us": e.time_range.start,
-                           "end_us": e.time_range.end, "self_us": e.self_cpu_time_total,
-                           "parent": parent.id if parent is not None else None})
-        del prof, e, parent  # the profiler's results freed before the next step, as llmadapt frees them
+        events = profiler_events(prof)
+        del prof  # the profiler's results freed before the next step, as llmadapt frees them
         steps.append({"step": step, "seconds": seconds, "events": events, "minor_faults": faults,
                       "descheduled_seconds": after - waited if None not in (after, waited) else None})
     import transformers
@@ -158,6 +145,51 @@ def bare_main(spec_path: str, out_path: str) -> int:
               "llmadapt_modules": sorted(m for m in sys.modules if m == "llmadapt" or m.startswith("llmadapt."))}
     Path(out_path).write_text(json.dumps(result))
     return 0
+
+
+def bare_step(model, optimizer, params, batch, flash: bool) -> float:
+    """One global step as the reference adapter's TorchTrainer.step does it, every operator included: zero_grad,
+    per micro-batch forward (under the FlashAttention backend when asked), sum-reduced cross entropy scaled by
+    1 / the global batch's loss-bearing tokens, backward; the gradients' total norm (the adapter records it each
+    step); optimizer step; the loss and the norm read back."""
+    from contextlib import nullcontext
+
+    import torch
+    import torch.nn.functional as F
+
+    device = next(model.parameters()).device
+    optimizer.zero_grad(set_to_none=True)
+    scale = 1 / batch["loss_tokens_global"]
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for ids, lab in batch["micro_batches"]:
+        input_ids, labels = ids.to(device), lab.to(device)
+        if flash:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backend = sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+        else:
+            backend = nullcontext()
+        with backend:
+            logits = model(input_ids=input_ids).logits
+            token_loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                         ignore_index=-100, reduction="sum")
+            (token_loss * scale).backward()
+        loss_sum += token_loss.detach().double()
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    optimizer.step()
+    grad_norm.item()
+    return loss_sum.item() / batch["loss_tokens_global"]
+
+
+def profiler_events(prof) -> list[dict]:
+    """Every event of a finished torch.profiler session: id, name, thread, start_us, end_us, self_us, parent."""
+    events = []
+    for e in prof.events():
+        parent = e.cpu_parent
+        events.append({"id": e.id, "name": e.name, "thread": e.thread, "start_us": e.time_range.start,
+                       "end_us": e.time_range.end, "self_us": e.self_cpu_time_total,
+                       "parent": parent.id if parent is not None else None})
+    return events
 
 
 # -- the analysis: pure Python ------------------------------------------------------------------------------------
@@ -225,6 +257,20 @@ def compare(llmadapt_runs: list[dict[str, float]], bare_runs: list[dict[str, flo
     return sorted(rows, key=lambda r: -max(r["llmadapt"], r["bare"]))
 
 
+def same_work(llmadapt_runs: list[dict[str, float]], bare_runs: list[dict[str, float]]) -> None:
+    """The check's precondition, before any share is compared: in every round both sides ran the same operators,
+    as many of each class (a share of different work says nothing about the attribution). SystemExit naming
+    each class whose counts differ, and the round, otherwise."""
+    differ = []
+    for r, (a, b) in enumerate(zip(llmadapt_runs, bare_runs, strict=True), 1):
+        for cls in sorted(set(a) | set(b)):
+            if int(a.get(cls, 0)) != int(b.get(cls, 0)):
+                differ.append(f"{cls} (llmadapt {int(a.get(cls, 0))}, bare {int(b.get(cls, 0))}, round {r})")
+    if differ:
+        raise SystemExit("the two sides did not do the same work: operator counts differ for "
+                         f"{'; '.join(differ)}; no share is compared")
+
+
 def counts_by_class(runs: list[dict[str, float]]) -> dict[str, list[int]]:
     """Each class's operator count per run (the same every run when the work is the same)."""
     classes = sorted({k for run in runs for k in run})
@@ -250,8 +296,9 @@ def bare_spec(w, threads: int) -> dict:
     from llmadapt.runtime.data import TokenData
 
     if w.lora.rank or w.optimizations.quantization != "none" or w.optimizations.recompute != "none" \
-            or w.model.is_moe or w.kind != "train":
-        raise SystemExit("the bare side does a dense pre-training step only: no LoRA, quantization, recompute, MoE")
+            or w.model.is_moe or w.data.packing or w.kind != "train":
+        raise SystemExit("the bare side does a dense pre-training step only: no LoRA, quantization, recompute, MoE, "
+                         "packing")
     data = TokenData(w)
     batches = []
     for step in range(w.train.total_steps):
@@ -259,7 +306,8 @@ def bare_spec(w, threads: int) -> dict:
         batches.append({"loss_tokens_global": b.loss_tokens_global,
                         "micro_batches": [(mb.input_ids.tolist(), mb.labels.tolist()) for mb in b.micro_batches]})
     return {"checkpoint": str(canonical_checkpoint(w.model, w.seed)), "seed": w.seed, "precision": w.precision,
-            "attention": "sdpa" if w.optimizations.flash_attention else "eager", "optimizer": w.train.optimizer,
+            "attention": "sdpa" if w.optimizations.flash_attention else "eager",
+            "flash": w.optimizations.flash_attention, "optimizer": w.train.optimizer,
             "lr": w.train.lr, "weight_decay": w.train.weight_decay, "threads": threads,
             "profiled_steps": list(w.profile.steps), "batches": batches}
 
@@ -377,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp.cleanup()
     load_end = os.getloadavg()
 
+    same_work([x["counts"] for x in runs["llmadapt"]], [x["counts"] for x in runs["bare"]])
     rows = compare([x["shares"] for x in runs["llmadapt"]], [x["shares"] for x in runs["bare"]], args.tolerance)
     counts = {side: counts_by_class([x["counts"] for x in runs[side]]) for side in runs}
     for row in rows:  # operators counted per run: a difference is a difference of accounting, not of timing

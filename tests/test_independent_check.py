@@ -85,3 +85,64 @@ def test_compare_takes_medians_and_judges_each_class(check):
     assert rows["memory"]["difference"] == -4.0 and rows["memory"]["within"]
     assert rows["other"]["bare"] == 0.0 and rows["other"]["llmadapt"] == 0.0  # a class one run saw: median of 0, 0, 5
     assert check.shares({"gemm": 1.0, "memory": 3.0}) == {"gemm": 25.0, "memory": 75.0}
+
+
+def test_the_check_stops_when_the_sides_did_different_work(check):
+    """Equal operator counts per class in every round is the check's precondition: a difference stops it before
+    any share is compared, naming each class, both counts and the round."""
+    with pytest.raises(SystemExit, match=r"^the two sides did not do the same work: operator counts differ for "
+                                         r"reduction \(llmadapt 3, bare 0, round 2\); no share is compared$"):
+        check.same_work([{"gemm": 4}, {"gemm": 4, "reduction": 3}], [{"gemm": 4}, {"gemm": 4}])
+    check.same_work([{"gemm": 4, "memory": 2}], [{"gemm": 4.0, "memory": 2}])  # the same work: nothing raised
+
+
+def test_the_bare_step_does_the_reference_adapters_work(check, tmp_path):
+    """The bare loop (run as the check runs it: this file with --bare) and the reference adapter's step, each
+    profiled as llmadapt profiles a step, run as many operators of each class on the same workload: the bare side
+    does all the adapter does each step (the gradient norm included), so the check compares the same work."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import json
+    import subprocess
+    import sys
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from llmadapt.adapter import WorkerContext
+    from llmadapt.reference.trainer import TorchTrainer
+    from llmadapt.runtime.data import TokenData
+
+    args = SimpleNamespace(workload=str(ROOT / "examples" / "tiny-llama.toml"), profiled_steps=1,
+                           set=["train.seq_len=16", "train.global_batch=4", "train.micro_batch=2"])
+    w = check.workload_for(args)
+    spec = check.bare_spec(w, 1)
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "independent_check.py"), "--bare",
+                    str(tmp_path / "spec.json"), str(tmp_path / "bare.json")], check=True, timeout=600)
+    [bare_step] = json.loads((tmp_path / "bare.json").read_text())["steps"]
+    bare = {cls: n for cls, (_, n) in check.bare_operators(bare_step["events"]).items()}
+
+    ctx = WorkerContext(w, 0, 0, 1, torch.device("cpu"), spec["checkpoint"], tmp_path)
+    trainer = TorchTrainer(ctx)
+    trainer.setup()
+    data = TokenData(w)
+    for step in range(w.train.total_steps):
+        batch = data.step_batch(step, 0, 1)  # made before the profiler starts, as the worker makes it
+        if step != bare_step["step"]:
+            trainer.step(batch)
+            continue
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
+            with record_function(f"ProfilerStep#{step}"):
+                trainer.step(batch)
+    events = [{"id": e.id, "name": e.name, "thread": e.thread, "start_us": e.time_range.start,
+               "end_us": e.time_range.end, "self_us": e.self_cpu_time_total,
+               "parent": e.cpu_parent.id if e.cpu_parent is not None else None} for e in prof.events()]
+    adapter = {cls: n for cls, (_, n) in check.bare_operators(events).items()}
+    assert adapter == bare, names_that_differ(events, bare_step["events"])
+
+
+def names_that_differ(a_events, b_events):
+    from collections import Counter
+
+    a, b = Counter(e["name"] for e in a_events), Counter(e["name"] for e in b_events)
+    return {n: (a[n], b[n]) for n in a | b if a[n] != b[n]}
