@@ -112,6 +112,28 @@ def test_incomplete_run_is_failed_even_without_a_failure_record():
     assert s.status == "failed" and s.failures[0].cause == "crash"
 
 
+def test_a_run_read_while_it_goes_on_has_only_its_recorded_failures():
+    """Read before its end (over=False: no summary yet, a process may still work in it), a run whose steps are not
+    all done has not crashed: no failure is made up for it; the ones its records hold stay."""
+    launch = LaunchRequest(run_id="r", role="train", adapter="x", launcher="subprocess",
+                           workload={"train": {"steps": 3}})
+    assert aggregate("r", [step(0, 0, warmup=True)], launch, over=False).failures == []
+    oom = to_json(Failure(cause="oom", message="out of memory", rank=0, step=1))
+    assert [f.cause for f in aggregate("r", [step(0, 0, warmup=True), oom], launch, over=False).failures] == ["oom"]
+
+
+def test_a_run_that_went_on_past_a_nan_loss_lists_its_divergence_in_failures():
+    """train.on_nonfinite = "continue": every step ran, nothing stopped it, and still its failures say why it is
+    diverged (the first step not finite, what was not), as a stopped run's do."""
+    launch = LaunchRequest(run_id="r", role="train", adapter="x", launcher="subprocess",
+                           workload={"train": {"steps": 3, "warmup_steps": 0, "on_nonfinite": "continue"}})
+    s = aggregate("r", [step(0, 0), step(0, 1, loss=math.nan), step(0, 2, loss=math.inf)], launch)
+    assert s.status == "diverged"
+    (failure,) = s.failures
+    assert (failure.cause, failure.step, failure.rank) == ("diverged", 1, None)
+    assert failure.message == "the loss was not finite at 2 step(s), the first at step 1"
+
+
 def test_failure_causes_are_constrained_by_the_schema():
     """A failure record with an unknown cause does not validate."""
     good = to_json(Failure(cause="oom", message="x", rank=0))

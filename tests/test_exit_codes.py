@@ -157,6 +157,9 @@ def test_the_store_tells_running_incomplete_damaged_and_finished_runs_apart(fini
     (copy_run(finished, root, "incomplete") / "summary.json").unlink()
     running = copy_run(finished, root, "running")
     (running / "summary.json").unlink()
+    records = (running / "rank-00000.jsonl").read_text().splitlines()
+    last_step = max(i for i, line in enumerate(records) if json.loads(line)["type"] == "step")
+    (running / "rank-00000.jsonl").write_text("\n".join(records[:last_step]) + "\n")  # mid-run: a step to go
     worker = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'a'); print('open', "
                                "flush=True); time.sleep(300)", str(running / "rank-00000.jsonl")],
                               stdout=subprocess.PIPE, text=True)
@@ -171,6 +174,14 @@ def test_the_store_tells_running_incomplete_damaged_and_finished_runs_apart(fini
         assert "run damaged" in warning and "is damaged: summary.json is not JSON" in warning, text.stderr
         assert "running" in text.stdout and "4 run(s) matching" in text.stdout
         assert json.loads(cli("runs", "status=running", "--root", root, "--json").stdout)[0]["run_id"] == "running"
+        # show says what runs says, of every one of them: one notion of a run's status
+        for name, status in {"running": "running", "finished": "ok", "damaged": "damaged",
+                             "incomplete": "incomplete"}.items():
+            shown = cli("show", root / name, "--json")
+            assert shown.returncode == 0 and json.loads(shown.stdout)["status"] == status, (name, shown.stdout[:300])
+        shown = cli("show", running).stdout
+        assert shown.startswith("run        running  [running]") and "failure" not in shown, shown
+        assert "warning    running: no summary.json yet" in shown
     finally:
         worker.kill()
         worker.wait()

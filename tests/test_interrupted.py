@@ -97,6 +97,13 @@ set = ["train.steps=2", "train.warmup_steps=0", "telemetry.interval_s=0"]
     assert data["partial"] is True and data["interrupted"] == "terminated by SIGTERM"
     assert [c["status"] for c in data["cells"]] == ["done", "pending"]
     assert data["cells"][0]["run_dir"] and "1 done" in data["table"]
+    # the attempt the signal stopped is the second cell's, marked, not a folder beside its attempts
+    (stopped,) = [str(p) for p in run_folders(out) if str(p) != data["cells"][0]["run_dir"]]
+    assert data["cells"][1]["run_dir"] == stopped and data["cells"][1]["attempts"] == 1
+    (state,) = [json.loads(p.read_text()) for p in out.glob("sweep-*/cells/*.json")
+                if json.loads(p.read_text())["id"] == data["cells"][1]["id"]]
+    assert [(a["run_dir"], a["status"], a["failure"]) for a in state["attempts"]] == [
+        (stopped, "interrupted", "terminated by SIGTERM")]
 
     again = subprocess.run([sys.executable, "-m", "llmadapt.cli", "sweep", "run", str(tmp_path / "grid.toml"),
                             "--out", str(out)], capture_output=True, text=True, timeout=HANG_GUARD_S)

@@ -96,6 +96,43 @@ def test_failed_cells_are_retried_then_stay_failed_and_done_cells_are_skipped(tm
     assert [s for _, s, _ in sweep.status()][0] == "failed"
 
 
+def test_an_attempt_stopped_or_killed_mid_cell_stays_among_its_attempts_marked(tmp_path, monkeypatch):
+    """The run itself replaced: an attempt whose folder exists when a stop signal ends it, or when its process is
+    killed (the cell's state as the kill leaves it), is listed in the cell's attempts, marked interrupted, not
+    left beside them; it does not count against the retries; the next attempt follows it."""
+    import importlib
+
+    run_module = importlib.import_module("llmadapt.launch.run")
+    (tmp_path / "grid.toml").write_text(GRID)
+    sweep = sweeps.load(tmp_path / "grid.toml", tmp_path / "runs")
+    cell = sweep.cells[0]
+    seen: list[dict] = []
+
+    def stopped_run(workload, adapter, **options):
+        folder = Path(options.get("out", "runs")) / (options.get("run_id") or "stopped")
+        folder.mkdir(parents=True)
+        seen.append(json.loads(sweep.state_file(cell).read_text()))  # what a SIGKILL here would leave
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "run", stopped_run)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_cell(cell, out=tmp_path / "runs")
+    (folder,) = [p for p in (tmp_path / "runs").iterdir() if p != sweep.folder]  # the one run folder it made
+    state = sweep.state(cell)
+    assert state["status"] == "pending"
+    assert [(a["run_dir"], a["status"]) for a in state["attempts"]] == [(str(folder), "interrupted")]
+    assert [s for c, s, _ in sweep.status() if c is cell] == ["pending"]
+
+    # killed instead (SIGKILL: no handler ran): the state the kill left lists the folder, running, by a dead pid
+    assert [(a["run_dir"], a["status"]) for a in seen[0]["attempts"]] == [(str(folder), "running")]
+    sweep._write_state(cell, {**seen[0], "pid": 2**22 + 1, "node": sweeps.node_name()})
+    assert [s for c, s, _ in sweep.status() if c is cell] == ["pending"]  # not running, not a spent retry
+    monkeypatch.setattr(run_module, "run", lambda *a, **o: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_cell(cell, out=tmp_path / "runs")  # the next attempt: stopped before its folder was made
+    assert [(a["run_dir"], a["status"]) for a in sweep.state(cell)["attempts"]] == [(str(folder), "interrupted")]
+
+
 def test_a_local_sweep_runs_resumes_and_reports(tmp_path):
     if environments_unready("torch"):
         pytest.skip(environments_unready("torch"))

@@ -15,10 +15,10 @@ from llmadapt.errors import LlmadaptError
 from llmadapt.launch.summary import load_records
 
 
-def read_summary(run_dir: str | Path, needs: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """The run's summary.json; for a run whose orchestrator never wrote one (killed, disk full), the summary
-    the records on disk give, with a warning saying so. ``needs``: the keys the caller reads (default: what
-    `show` prints); a summary without one of them counts as damaged."""
+def read_summary(run_dir: str | Path, needs: tuple[str, ...] | None = None, *, running=None) -> dict[str, Any]:
+    """The run's summary.json; else (none yet, or damaged) the records' summary, its status runstatus's (running:
+    does a process work in the folder, None: look), with a warning. ``needs``: the keys the caller reads (default:
+    what `show` prints); a summary without one of them counts as damaged."""
     path = RunDir(run_dir).summary_file
     problem = "incomplete run: no summary.json (its orchestrator did not finish)"
     if path.is_file():
@@ -34,16 +34,15 @@ def read_summary(run_dir: str | Path, needs: tuple[str, ...] | None = None) -> d
         raise LlmadaptError(f"{run_dir} is not a run directory" +
                             (f" ({problem}, and no launch.json to rebuild it from)" if path.is_file() else
                              " (no summary.json, no launch.json)"))
+    from llmadapt.analysis.runstatus import settle_status
     from llmadapt.contract.schema import to_json
     from llmadapt.launch.summary import summarise
 
     try:
-        summary = to_json(summarise(run_dir, write=False))
+        summary = to_json(summarise(run_dir, write=False, over=path.is_file()))
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise LlmadaptError(f"{run_dir}: {problem}, and its launch.json cannot be read ({exc})") from None
-    summary["warnings"] = [f"{problem}; this summary is built from the records on disk",
-                           *summary.get("warnings", [])]
-    return summary
+    return settle_status(summary, run_dir, problem, damaged=path.is_file(), running=running)
 
 
 # What show, compare and parity read from a summary: one missing means the file is damaged.

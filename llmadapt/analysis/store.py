@@ -17,10 +17,11 @@ are written in batches, each one transaction (a run with its figures, or not at 
 leaves every batch before it and the next open indexes the rest; two processes may index at once (SQLite's
 locking, a busy timeout).
 
-A run's status is its summary's (ok, failed, ...) once it has one; before, ``running`` while a process on this
-machine works in its folder (holds a file there open, has it as its working folder or on its command line, or
-is named by a pid file in it), else ``incomplete`` (``failed`` when its records hold a failure). A run whose
-summary.json cannot be read is ``damaged``: listed, with a warning, its figures from its records.
+A run's status is ``runstatus``'s, as ``show`` reads it: its summary's (ok, failed, ...) once it has one;
+before, ``running`` while a process on this machine works in its folder (holds a file there open, has it as its
+working folder or on its command line, or is named by a pid file in it), else ``incomplete`` (``failed`` when its
+records hold a failure). A run whose summary.json cannot be read is ``damaged``: listed, with a warning, its
+figures from its records.
 
 Queries select runs by ``key=value`` terms (``Query``): adapter, status, machine, workload (hash prefix or name),
 problem, run (id prefix), since/until (dates), kind, or any workload field by its dotted path
@@ -45,6 +46,7 @@ from typing import Any, Callable, Iterable
 
 import attrs
 
+from llmadapt.analysis.runstatus import live_processes
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, StorageError, os_error_line
 
@@ -575,7 +577,7 @@ def describe_run(folder: Path, *, running: bool = False) -> tuple[dict[str, Any]
     rundir = RunDir(folder)
     try:
         launch = rundir.read_launch()
-        summary = read_summary(folder)
+        summary = read_summary(folder, running=running)
         workload_text = json.dumps(launch.workload)
         workload = _WORKLOADS.get(workload_text) or Workload.from_dict(launch.workload)
     except LlmadaptError as exc:
@@ -584,12 +586,8 @@ def describe_run(folder: Path, *, running: bool = False) -> tuple[dict[str, Any]
         raise LlmadaptError(f"{folder}: damaged run folder ({type(exc).__name__}: {str(exc)[:160]})") from None
     device = summary.get("device") or {}
     created = launch.created
-    status = summary["status"]
+    status = summary["status"]  # read_summary's: running, incomplete and damaged as runstatus defines them
     has_summary = rundir.summary_file.exists()
-    if has_summary and (summary.get("warnings") or [""])[0].endswith("built from the records on disk"):
-        status = "damaged"  # read_summary rebuilt it, saying why as its first warning
-    elif not has_summary:
-        status = "running" if running else ("failed" if summary.get("failures") else "incomplete")
     row = {
         "run_id": summary["run_id"], "status": status, "kind": workload.kind, "name": workload.name,
         "workload_hash": summary["workload_hash"], "problem_hash": summary["problem_hash"],
@@ -613,72 +611,6 @@ def describe_run(folder: Path, *, running: bool = False) -> tuple[dict[str, Any]
 _WORKLOADS: dict[str, Any] = {}
 """Workloads built while indexing, by their launch.json text: runs of one workload (repeats, a sweep's cells
 run again) build it once, and building one is most of what indexing a run costs."""
-
-
-def live_processes(folders: Iterable[Path]) -> dict[Path, list[int]]:
-    """The processes on this machine that work in each folder: they hold a file in it open, have it as their
-    working folder or an argument, or a pid file in it (``*.pid``: an engine's) names them. One look at /proc
-    (Linux; elsewhere none are found)."""
-    wanted = {Path(f).resolve(): Path(f) for f in folders}
-    found: dict[Path, list[int]] = {f: [] for f in wanted.values()}
-
-    def owner(path: str | Path) -> Path | None:
-        target = Path(path)
-        for parent in (target, *target.parents):
-            if parent in wanted:
-                return wanted[parent]
-        return None
-
-    for resolved, folder in wanted.items():
-        for pid_file in resolved.glob("*.pid"):
-            try:
-                pid = int(pid_file.read_text().strip().rpartition(":")[2])
-            except (OSError, ValueError):
-                continue
-            if _alive(pid):
-                found[folder].append(pid)
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return found
-    me, names = os.getpid(), [f.name.encode() for f in wanted]
-    for entry in proc.iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        pid, hits = int(entry.name), set()
-        try:
-            cwd = os.readlink(entry / "cwd")
-            hits.add(owner(cwd))
-            for arg in (entry / "cmdline").read_bytes().split(b"\0"):
-                if any(name in arg for name in names):  # a worker's RUN_DIR, relative to its working folder
-                    hits.add(owner(os.path.realpath(os.path.join(cwd, os.fsdecode(arg)))))
-            for fd in (entry / "fd").iterdir():
-                try:
-                    hits.add(owner(os.readlink(fd)))
-                except OSError:
-                    continue
-        except OSError:  # gone, or not ours to read
-            continue
-        for folder in hits - {None}:
-            if pid not in found[folder] and _alive(pid):
-                found[folder].append(pid)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie (exited, waiting for its parent to read its status)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except (OSError, OverflowError):
-        return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
 
 
 def _machine(folder: Path) -> str:

@@ -56,8 +56,10 @@ def describe(values: Iterable[float]) -> Stats | None:
     return Stats(count=n, mean=mean, std=std, min=data[0], p50=p[50], p90=p[90], p95=p[95], p99=p[99], max=data[-1])
 
 
-def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest) -> Summary:
-    """Build the run summary from every record of every rank (plus the launcher's failures)."""
+def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest, *, over: bool = True) -> Summary:
+    """Build the run summary from every record of every rank (plus the launcher's failures). ``over``: the run
+    is over (its orchestrator is summarising it); False for a run read while it may still go on, whose steps not
+    completed yet are no crash: its failures are then only those recorded."""
     headers = {r["rank"]: r for r in records if r["type"] == "header"}
     failures = [Failure(**r) for r in records if r["type"] == "failure"]
     steps_by_index: dict[int, dict[int, dict]] = defaultdict(dict)
@@ -135,16 +137,17 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest)
                     for f in failures]
         failures = []
     status = "ok" if not failures and len(complete) == workload.train.total_steps else "failed"
-    if status == "failed" and not failures:
+    if status == "failed" and not failures and over:
         failures.append(Failure(cause="crash", message="the run ended before every step completed"))
     nonfinite = [i for i, loss in zip(complete, losses) if loss is not None and not math.isfinite(loss)]
     bad_norms = [i for i, norm in zip(complete, grad_norms) if norm is not None and not math.isfinite(norm)]
     if any(f.cause == "diverged" for f in failures):
         status = "diverged"
     elif nonfinite or bad_norms:  # train.on_nonfinite = "continue": every step ran, and still not a number
-        status = "diverged"
-        warnings += [f"the {what} was not finite at {len(at)} step(s), the first at step {at[0]}"
-                     for what, at in (("loss", nonfinite), ("gradient norm", bad_norms)) if at]
+        status = "diverged"  # a failure like the one a stopped run records: the summary's failures say why
+        failures.append(Failure(cause="diverged", step=min(nonfinite + bad_norms), message="; ".join(
+            f"the {what} was not finite at {len(at)} step(s), the first at step {at[0]}"
+            for what, at in (("loss", nonfinite), ("gradient norm", bad_norms)) if at)))
     return Summary(
         run_id=run_id,
         status=status,

@@ -44,6 +44,7 @@ from typing import Any, Callable
 import attrs
 
 from llmadapt.analysis.cells import PlannedCell, as_cells, plan
+from llmadapt.contract.launch import new_run_id
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, not_a_file
 from llmadapt.host import node_name, utc_now
@@ -125,7 +126,7 @@ class Sweep:
             if status == "done" and self.finished(cell, machine) is None:
                 status = "pending"  # its run is gone, failed, or from another version or machine
             if status == "running" and not _alive(state):
-                status = "failed" if len(state["attempts"]) > self.retries else "pending"
+                status = "failed" if _tries(state["attempts"]) > self.retries else "pending"
             out.append((cell, status, state))
         return out
 
@@ -140,24 +141,36 @@ class Sweep:
             log(f"{cell.title}: done already ({done})")
             return self.state(cell)
         state = self.state(cell)
-        attempts = [a for a in state.get("attempts", []) if a.get("status") in ("ok", "failed")]
+        # An attempt still marked running is one whose process was killed mid-run (this one runs the cell now)
+        attempts = [a if a.get("status") != "running" else
+                    {**a, "status": "interrupted", "failure": "its process ended mid-run (killed)"}
+                    for a in state.get("attempts", []) if a.get("status") != "running" or Path(a["run_dir"]).exists()]
         earlier = state.get("earlier", [])
         if state["status"] == "done":  # done, but its run no longer counts (gone, another version or machine)
             earlier, attempts = earlier + attempts, []
-        if state["status"] == "failed" and len(attempts) > self.retries:
-            log(f"{cell.title}: failed {len(attempts)} times, not retried (retries = {self.retries})")
+        if state["status"] == "failed" and _tries(attempts) > self.retries:
+            log(f"{cell.title}: failed {_tries(attempts)} times, not retried (retries = {self.retries})")
             return state
-        while len(attempts) <= self.retries:
+        while _tries(attempts) <= self.retries:
             record = {"status": "running", "attempts": attempts, "earlier": earlier, "machine": this_machine(),
                       "node": node_name(),
                       "pid": os.getpid(), "started": utc_now(),
                       "slurm_job": _slurm_task_id()}
-            self._write_state(cell, record)
-            log(f"{cell.title}: attempt {len(attempts) + 1} of {self.retries + 1}")
+            # Its folder named before it starts, among the attempts: a kill mid-run leaves it there, marked
+            run_id = new_run_id(cell.planned.cell.adapter, cell.planned.workload.content_hash[:8])
+            current = {"run_dir": str(Path(run_options.get("out", "runs")) / run_id), "status": "running",
+                       "started": record["started"]}
+            self._write_state(cell, {**record, "attempts": [*attempts, current]})
+            log(f"{cell.title}: attempt {_tries(attempts) + 1} of {self.retries + 1}")
             try:
-                result = run(cell.planned.workload, cell.planned.cell.adapter, **run_options)
-            except KeyboardInterrupt:
-                self._write_state(cell, {**record, "status": "pending"})  # stopped, not failed: run it again
+                result = run(cell.planned.workload, cell.planned.cell.adapter, run_id=run_id, **run_options)
+            except KeyboardInterrupt as exc:  # stopped, not failed: run it again
+                from llmadapt.launch.supervise import interrupt_text
+
+                if Path(current["run_dir"]).exists():  # else stopped before its folder was made: nothing to keep
+                    attempts = [*attempts, {**current, "status": "interrupted", "ended": utc_now(),
+                                            "failure": interrupt_text(exc)}]
+                self._write_state(cell, {**record, "status": "pending", "attempts": attempts})
                 raise
             attempts = [*attempts, {"run_dir": str(result.run_dir), "status": "ok" if result.ok else "failed",
                                     "ended": utc_now(),
@@ -250,6 +263,12 @@ class Sweep:
                  *(f"#SBATCH {o}" for o in slurm_options), f"cd {shlex.quote(str(Path.cwd()))}",
                  " ".join(shlex.quote(c) if not c.startswith("$") else c for c in cli)]
         return "\n".join(lines) + "\n"
+
+
+def _tries(attempts: list[dict[str, Any]]) -> int:
+    """The attempts that count against the retries: those that ran to an end (ok or failed), not those a stop
+    signal or a kill cut short."""
+    return sum(1 for a in attempts if a.get("status") in ("ok", "failed"))
 
 
 def _slurm_task_id() -> str | None:

@@ -41,9 +41,11 @@ def write_launcher_failures(run_dir: Path, failures: list[Failure]) -> None:
                 w.write(f)
 
 
-def summarise(run_dir: str | Path, launcher_failures: list[Failure] = (), *, write: bool = True) -> Summary:
+def summarise(run_dir: str | Path, launcher_failures: list[Failure] = (), *, write: bool = True,
+              over: bool = True) -> Summary:
     """(Re)build the run's summary from the records on disk plus ``launcher_failures``.
 
+    ``over``: the run is over (``aggregate``'s); False for a folder read while its run may go on.
     ``write``: append the launcher failures to launcher.jsonl and write summary.json. A disk that
     refuses them (full, read-only) is one clear error (StorageError: an I/O exit code, not bad input); every
     record already written stays readable.
@@ -58,7 +60,8 @@ def summarise(run_dir: str | Path, launcher_failures: list[Failure] = (), *, wri
     view = _launcher_view(rank_records, launcher_records)
     # A rank that died without a word comes first: its peers' failures (a collective that lost it) follow from it.
     first = [r for r in view if died_unrecorded(r)]
-    summary = aggregate(launch.run_id, first + rank_records + [r for r in view if r not in first], launch)
+    summary = aggregate(launch.run_id, first + rank_records + [r for r in view if r not in first], launch,
+                        over=over)
     if write:
         target = RunDir(run_dir).launcher_file
         try:
