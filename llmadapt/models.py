@@ -219,10 +219,32 @@ def convert_gguf(source: Path, out: Path) -> None:
     hf.config.dtype = "float32"
     hf.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+    _drop_tokens_beyond(out, hf.config.vocab_size)
     top_level_rope_theta(out, hf.config.rope_parameters["rope_theta"] if getattr(hf.config, "rope_parameters", None)
                          else hf.config.rope_theta)
     shape_of(out)  # what the workload checks of a model folder, on what was written
     (out / "READY").write_text(json.dumps({"weights_sha256": content_hash(out), "source": record}))
+
+
+def _drop_tokens_beyond(folder: Path, vocab_size: int) -> None:
+    """transformers' GGUF tokenizer converter adds '<|endoftext|>' to a GPT-2 style vocabulary that lacks it, past
+    the model's embedding rows: a token the file never had and the model cannot embed, dropped from what is saved."""
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    kept = [t for t in data.get("added_tokens", []) if t["id"] < vocab_size]
+    if len(kept) == len(data.get("added_tokens", [])):
+        return
+    dropped = {t["content"] for t in data["added_tokens"]} - {t["content"] for t in kept}
+    data["added_tokens"] = kept
+    path.write_text(json.dumps(data, ensure_ascii=False))
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["added_tokens_decoder"] = {k: v for k, v in config.get("added_tokens_decoder", {}).items()
+                                      if int(k) < vocab_size}
+    for key, value in list(config.items()):
+        if isinstance(value, str) and value in dropped:
+            config.pop(key)
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
 
 def init_tensor(name: str, shape: tuple[int, ...], seed: int, pad_token_id: int | None):
