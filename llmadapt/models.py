@@ -24,8 +24,10 @@ from pathlib import Path
 
 import attrs
 
+from llmadapt.gguffile import is_gguf
 from llmadapt.host import state_dir
 from llmadapt.modelfolder import content_hash, shard_layout, tensor_plan, write_index
+from llmadapt.contract.records import ModelSource
 from llmadapt.spec import CHECKPOINT_RECIPE, ModelSpec
 from llmadapt.spec.model import MAMBA_D_CONV, MAMBA_D_STATE, MAMBA_EXPAND, drop_unset_layout
 
@@ -139,6 +141,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "
 def canonical_checkpoint(model: ModelSpec, seed: int, cache: Path | None = None) -> Path:
     """Path of the checkpoint directory for (model, seed), building it if needed (process-safe); a model
     with ``path`` is its own checkpoint."""
+    if model.path and is_gguf(model.path):
+        return gguf_checkpoint(model, cache)
     if model.path:
         return Path(model.path)
     root = (cache or state_dir() / "checkpoints")
@@ -158,6 +162,89 @@ def canonical_checkpoint(model: ModelSpec, seed: int, cache: Path | None = None)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+GGUF_CONVERSION = 1
+"""How a GGUF file becomes a model folder (``gguf_checkpoint``); part of the folder's name, bumped when the folder
+written for the same file changes."""
+
+
+def gguf_key(model: ModelSpec) -> str:
+    """The folder name, under the state folder's ``checkpoints``, of a GGUF model.path's conversion."""
+    return f"gguf-{model.checksum}-v{GGUF_CONVERSION}"
+
+
+def gguf_checkpoint(model: ModelSpec, cache: Path | None = None) -> Path:
+    """The model folder a GGUF file (``model.path``) is converted to, once per file (process-safe, atomic: made in
+    a temporary folder and renamed, so a failed or interrupted conversion leaves nothing behind and loses nothing
+    converted before). Named by the file's content hash (``model.checksum``)."""
+    root = cache or state_dir() / "checkpoints"
+    target = root / gguf_key(model)
+    if (target / "READY").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "READY").is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
+        try:
+            convert_gguf(Path(model.path), tmp)  # type: ignore[arg-type]
+            shutil.rmtree(target, ignore_errors=True)  # a folder without READY: never finished
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def convert_gguf(source: Path, out: Path) -> None:
+    """A GGUF file as a Hugging Face folder: transformers' GGUF loader dequantizes every tensor to fp32 (the
+    weights as the file holds them, value for value), written as safetensors with the file's tokenizer, chat
+    template and generation settings; checked as a model.path folder is, then marked READY with its hash and what
+    it came from."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmadapt.gguffile import source_record
+    from llmadapt.modelfolder import shape_of
+
+    record = source_record(source)  # checks the header first: one line on a damaged file
+    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    hf = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    # The loader leaves its GGUF quantizer attached though the weights are dequantized already, and
+    # save_pretrained refuses a quantized model: detached, the model is a plain fp32 one.
+    hf.hf_quantizer = None
+    hf.config.quantization_config = None
+    del hf.config.quantization_config
+    hf.config.dtype = "float32"
+    hf.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    _drop_tokens_beyond(out, hf.config.vocab_size)
+    top_level_rope_theta(out, hf.config.rope_parameters["rope_theta"] if getattr(hf.config, "rope_parameters", None)
+                         else hf.config.rope_theta)
+    shape_of(out)  # what the workload checks of a model folder, on what was written
+    (out / "READY").write_text(json.dumps({"weights_sha256": content_hash(out), "source": record}))
+
+
+def _drop_tokens_beyond(folder: Path, vocab_size: int) -> None:
+    """transformers' GGUF tokenizer converter adds '<|endoftext|>' to a GPT-2 style vocabulary that lacks it, past
+    the model's embedding rows: a token the file never had and the model cannot embed, dropped from what is saved."""
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    kept = [t for t in data.get("added_tokens", []) if t["id"] < vocab_size]
+    if len(kept) == len(data.get("added_tokens", [])):
+        return
+    dropped = {t["content"] for t in data["added_tokens"]} - {t["content"] for t in kept}
+    data["added_tokens"] = kept
+    path.write_text(json.dumps(data, ensure_ascii=False))
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["added_tokens_decoder"] = {k: v for k, v in config.get("added_tokens_decoder", {}).items()
+                                      if int(k) < vocab_size}
+    for key, value in list(config.items()):
+        if isinstance(value, str) and value in dropped:
+            config.pop(key)
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
 
 def init_tensor(name: str, shape: tuple[int, ...], seed: int, pad_token_id: int | None):
@@ -204,13 +291,8 @@ def _build(model: ModelSpec, seed: int, out: Path, shard_bytes: int | None = Non
     config.dtype = "float32"
     config.save_pretrained(str(out))
     GenerationConfig.from_model_config(config).save_pretrained(str(out))
-    # transformers 5.x writes rope settings only as rope_parameters; older readers (4.51)
-    # ignore that and fall back to their default theta. Write it at the top level as well.
-    cfg_path = out / "config.json"
     if model.family != "jamba":  # no rotary embedding in Jamba
-        cfg = json.loads(cfg_path.read_text())
-        cfg["rope_theta"] = model.rope_theta
-        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        top_level_rope_theta(out, model.rope_theta)
 
     plan = dict(tensor_plan(model))
     layout = shard_layout([(name, 4 * math.prod(shape)) for name, shape in plan.items()], shard_bytes or SHARD_BYTES)
@@ -222,6 +304,15 @@ def _build(model: ModelSpec, seed: int, out: Path, shard_bytes: int | None = Non
     (out / "READY").write_text(json.dumps({"weights_sha256": content_hash(out), "key": out.name}))
 
 
+def top_level_rope_theta(folder: Path, theta: float) -> None:
+    """transformers 5.x writes rope settings only as rope_parameters; older readers (4.51) ignore that and fall
+    back to their default theta. Written at config.json's top level as well."""
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["rope_theta"] = theta
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
 def recorded_weights_hash(checkpoint: Path) -> str | None:
     """The checkpoint's content hash: recorded when it was built, computed for a model folder (cached)."""
     try:
@@ -231,6 +322,15 @@ def recorded_weights_hash(checkpoint: Path) -> str | None:
     try:
         return content_hash(checkpoint)
     except (OSError, ValueError):
+        return None
+
+
+def recorded_source(checkpoint: Path | None) -> ModelSource | None:
+    """What the checkpoint was converted from (a GGUF file: its hash, types, dequantized), or None."""
+    try:
+        ready = json.loads((Path(checkpoint) / "READY").read_text())  # type: ignore[arg-type]
+        return ModelSource(**ready["source"], converted_hash=ready["weights_sha256"])
+    except (OSError, KeyError, TypeError, json.JSONDecodeError):
         return None
 
 

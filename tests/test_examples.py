@@ -1,5 +1,6 @@
 """The shipped examples load and run as shown."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,13 @@ FILES = sorted((ROOT / "examples").glob("*.toml")) + sorted((ROOT / "examples").
 def test_workload_files_load(path):
     """Every example workload file is valid and passes the reference adapter's checks."""
     from llmadapt.adapter.plugins import check_supported, get_adapter
+    from llmadapt.packagedata import PackageDataError, resolve
 
+    for name in re.findall(r'"(package:[\w.-]+)"', path.read_text()):
+        try:
+            resolve(name)
+        except PackageDataError as exc:
+            pytest.skip(f"{path.name} names {name}: {exc}")
     workload = Workload.from_file(path)
     check_supported(get_adapter("hf" if workload.kind == "serve" else "torch"), workload)
 

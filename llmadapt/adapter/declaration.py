@@ -59,6 +59,8 @@ TOOLS_REQUIREMENTS = (
     "openai==3.57.0",
     "rich==15.0.0",
     "requests==2.34.2",
+    # transformers' GGUF loader: a GGUF model.path is converted to a model folder in this environment
+    "gguf==0.19.0",
 )
 
 TOOLS_ENVIRONMENT = EnvironmentSpec(name="tools", requirements=TOOLS_REQUIREMENTS)

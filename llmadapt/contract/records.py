@@ -21,7 +21,7 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.12"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.13"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
@@ -32,7 +32,8 @@ SCHEMA_VERSION = "1.12"  # 1.1: end records, summary warnings; 1.2: client_load 
 # llmadapt.contract.launch); 1.10: the step's grad_norm and the summary's grad_norms; 1.11: the summary's
 # measured_by (serving runs imported from other tools' result files), the header's and the summary's notes, the
 # client load's prefix_cache_metrics and stream_prefix_share, the serving stats' stream_prefix_share and
-# engine_prefix_cache_hit_share; 1.12: the step's sample_length_squares (the attention term's context)
+# engine_prefix_cache_hit_share; 1.12: the step's sample_length_squares (the attention term's context); 1.13: the
+# header's model_source (a GGUF model's file hash, tensor types, dequantized)
 
 
 @attrs.frozen
@@ -75,6 +76,26 @@ class Patch:
     kind: Literal["cpu-equivalent", "shim", "fix"] = "cpu-equivalent"
     """'cpu-equivalent' provides a real CPU implementation; 'shim' fakes something (e.g. a type string);
     'fix' corrects a framework bug on every device."""
+
+
+@attrs.frozen
+class ModelSource:
+    """Where a run's weights came from when they were converted for it: a GGUF file, dequantized to a model
+    folder that every stack loaded (llmadapt.models.gguf_checkpoint)."""
+
+    format: Literal["gguf"]
+    file: str
+    """The source file's name."""
+    sha256: str
+    """The source file's sha256 (all 64 hex digits; model.checksum is its first 20)."""
+    tensor_types: dict[str, int]
+    """The types its tensors are stored in (ggml's names: 'Q4_1', 'Q8_0', 'F32', ...) -> how many tensors."""
+    file_type: str | None
+    """The file type its header declares (llama.cpp's: 'MOSTLY_Q4_1'), as written."""
+    dequantized_to: str | None
+    """The dtype the weights were dequantized to for the run ('float32'); None where they were not."""
+    converted_hash: str | None = None
+    """The content hash of the model folder the file was converted to (what the stacks loaded)."""
 
 
 @attrs.frozen
@@ -155,6 +176,9 @@ class Header:
     notes: list[str] = attrs.field(factory=list)
     """What the adapter saw of how the framework ran that a reader of the figures must know and no patch stands
     for, one line each: e.g. a model's slow path, where its fused kernels are not installed."""
+    model_source: ModelSource | None = None
+    """The file the weights were converted from (a GGUF: its hash, quantization, dequantized); None for a model
+    folder or a preset's canonical checkpoint, which the stacks load as they are."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["header"] = "header"
 

@@ -1,7 +1,8 @@
 """The canonical checkpoint, built before any worker starts.
 
 ``python -m llmadapt.models MODEL_JSON SEED`` builds (or finds) it in the environment that runs
-the command and prints its path. The orchestrator (which has no torch) calls it with an
+the command and prints its path; for a GGUF ``model.path`` it converts the file to a model folder (the
+reference environment's build: transformers and gguf). The orchestrator (which has no torch) calls it with an
 environment's interpreter: the adapter's own, or the core's tools environment's when the adapter's
 transformers cannot build it (``EnvironmentSpec.builds_checkpoint``). Building it once, up front,
 keeps every adapter on identical weights and keeps ranks from racing to build it.
@@ -28,14 +29,22 @@ def checkpoint_dir(workload: Workload) -> Path:
     return state_dir() / "checkpoints" / checkpoint_key(workload.model, workload.seed)
 
 
+def gguf_dir(workload: Workload) -> Path:
+    """Where a GGUF model.path is converted to (llmadapt.models.gguf_checkpoint)."""
+    from llmadapt.models import gguf_key
+
+    return state_dir() / "checkpoints" / gguf_key(workload.model)
+
+
 def checked_folder(workload: Workload) -> Path:
     """model.path, if its content is still what the workload recorded (a folder changed after a workload was
     written, or another folder at the same path on this machine, would run another model under its hash)."""
+    from llmadapt.gguffile import gguf_hash, is_gguf
     from llmadapt.modelfolder import FolderError, content_hash
 
     m = workload.model
     try:
-        now = content_hash(m.path)
+        now = gguf_hash(m.path) if is_gguf(m.path) else content_hash(m.path)
     except (FolderError, OSError) as exc:
         raise WorkloadError("model.path", m.path, f"cannot be read: {exc}") from None
     if now != m.checksum:
@@ -55,14 +64,20 @@ def check_save_folder(workload: Workload) -> None:
 def ensure_checkpoint(workload: Workload, environment: EnvironmentSpec) -> Path:
     """The canonical checkpoint of the workload, built with the right environment if missing; a model folder
     (model.path), checked to hold what the workload was built from."""
+    from llmadapt.gguffile import is_gguf
+    from llmadapt.launch.environments import TOOLS_ENVIRONMENT
+
+    gguf = bool(workload.model.path) and is_gguf(workload.model.path)
     if workload.model.path:
-        return checked_folder(workload)
-    target = checkpoint_dir(workload)
+        checked_folder(workload)
+    if workload.model.path and not gguf:
+        return Path(workload.model.path)
+    target = gguf_dir(workload) if gguf else checkpoint_dir(workload)
     if (target / "READY").is_file():
         return target
-    if not environment.builds_checkpoint:
-        from llmadapt.launch.environments import TOOLS_ENVIRONMENT
-
+    if gguf or not environment.builds_checkpoint:
+        # A GGUF is converted where transformers and gguf are (the reference environment's build), whatever
+        # the adapter's own environment holds.
         environment = TOOLS_ENVIRONMENT
     python = python_for(environment)
     out = subprocess.run([str(python), "-m", "llmadapt.models", json.dumps(attrs.asdict(workload.model)),
@@ -70,5 +85,6 @@ def ensure_checkpoint(workload: Workload, environment: EnvironmentSpec) -> Path:
                          env=process_env(environment))
     if out.returncode:
         last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise LlmadaptError(f"building the canonical checkpoint in environment {environment.name!r} failed: {last}")
+        what = f"converting {workload.model.path}" if gguf else "building the canonical checkpoint"
+        raise LlmadaptError(f"{what} in environment {environment.name!r} failed: {last}")
     return Path(out.stdout.strip().splitlines()[-1])

@@ -139,7 +139,7 @@ def run_offline(workload: Workload, info, out, run_id, timeout, progress) -> Run
                                                                                            message=str(exc))]))
     RunDir(point.run_dir).write_launch(attrs.evolve(
         point.launch, launcher="offline", checkpoint=str(checkpoint), offline_class=info.roles["offline"],
-        checkpoint_hash=_recorded_hash(checkpoint)))
+        checkpoint_hash=_recorded_hash(workload, checkpoint)))
     with open(RunDir(point.run_dir).engine_log, "wb") as log:
         # The worker watches this process and stops itself if it is gone (llmadapt.runtime.lifecycle).
         env = {**process_env(info.environment), **lifecycle.orchestrator_env(node_name())}
@@ -339,7 +339,7 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
             writer.write(run_header(
                 p.launch, framework_version=redact(server.engine_version(), secrets), device=None,
                 software=software_versions(("aiohttp", "tokenizers")), patches=list(server.patches), workload=w,
-                checkpoint_hash=_recorded_hash(checkpoint),
+                checkpoint_hash=_recorded_hash(w, checkpoint), model_source=_recorded_source(checkpoint),
                 notes=list(getattr(server, "notes", []))))  # a server written before notes may not call our __init__
             run = LoadGenerator(server, w, plan_requests(w, tokenizer), writer, progress).run(session)
             engine = _engine_group(engine_dir)
@@ -427,9 +427,19 @@ def _engine_group(engine_dir: Path) -> int | None:
         return None
 
 
-def _recorded_hash(checkpoint: Path | None) -> str | None:
+def _recorded_hash(workload: Workload, checkpoint: Path | None) -> str | None:
+    """The header's checkpoint hash, as a training rank records it: model.checksum (a folder's content hash, a
+    GGUF file's hash), else the canonical checkpoint's; none for an attached server (what it serves is its own)."""
     if checkpoint is None:
         return None
     from llmadapt.models import recorded_weights_hash
 
-    return recorded_weights_hash(checkpoint)
+    return workload.model.checksum or recorded_weights_hash(checkpoint)
+
+
+def _recorded_source(checkpoint: Path | None):
+    if checkpoint is None:
+        return None
+    from llmadapt.models import recorded_source
+
+    return recorded_source(checkpoint)

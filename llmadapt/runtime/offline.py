@@ -42,11 +42,14 @@ def run_offline(run_dir: Path) -> int:
         checkpoint = Path(launch.checkpoint)
         from tokenizers import Tokenizer
 
+        from llmadapt.models import recorded_source
+
         plan = plan_requests(workload, Tokenizer.from_file(str(checkpoint / "tokenizer.json")))
         module, _, name = launch.offline_class.partition(":")
         engine = getattr(importlib.import_module(module), name)(workload, checkpoint)
         writer.write(run_header(launch, framework_version=engine.version(), workload=workload,
-                                checkpoint_hash=launch.checkpoint_hash, device=None, software={}, patches=[]))
+                                checkpoint_hash=launch.checkpoint_hash, device=None, software={}, patches=[],
+                                model_source=recorded_source(checkpoint)))
         warmup = [r for r in plan if r.warmup]
         measured = [r for r in plan if not r.warmup]
         if warmup:

@@ -95,7 +95,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
             os.environ["NCCL_P2P_DISABLE"] = "1"
         worker.join_group(device)
 
-        from llmadapt.models import canonical_checkpoint, recorded_weights_hash
+        from llmadapt.models import canonical_checkpoint, recorded_source, recorded_weights_hash
 
         checkpoint = canonical_checkpoint(workload.model, workload.seed)
         # Named by the orchestrator: adapters are found through installed entry points there, not here
@@ -117,6 +117,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
             checkpoint_hash=workload.model.checksum or recorded_weights_hash(checkpoint), device=describe_device(device),
             software=software_versions(), patches=list(trainer.patches), topology=describe_topology(device),
             notes=list(getattr(trainer, "notes", [])),  # an adapter written before notes may not call our __init__
+            model_source=recorded_source(checkpoint),
         ))
 
         for metric in setup:

@@ -13,6 +13,8 @@ from typing import Any, Literal
 import attrs
 
 from llmadapt.errors import WorkloadError, did_you_mean
+from llmadapt.packagedata import PackageDataError, is_package_path
+from llmadapt.packagedata import resolve as resolve_package_path
 from llmadapt.spec.model import MODEL_PRESETS, ModelSpec
 from llmadapt.spec.training import SaveSpec
 
@@ -49,17 +51,22 @@ def file_data(path: str | Path) -> dict[str, Any]:
                             for name, section in data["adapters"].items() for p in section})
     for key in ("data", "model", "eval"):
         section = data.get(key)
-        if isinstance(section, dict) and isinstance(section.get("path"), str) and not Path(section["path"]).is_absolute():
+        if isinstance(section, dict) and _relative(section.get("path")):
             # Data and model paths in a file are relative to that file, so examples run from anywhere
             # (a hub-like name that is no folder there stays as written, to be named as such).
             local = (path.parent / section["path"]).resolve()
             if key != "model" or local.exists():
                 data = {**data, key: {**section, "path": str(local)}}
     source = data.get("serve", {}).get("source") if isinstance(data.get("serve"), dict) else None
-    if isinstance(source, dict) and isinstance(source.get("path"), str) and not Path(source["path"]).is_absolute():
+    if isinstance(source, dict) and _relative(source.get("path")):
         local = str((path.parent / source["path"]).resolve())
         data = {**data, "serve": {**data["serve"], "source": {**source, "path": local}}}
     return data
+
+
+def _relative(path: Any) -> bool:
+    """A path in a file that is relative to it (a ``package:NAME`` path names an installed package's file)."""
+    return isinstance(path, str) and not Path(path).is_absolute() and not is_package_path(path)
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -132,6 +139,11 @@ def build(cls: type, data: Any, path: str) -> Any:
         if data.get("path") is not None:
             raise WorkloadError(f"{path}.path", data["path"], f"model.preset {preset!r} is set too: give one of the two")
         data = {"name": preset, **MODEL_PRESETS[preset], **data}
+    if is_package_path(data.get("path")):  # resolved here, in the orchestrator: workers get the file's path
+        try:
+            data["path"] = resolve_package_path(data["path"])
+        except PackageDataError as exc:
+            raise WorkloadError(f"{path}.path", data["path"], str(exc)) from None
     if cls is ModelSpec and data.get("path") is not None:
         data = _model_folder(data, path)
     if cls is SaveSpec and isinstance(data.get("path"), str) and data["path"]:
@@ -171,13 +183,17 @@ def _model_folder(data: dict[str, Any], where: str) -> dict[str, Any]:
         raise WorkloadError(f"{where}.path", folder, "must be the path of a local model folder")
     if data.get("checksum"):
         return data
+    from llmadapt.gguffile import gguf_hash, is_gguf
+    from llmadapt.gguffile import shape_of as gguf_shape
     from llmadapt.modelfolder import FolderError, content_hash, shape_of
 
     if Path(folder).exists():
         folder = str(Path(folder).resolve())
     try:
-        fields = shape_of(folder)
-        checksum = content_hash(folder)
+        if is_gguf(folder):  # converted to a model folder before launch (llmadapt.models.gguf_checkpoint)
+            fields, checksum = gguf_shape(folder)[0], gguf_hash(folder)
+        else:
+            fields, checksum = shape_of(folder), content_hash(folder)
     except FolderError as exc:
         raise WorkloadError(f"{where}.path", folder, str(exc)) from None
     for key, value in data.items():
