@@ -304,9 +304,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_env_prune)
 
     if only is None or not built:
-        from llmadapt.cli.perf import register
+        from llmadapt.cli import perf, tune
 
-        register(add_parser, command)
+        perf.register(add_parser, command)
+        tune.register(add_parser, command)
     if only is not None and not built:
         return build_parser()
     return parser
