@@ -101,6 +101,8 @@ class TuneResult:
     rows: list[dict[str, Any]]
     """Every probed candidate: estimate beside measurement, runs, dropped or not."""
     folder: str
+    predicted_slower: int = 0
+    """``model``: candidates not probed because the corrected estimate predicted them slower."""
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -108,8 +110,8 @@ class TuneResult:
     def text(self) -> str:
         from llmadapt.texttable import text_table
 
-        lines = [f"searched {self.candidates} of {self.enumerated} configurations ({self.pruned_text()}); "
-                 f"ordered {self.order}"]
+        lines = [f"{self.candidates} candidates of {self.enumerated} configurations ({self.pruned_text()}), "
+                 f"{len(self.rows)} probed; ordered {self.order}"]
         body = [[r["label"], str(r["runs"]), r["status"], _s(r["estimate_step_s"]), _s(r["step_p50_s"]),
                  _n(r["tokens_per_s"]), _n(r["peak_memory_mib"]), r["outcome"]] for r in self.rows]
         lines += text_table(["candidate", "runs", "status", "est step s", "step p50 s", "tokens/s", "peak MiB",
@@ -124,7 +126,9 @@ class TuneResult:
                 if self.grid_estimate_s else "")
         lines.append(f"{self.strategy}: {self.probes} probes in {self.spent_s / 60:.1f} min of a "
                      f"{self.budget_s / 60:.0f} min budget{grid}"
-                     + (f"; {self.unprobed} candidates not probed (budget)" if self.unprobed else ""))
+                     + (f"; {self.unprobed} candidates not probed (budget)" if self.unprobed else "")
+                     + (f"; {self.predicted_slower} not probed, predicted slower by the corrected estimate"
+                        if self.predicted_slower else ""))
         lines.append(f"tune folder: {self.folder}")
         return "\n".join(lines)
 
@@ -142,7 +146,8 @@ def _n(v: Any) -> str:
 
 
 def answer(probed: list[Probed], space: Any, *, objective: str, strategy: str, budget_s: float, spent_s: float,
-           folder: str, reference: Probed | None, price_per_hour: float | None, unprobed: int = 0) -> TuneResult:
+           folder: str, reference: Probed | None, price_per_hour: float | None, unprobed: int = 0,
+           predicted_slower: int = 0) -> TuneResult:
     """The answer from the probes: per stack its best (the lowest cost among its measured candidates), the stacks'
     bests ranked by the verdict's rules, each with the workload file it is to be written to (FOLDER/best-ADAPTER.json,
     by the search) and its parity certificate."""
@@ -173,7 +178,7 @@ def answer(probed: list[Probed], space: Any, *, objective: str, strategy: str, b
                       grid_estimate_s=grid, enumerated=space.enumerated, pruned=space.reasons(), order=space.order,
                       candidates=len(space.candidates), probes=sum(len(p.row.run_dirs) or 1 for p in probed),
                       unprobed=unprobed, ranking=ranking, verdict=verdict, pareto=_pareto(measured), rows=rows,
-                      folder=folder)
+                      folder=folder, predicted_slower=predicted_slower)
 
 
 def _versus(s: Estimate, top: Estimate, first: bool) -> str:

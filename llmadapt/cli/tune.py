@@ -53,7 +53,10 @@ def register(add_parser, command) -> None:
                                                                           "step is dropped")
     p.add_argument("--ranks", type=int, help="ranks available (default: the workload's world size or this "
                                              "machine's cores, the larger)")
-    p.add_argument("--strategy", default="race", choices=["race", "grid", "random"])
+    p.add_argument("--strategy", default="race", choices=["race", "grid", "random", "model"],
+                   help="race (default): every candidate once, then the survivors repeated, dropped on the verdict's "
+                        "rules; grid: every candidate equally, nothing dropped; random: the race in a seeded order; "
+                        "model: the race, skipping candidates the corrected estimate predicts slower (--device)")
     p.add_argument("--device", help="catalog device for the estimate's step-time order (`llmadapt devices`)")
     p.add_argument("--probe-steps", type=int, help="train.steps of each probe (default: the workload's)")
     p.add_argument("--fix", action="append", metavar="PATH", help="keep the workload's value of this field "

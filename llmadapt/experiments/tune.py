@@ -30,7 +30,10 @@ from llmadapt.errors import LlmadaptError
 from llmadapt.experiments.tunespace import Candidate, Space, space
 from llmadapt.spec import Workload
 
-STRATEGIES = ("race", "grid", "random")
+STRATEGIES = ("race", "grid", "random", "model")
+MODEL_MARGIN = 0.25
+"""``model``: a candidate is probed while its corrected estimate is within this share of the best measured step (the
+estimate's error after correction, on the runs it was checked against: docs/estimate.md)."""
 MIN_PROBE_S = 20.0
 """The least a probe takes on a CPU machine (a worker's start and imports, a few steps): a budget below one probe
 is refused before anything starts."""
@@ -47,7 +50,7 @@ def tune(workload: Workload | str | Path, adapters: list[str], *, ranks: int | N
     if not isinstance(workload, Workload):
         workload = Workload.from_file(workload)
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    _check(objective, strategy, budget_s, max_runs, grid_runs, price_per_hour)
+    _check(objective, strategy, budget_s, max_runs, grid_runs, price_per_hour, device)
     ranks = ranks or max(workload.world_size, os.cpu_count() or 1)  # on CPU every rank needs a core at least
     spec = _device(device)
     found = space(workload, adapters, ranks=ranks, max_memory_bytes=max_memory_bytes, device=spec, fixed=fixed)
@@ -59,9 +62,9 @@ def tune(workload: Workload | str | Path, adapters: list[str], *, ranks: int | N
     folder, state = _state(workload, adapters, out, resume, dict(
         objective=objective, strategy=strategy, ranks=ranks, probe_steps=probe_steps, fixed=list(fixed),
         max_memory_bytes=max_memory_bytes, max_step_s=max_step_s, seed=seed))
-    log(f"tune {folder}: {found.enumerated} configurations, {len(found.pruned)} pruned "
-        f"({', '.join(f'{n} {k}' for k, n in found.reasons().items())}), {len(found.candidates)} to probe, "
-        f"ordered {found.order}")
+    pruned = ", ".join(f"{n} {k}" for k, n in found.reasons().items())
+    log(f"tune {folder}: {found.enumerated} configurations, {len(found.pruned)} pruned"
+        + (f" ({pruned})" if pruned else "") + f", {len(found.candidates)} to probe, ordered {found.order}")
     search = _Search(found, state, folder, objective, budget_s, probe_steps, max_memory_bytes, max_step_s,
                      price_per_hour, log, dict(run_options, out=out, memory_limit_bytes=
                                                run_options.get("memory_limit_bytes") or max_memory_bytes))
@@ -72,11 +75,11 @@ def tune(workload: Workload | str | Path, adapters: list[str], *, ranks: int | N
     if strategy == "grid":
         search.grid(order, grid_runs, rng)
     else:
-        search.race(order, max_runs, rng)
+        search.race(order, max_runs, rng, model=strategy == "model")
     reference = search.reference(adapters[0])
     result = answer(search.probed(), found, objective=objective, strategy=strategy, budget_s=budget_s,
                     spent_s=search.spent(), folder=str(folder), reference=reference, price_per_hour=price_per_hour,
-                    unprobed=len(search.unprobed - set(search.results)))
+                    unprobed=len(search.unprobed - set(search.results)), predicted_slower=len(search.skipped))
     for ranked in result.ranking:  # each stack's best, as a workload file `llmadapt run` takes as it is
         best = next(c for c in found.candidates if c.cell == ranked.cell)
         Path(ranked.workload_file).write_text(json.dumps(best.workload.to_dict(), indent=1) + "\n")
@@ -85,13 +88,16 @@ def tune(workload: Workload | str | Path, adapters: list[str], *, ranks: int | N
 
 
 def _check(objective: str, strategy: str, budget_s: float, max_runs: int, grid_runs: int,
-           price: float | None) -> None:
+           price: float | None, device: str | None) -> None:
     if objective not in OBJECTIVES:
         raise LlmadaptError(f"objective {objective!r} names no known metric; known: {', '.join(OBJECTIVES)}")
     if objective == "cost_per_token" and price is None:
         raise LlmadaptError("objective cost_per_token needs a price per device-hour (--price)")
     if strategy not in STRATEGIES:
         raise LlmadaptError(f"strategy {strategy!r}: known {', '.join(STRATEGIES)}")
+    if strategy == "model" and device is None:
+        raise LlmadaptError("strategy model needs a device with measured peaks for the estimate (--device NAME; "
+                            "`llmadapt micro peak --save NAME` describes this machine)")
     if not budget_s >= MIN_PROBE_S:
         raise LlmadaptError(f"budget {budget_s:g} s is less than one probe (about {MIN_PROBE_S:g} s: a worker's "
                             "start and its steps)")
@@ -145,6 +151,7 @@ class _Search:
             self.results.setdefault(p["key"], []).append((p["run_dir"], p["summary"], p["wall_s"]))
         self.dropped: dict[str, tuple[int, str]] = {}
         self.unprobed: set[str] = set()
+        self.skipped: dict[str, str] = {}  # ``model``: not probed, the corrected estimate predicting it slower
         self.used: dict[str, int] = {}  # probes of each candidate taken from ``results`` by this search so far
 
     # -- the budget and one probe ------------------------------------------------------------------
@@ -180,11 +187,15 @@ class _Search:
         os.replace(tmp, self.folder / STATE)
 
     # -- strategies ----------------------------------------------------------------------------------
-    def race(self, order: list[Candidate], max_runs: int, rng: random.Random) -> None:
+    def race(self, order: list[Candidate], max_runs: int, rng: random.Random, model: bool = False) -> None:
         alive = []
         for c in order:  # round 1: every candidate once, while the first half of the budget lasts
             if not (self.used.get(c.key, 0) < len(self.results.get(c.key, [])) or self.affordable(0.5)):
                 self.unprobed.add(c.key)
+                continue
+            skip = self._predicted_slower(c, alive) if model else None
+            if skip:
+                self.skipped[c.key] = skip
                 continue
             self.probe(c)
             if self._failed(c, 1) is None:
@@ -200,6 +211,23 @@ class _Search:
                 self.probe(c)
             alive = [c for c in alive if self._failed(c, round_index) is None]
             alive = self._cut(alive, round_index)
+
+    def _predicted_slower(self, c: Candidate, alive: list[Candidate]) -> str | None:
+        """``model``: why the estimate, corrected by the measured/estimated ratio of the stack's probes so far (all
+        stacks' while it has none), predicts ``c`` slower than the best measured beyond MODEL_MARGIN; None to probe
+        it."""
+        measured = [(a, self._row(a).metrics.get("step_p50_s")) for a in alive if a.estimate_step_s]
+        measured = [(a, t) for a, t in measured if isinstance(t, (int, float))]
+        if not measured or not c.estimate_step_s:
+            return None
+        own = [t / a.estimate_step_s for a, t in measured if a.adapter == c.adapter]
+        ratio = statistics.median(own or [t / a.estimate_step_s for a, t in measured])
+        best = min(t for _, t in measured)
+        predicted = c.estimate_step_s * ratio
+        if predicted > best * (1 + MODEL_MARGIN):
+            return (f"predicted {predicted:.3g} s a step (estimate x {ratio:.2f}, the measured/estimated ratio so far) "
+                    f"against the best measured {best:.3g} s")
+        return None
 
     def grid(self, order: list[Candidate], runs: int, rng: random.Random) -> None:
         for round_index in range(1, runs + 1):
