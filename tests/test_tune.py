@@ -113,3 +113,57 @@ def test_a_tune_answers_writes_runnable_workloads_and_resumes(tmp_path):
     # a resume of another workload is refused in one line
     with pytest.raises(LlmadaptError, match="the workload changed"):
         tune(w.with_overrides(["train.lr=0.01"]), ["torch"], ranks=1, fixed=fixed, out=tmp_path, resume=folder)
+
+
+# -- serving ----------------------------------------------------------------------------------------------------
+SERVE = ROOT / "examples" / "serve-tiny.toml"
+
+
+def test_the_engine_space_comes_from_the_declarations():
+    from llmadapt.experiments.tuneserve import LADDERS, candidates
+
+    w = Workload.from_file(SERVE)
+    for adapter in ("hf", "vllm", "llamacpp"):
+        takes = [k for k in LADDERS if k in get_adapter(adapter).supports.engine]
+        found = candidates(w, [adapter])
+        expected = 1
+        for k in takes:
+            expected *= len(LADDERS[k])
+        assert len(found) == 1 + expected and found[0] == (adapter, ())  # the engine's defaults first
+        assert {s.split("=")[0].removeprefix("serve.engine.") for _, c in found for s in c} == set(takes)
+    # a setting the workload gives is the user's, not searched
+    given = w.with_overrides(["serve.engine.max_batched_tokens=512"])
+    with pytest.raises(LlmadaptError, match="adapter 'hf' has no tunable engine option"):
+        candidates(given, ["hf"])
+
+
+def test_capacities_are_told_apart_only_beyond_the_search_bracket():
+    from llmadapt.analysis.tuning import ServeCandidate, capacity_apart, serve_answer
+
+    def c(label, capacity, above):
+        return ServeCandidate(label.split()[0], label, (), capacity, above, 10.0, "", 60.0)
+
+    best = c("vllm a", 8.0, 9.0)
+    assert capacity_apart(best, c("hf b", 2.0, 4.0))  # hf failed at 4, where vllm passed every probe
+    assert not capacity_apart(best, c("llamacpp c", 7.0, 9.5))  # both boundaries may lie in 8-9
+    assert capacity_apart(best, c("hf d", None, 1.0))  # met the objectives nowhere
+    answer = serve_answer([best, c("hf b", 2.0, 4.0), c("llamacpp c", 7.0, 9.5)], over="rate",
+                          objectives=["ttft_p99_ms<=500"], budget_s=600, spent_s=180, candidates=3, folder="f")
+    assert [r.adapter for r in answer.ranking] == ["vllm", "llamacpp", "hf"]
+    assert "cannot be told apart at the search's resolution: llamacpp c" in answer.verdict
+    assert "lower beyond it: hf b" in answer.verdict
+
+
+@pytest.mark.skipif(bool(NOT_READY), reason=NOT_READY)
+def test_a_serving_tune_answers_under_an_slo(tmp_path):
+    from llmadapt.experiments.tuneserve import tune_serving
+
+    w = Workload.from_file(SERVE).with_overrides(["serve.requests=6", "serve.warmup_requests=1",
+                                                  "serve.output_len.mean=4"])
+    result = tune_serving(w, ["hf"], ["e2el_p99_ms<=60000"], start=1.0, maximum=2.0, repeats=1, max_probes=2,
+                          ladders={"max_batched_tokens": (64,)}, budget_s=1800, out=tmp_path, log=lambda m: None)
+    assert [s["label"] for s in result.searched] == ["hf", "hf max_batched_tokens=64"]
+    assert result.ranking and result.ranking[0].capacity is not None, result.text()
+    best = Workload.from_file(result.ranking[0].workload_file)
+    assert best.kind == "serve" and best.serve.requests == 6
+    assert (Path(result.folder) / "answer.json").is_file()

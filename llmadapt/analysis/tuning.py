@@ -237,3 +237,114 @@ def _row_dict(p: Probed, s: Estimate | None) -> dict[str, Any]:
             "peak_memory_mib": r.metrics.get("peak_memory_mib"), "score": attrs.asdict(s) if s else None,
             "outcome": outcome, "run_dirs": r.run_dirs}
 
+
+
+# -- serving --------------------------------------------------------------------------------------------------
+@attrs.frozen
+class ServeCandidate:
+    """One engine configuration's SLA search: its capacity (the highest load every probe of which met every
+    objective), the lowest load above it that failed, and the first objective's figure at the capacity."""
+
+    adapter: str
+    label: str
+    settings: tuple[str, ...]
+    capacity: float | None
+    above: float | None
+    latency_ms: float | None
+    folder: str
+    wall_s: float
+    note: str = ""
+    workload: Any = attrs.field(default=None, repr=False, eq=False)
+
+
+@attrs.frozen
+class ServeRanked:
+    adapter: str
+    label: str
+    capacity: float | None
+    above: float | None
+    versus_best: str
+    workload_file: str | None
+
+
+@attrs.frozen
+class ServeTuneResult:
+    over: str
+    objectives: list[str]
+    budget_s: float
+    spent_s: float
+    candidates: int
+    searched: list[dict[str, Any]]
+    ranking: list[ServeRanked]
+    verdict: str
+    pareto: list[str]
+    """Labels on the capacity against latency-at-capacity front (none with more capacity at less latency)."""
+    folder: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    def text(self) -> str:
+        from llmadapt.texttable import text_table
+
+        unit = "req/s" if self.over == "rate" else "in flight"
+        lines = [f"{len(self.searched)} of {self.candidates} engine configurations searched; objectives: "
+                 + ", ".join(self.objectives)]
+        lines += text_table(["configuration", f"capacity {unit}", "fails at", "latency at capacity ms", "search min",
+                             "note"],
+                            [[s["label"], _g(s["capacity"]), _g(s["above"]), _g(s["latency_ms"]),
+                              f"{s['wall_s'] / 60:.1f}", s["note"]] for s in self.searched])
+        lines.append("best per engine:")
+        lines += text_table(["engine", "best", f"capacity {unit}", "vs best", "workload file"],
+                            [[r.adapter, r.label, _g(r.capacity), r.versus_best, r.workload_file or "-"]
+                             for r in self.ranking])
+        lines.append(self.verdict)
+        lines.append("Pareto front (capacity against latency at capacity): " + (", ".join(self.pareto) or "none"))
+        lines.append(f"{self.spent_s / 60:.1f} min of a {self.budget_s / 60:.0f} min budget; tune folder: {self.folder}")
+        return "\n".join(lines)
+
+
+def _g(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, (int, float)) else "-"
+
+
+def capacity_apart(best: ServeCandidate, other: ServeCandidate) -> bool:
+    """Whether ``other`` has less capacity than ``best`` beyond the search's resolution: it failed at a load the best
+    passed at every probe. Where its failing load is above the best's capacity, both boundaries may lie in one
+    bracket: they cannot be told apart."""
+    return best.capacity is not None and (other.capacity is None or
+                                          (other.above is not None and other.above <= best.capacity))
+
+
+def serve_answer(searched: list[ServeCandidate], *, over: str, objectives: list[str], budget_s: float,
+                 spent_s: float, candidates: int, folder: str) -> ServeTuneResult:
+    from pathlib import Path
+
+    best_of: dict[str, ServeCandidate] = {}
+    for c in searched:
+        if c.capacity is not None and (c.adapter not in best_of or c.capacity > best_of[c.adapter].capacity):
+            best_of[c.adapter] = c
+    stacks = sorted(best_of.values(), key=lambda c: -(c.capacity or 0.0))
+    ranking = [ServeRanked(c.adapter, c.label, c.capacity, c.above,
+                           "highest" if i == 0 else (f"{c.capacity / stacks[0].capacity - 1:+.0%}"
+                                                     if capacity_apart(stacks[0], c) else "cannot be told apart"),
+                           str(Path(folder) / f"best-{c.adapter}.json")) for i, c in enumerate(stacks)]
+    if not stacks:
+        verdict = "no configuration met the objectives at any load tried: no answer"
+    elif len(stacks) == 1:
+        verdict = f"verdict: only {stacks[0].label} met the objectives (one engine)"
+    else:
+        ties = [c.label for c in stacks[1:] if not capacity_apart(stacks[0], c)]
+        lower = [c.label for c in stacks[1:] if capacity_apart(stacks[0], c)]
+        verdict = (f"verdict: {stacks[0].label} has the highest capacity ({stacks[0].capacity:g})"
+                   + (f"; cannot be told apart at the search's resolution: {', '.join(ties)}" if ties else "")
+                   + (f"; lower beyond it: {', '.join(lower)}" if lower else ""))
+    points = [c for c in searched if c.capacity is not None and c.latency_ms is not None]
+    front = [c for c in points if not any(o is not c and o.capacity >= c.capacity and o.latency_ms <= c.latency_ms
+                                          and (o.capacity > c.capacity or o.latency_ms < c.latency_ms)
+                                          for o in points)]
+    return ServeTuneResult(over=over, objectives=objectives, budget_s=budget_s, spent_s=spent_s,
+                           candidates=candidates,
+                           searched=[attrs.asdict(c, filter=lambda a, _: a.name != "workload") for c in searched],
+                           ranking=ranking, verdict=verdict,
+                           pareto=[c.label for c in sorted(front, key=lambda c: -c.capacity)], folder=folder)

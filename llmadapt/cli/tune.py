@@ -25,13 +25,25 @@ def cmd_tune(args) -> int:
 
     if not args.adapters:
         raise LlmadaptError("name the stacks to search: --adapters torch,deepspeed")
-    result = tune(workload_of(args), [a.strip() for a in args.adapters.split(",") if a.strip()],
+    workload = workload_of(args)
+    log = None if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
+    if workload.kind == "serve":
+        from llmadapt.experiments.tuneserve import tune_serving
+
+        served = tune_serving(workload, [a.strip() for a in args.adapters.split(",") if a.strip()], args.slo or [],
+                              over=args.over, start=args.start, maximum=args.max, budget_s=parse_budget(args.budget),
+                              out=args.out, timeout=args.timeout, log=log)
+        emit(args, served.to_dict(), served.text())
+        return 0 if served.ranking else 1
+    if args.slo:
+        raise LlmadaptError("--slo is for serving workloads (kind = 'serve'); a training tune takes --max-step-time")
+    result = tune(workload, [a.strip() for a in args.adapters.split(",") if a.strip()],
                   ranks=args.ranks, objective=args.objective, budget_s=parse_budget(args.budget),
                   max_memory_bytes=parse_size(args.max_memory) if args.max_memory else None,
                   max_step_s=args.max_step_time, strategy=args.strategy, device=args.device,
                   probe_steps=args.probe_steps, price_per_hour=args.price, seed=args.seed, out=args.out,
                   resume=args.resume, fixed=tuple(args.fix or ()), timeout=args.timeout, launcher=args.launcher,
-                  log=None if args.json else (lambda m: print(m, file=sys.stderr, flush=True)))
+                  log=log)
     emit(args, result.to_dict(), result.text())
     return 0 if result.ranking else 1
 
@@ -67,3 +79,8 @@ def register(add_parser, command) -> None:
     p.add_argument("--out", default="runs", help="the run store the probes go to (default ./runs)")
     p.add_argument("--timeout", type=float, help="seconds before a probe's workers are stopped")
     p.add_argument("--launcher", default="auto", choices=["auto", "subprocess", "torchrun"])
+    p.add_argument("--slo", action="append", metavar="OBJECTIVE", help="serving: an objective each configuration's "
+                                                                      "capacity must meet, e.g. ttft_p99_ms<=1000")
+    p.add_argument("--over", default="rate", choices=["rate", "concurrency"], help="serving: the load searched")
+    p.add_argument("--start", type=float, default=1.0, help="serving: the first load of each SLA search")
+    p.add_argument("--max", type=float, help="serving: the highest load tried")
