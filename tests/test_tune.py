@@ -158,10 +158,12 @@ def test_capacities_are_told_apart_only_beyond_the_search_bracket():
 def test_a_serving_tune_answers_under_an_slo(tmp_path):
     from llmadapt.experiments.tuneserve import tune_serving
 
-    w = Workload.from_file(SERVE).with_overrides(["serve.requests=6", "serve.warmup_requests=1",
+    # one closed-loop point per configuration (one request in flight: no schedule for a busy client to fall behind)
+    w = Workload.from_file(SERVE).with_overrides(["serve.requests=4", "serve.warmup_requests=1",
                                                   "serve.output_len.mean=4"])
-    result = tune_serving(w, ["hf"], ["e2el_p99_ms<=60000"], start=1.0, maximum=2.0, repeats=1, max_probes=2,
-                          ladders={"max_batched_tokens": (64,)}, budget_s=1800, out=tmp_path, log=lambda m: None)
+    result = tune_serving(w, ["hf"], ["e2el_p99_ms<=60000"], over="concurrency", start=1, maximum=1, repeats=1,
+                          max_probes=1, ladders={"max_batched_tokens": (64,)}, budget_s=1800, out=tmp_path,
+                          log=lambda m: None)
     assert [s["label"] for s in result.searched] == ["hf", "hf max_batched_tokens=64"]
     assert result.ranking and result.ranking[0].capacity is not None, result.text()
     best = Workload.from_file(result.ranking[0].workload_file)
