@@ -78,6 +78,9 @@ class Ranked:
     workload_file: str | None
     parity: str | None
     """The certificate: the winner's losses against the workload as given on the first adapter."""
+    tied_with: list[str] = attrs.Factory(list)
+    """The stack's other measured candidates that cannot be told apart from its best: the choice among them is
+    not decided by the measurements (more budget, more runs)."""
 
 
 @attrs.frozen
@@ -120,6 +123,8 @@ class TuneResult:
         lines += text_table(["stack", "best", "runs", "vs best", "workload file", "parity"],
                             [[r.adapter, r.label, str(r.runs), r.versus_best, r.workload_file or "-",
                               r.parity or "-"] for r in self.ranking])
+        lines += [f"{r.adapter}: {r.label} cannot be told apart from {', '.join(r.tied_with)} (undecided: more "
+                  "budget or runs to separate them)" for r in self.ranking if r.tied_with]
         lines.append(self.verdict)
         lines.append("Pareto front (tokens/s against peak memory per rank): " + (", ".join(self.pareto) or "none"))
         grid = (f"; a full grid at the same depth: about {self.grid_estimate_s / 60:.0f} min"
@@ -165,9 +170,11 @@ def answer(probed: list[Probed], space: Any, *, objective: str, strategy: str, b
         top = stacks[0][1]
         for p, s in stacks:
             file = Path(folder) / f"best-{p.candidate.adapter}.json"
+            tied = [q.row.label for q, t in measured if q.candidate.adapter == p.candidate.adapter and q is not p
+                    and not slower_than(t, s)]
             ranking.append(Ranked(p.row.label, p.candidate.adapter, p.candidate.cell, len(p.row.run_dirs) or 1,
                                   s.median, s.low, s.high, _versus(s, top, p is stacks[0][0]), str(file),
-                                  _certificate(p, reference)))
+                                  _certificate(p, reference), tied))
         verdict = _verdict(stacks)
     grid = None
     if probed and stacks:

@@ -304,10 +304,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_env_prune)
 
     if only is None or not built:
-        from llmadapt.cli import perf, tune
+        from llmadapt.cli.perf import register
+        from llmadapt.cli.tune import register as register_tune
 
-        perf.register(add_parser, command)
-        tune.register(add_parser, command)
+        register(add_parser, command)
+        register_tune(add_parser, command)
     if only is not None and not built:
         return build_parser()
     return parser
