@@ -38,6 +38,7 @@ SMOKE = {
     "foreign_results.py": ("test_foreign_results", "--smoke"),
     "model_loading.py": ("test_model_loading", "--smoke"),
     "repeat.py": ("test_repeat", "--smoke"),
+    "tune_vs_grid.py": ("test_tune_vs_grid", "--smoke"),
     "hta_crosscheck.py": ("test_hta_crosscheck", "--smoke"),
     "independent_check.py": ("test_independent_check", "--smoke"),
     "verdicts.py": ("test_verdicts", "--smoke"),
@@ -267,3 +268,15 @@ def test_memory_check(tmp_path):
     has(r, "shape", "keep_input", "weights_bytes", "results")
     assert len(r["results"]) == 2 and {x["recompute"] for x in r["results"]} == {True, False}
     has(r["results"][0], "peak_bytes", "peak_phase", "phases", "estimate_bytes", "rows")
+
+
+@unready("torch")
+def test_tune_vs_grid(tmp_path):
+    out = tmp_path / "tune.json"
+    text = bench("tune_vs_grid.py", "--smoke", "--json", str(out), cwd=tmp_path)
+    assert "within the grid's noise in" in text
+    r = json.loads(out.read_text())
+    has(r, "repeats", "within_noise", "of", "median_probe_time_ratio")
+    (row,) = r["repeats"]
+    has(row, "grid_best", "tune_best", "within_noise", "grid_probe_s", "tune_probe_s", "probe_time_ratio")
+    assert row["grid_best"] and row["tune_best"]

@@ -469,6 +469,11 @@ def _told_apart(a: Estimate, b: Estimate) -> bool:
     return not a.overlaps(b)
 
 
+def told_apart(a: Estimate, b: Estimate) -> bool:
+    """Whether two figures differ beyond noise, by the verdict's rule (``_told_apart``): for other answers (tune)."""
+    return _told_apart(a, b)
+
+
 def _efficiency(value: float) -> str:
     return f"{value:.0%}" + ("!" if value > 1.1 else "")
 

@@ -305,8 +305,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     if only is None or not built:
         from llmadapt.cli.perf import register
+        from llmadapt.cli.tune import register as register_tune
 
         register(add_parser, command)
+        register_tune(add_parser, command)
     if only is not None and not built:
         return build_parser()
     return parser

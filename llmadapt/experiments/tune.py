@@ -1,0 +1,308 @@
+"""``tune``: the best configuration of a training or fine-tuning workload across stacks.
+
+The space is every configuration the adapters declare (``tunespace``), pruned before any probe. Each probe is an
+ordinary run in the store. The ``race`` strategy probes every candidate once in order while the budget's first
+half lasts, then repeats the survivors in shuffled rounds; after each round a candidate is dropped only where the
+comparison's verdict rules tell it apart from the best and slower (over one run's steps: 95% intervals apart; over
+repeated runs: a two-sided Mann-Whitney test, four runs a side at least). ``grid`` probes every candidate the same
+number of times and drops nothing (the reference the race is measured against); ``random`` is the race over a
+seeded shuffle of the candidates. The answer is read in ``llmadapt.analysis.tuning``.
+
+The tune's folder (OUT/tune-ID/) holds ``tune.json``, rewritten after each probe: an interrupted tune resumes from
+it (``resume=``), reusing every finished probe, and refuses a workload that changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from llmadapt.analysis.comparison import row_of_runs
+from llmadapt.analysis.tuning import OBJECTIVES, Probed, TuneResult, answer
+from llmadapt.contract.schema import to_json
+from llmadapt.errors import LlmadaptError
+from llmadapt.experiments.tunespace import Candidate, Space, space
+from llmadapt.spec import Workload
+
+STRATEGIES = ("race", "grid", "random", "model")
+MODEL_MARGIN = 0.25
+"""``model``: a candidate is probed while its corrected estimate is within this share of the best measured step (the
+estimate's error after correction, on the runs it was checked against: docs/estimate.md)."""
+MIN_PROBE_S = 20.0
+"""The least a probe takes on a CPU machine (a worker's start and imports, a few steps): a budget below one probe
+is refused before anything starts."""
+STATE = "tune.json"
+
+
+def tune(workload: Workload | str | Path, adapters: list[str], *, ranks: int | None = None,
+         objective: str = "tokens_per_s", max_memory_bytes: float | None = None, max_step_s: float | None = None,
+         budget_s: float = 900.0, strategy: str = "race", device: str | None = None, probe_steps: int | None = None,
+         max_runs: int = 6, grid_runs: int = 4, price_per_hour: float | None = None, seed: int = 0,
+         out: str | Path = "runs", resume: str | Path | None = None, fixed: tuple[str, ...] = (),
+         log: Callable[[str], None] | None = None, **run_options: Any) -> TuneResult:
+    """Search the adapters' configurations of ``workload`` for the best by ``objective`` within ``budget_s``."""
+    if not isinstance(workload, Workload):
+        workload = Workload.from_file(workload)
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    _check(objective, strategy, budget_s, max_runs, grid_runs, price_per_hour, device)
+    ranks = ranks or max(workload.world_size, os.cpu_count() or 1)  # on CPU every rank needs a core at least
+    spec = _device(device)
+    found = space(workload, adapters, ranks=ranks, max_memory_bytes=max_memory_bytes, device=spec, fixed=fixed)
+    if not found.candidates:
+        raise LlmadaptError(f"nothing left to probe: all {found.enumerated} configurations were pruned ("
+                            + ", ".join(f"{n} by {k}" for k, n in found.reasons().items()) + ")")
+    if probe_steps is not None and probe_steps < 2:
+        raise LlmadaptError(f"probe steps: got {probe_steps}; a probe needs 2 measured steps at least for an interval")
+    folder, state = _state(workload, adapters, out, resume, dict(
+        objective=objective, strategy=strategy, ranks=ranks, probe_steps=probe_steps, fixed=list(fixed),
+        max_memory_bytes=max_memory_bytes, max_step_s=max_step_s, seed=seed))
+    pruned = ", ".join(f"{n} {k}" for k, n in found.reasons().items())
+    log(f"tune {folder}: {found.enumerated} configurations, {len(found.pruned)} pruned"
+        + (f" ({pruned})" if pruned else "") + f", {len(found.candidates)} to probe, ordered {found.order}")
+    search = _Search(found, state, folder, objective, budget_s, probe_steps, max_memory_bytes, max_step_s,
+                     price_per_hour, log, dict(run_options, out=out, memory_limit_bytes=
+                                               run_options.get("memory_limit_bytes") or max_memory_bytes))
+    rng = random.Random(seed)
+    order = list(found.candidates)
+    if strategy == "random":
+        rng.shuffle(order)
+    if strategy == "grid":
+        search.grid(order, grid_runs, rng)
+    else:
+        search.race(order, max_runs, rng, model=strategy == "model")
+    reference = search.reference(adapters[0])
+    result = answer(search.probed(), found, objective=objective, strategy=strategy, budget_s=budget_s,
+                    spent_s=search.spent(), folder=str(folder), reference=reference, price_per_hour=price_per_hour,
+                    unprobed=len(search.unprobed - set(search.results)), predicted_slower=len(search.skipped))
+    for ranked in result.ranking:  # each stack's best, as a workload file `llmadapt run` takes as it is
+        best = next(c for c in found.candidates if c.cell == ranked.cell)
+        Path(ranked.workload_file).write_text(json.dumps(best.workload.to_dict(), indent=1) + "\n")
+    (folder / "answer.json").write_text(json.dumps(result.to_dict(), indent=1, default=str) + "\n")
+    return result
+
+
+def _check(objective: str, strategy: str, budget_s: float, max_runs: int, grid_runs: int,
+           price: float | None, device: str | None) -> None:
+    if objective not in OBJECTIVES:
+        raise LlmadaptError(f"objective {objective!r} names no known metric; known: {', '.join(OBJECTIVES)}")
+    if objective == "cost_per_token" and price is None:
+        raise LlmadaptError("objective cost_per_token needs a price per device-hour (--price)")
+    if strategy not in STRATEGIES:
+        raise LlmadaptError(f"strategy {strategy!r}: known {', '.join(STRATEGIES)}")
+    if strategy == "model" and device is None:
+        raise LlmadaptError("strategy model needs a device with measured peaks for the estimate (--device NAME; "
+                            "`llmadapt micro peak --save NAME` describes this machine)")
+    if not budget_s >= MIN_PROBE_S:
+        raise LlmadaptError(f"budget {budget_s:g} s is less than one probe (about {MIN_PROBE_S:g} s: a worker's "
+                            "start and its steps)")
+    if max_runs < 1 or grid_runs < 1:
+        raise LlmadaptError("max runs and grid runs are whole numbers >= 1")
+
+
+def _device(name: str | None):
+    if name is None:
+        return None
+    from llmadapt.contract.catalog import find_device
+
+    return find_device(name)
+
+
+def _state(workload: Workload, adapters: list[str], out: str | Path, resume: str | Path | None,
+           options: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """The tune's folder and its state: new, or read back from ``resume`` (the same workload and options)."""
+    from llmadapt.contract.launch import new_run_id
+
+    if resume is None:
+        folder = Path(out) / f"tune-{new_run_id(workload.content_hash[:8])}"
+        folder.mkdir(parents=True)
+        return folder, {"workload_hash": workload.content_hash, "workload": workload.to_dict(),
+                        "adapters": adapters, "options": options, "probes": []}
+    folder = Path(resume)
+    try:
+        state = json.loads((folder / STATE).read_text())
+    except (OSError, ValueError) as exc:
+        raise LlmadaptError(f"resume {folder}: no readable {STATE} ({exc})") from None
+    if state.get("workload_hash") != workload.content_hash:
+        raise LlmadaptError(f"resume {folder}: its tune was for workload {str(state.get('workload_hash'))[:12]}, "
+                            f"this workload is {workload.content_hash[:12]}: the workload changed; start a new tune")
+    if state.get("adapters") != adapters or state.get("options") != options:
+        raise LlmadaptError(f"resume {folder}: its tune had adapters {state.get('adapters')} and options "
+                            f"{state.get('options')}; give the same")
+    return folder, state
+
+
+class _Search:
+    """The probes made so far (the state's), the budget, and the two ways to spend it."""
+
+    def __init__(self, found: Space, state: dict[str, Any], folder: Path, objective: str, budget_s: float,
+                 probe_steps: int | None, max_memory: float | None, max_step_s: float | None,
+                 price: float | None, log: Callable[[str], None], run_options: dict[str, Any]) -> None:
+        self.found, self.state, self.folder, self.objective = found, state, folder, objective
+        self.budget_s, self.probe_steps, self.log, self.run_options = budget_s, probe_steps, log, run_options
+        self.max_memory, self.max_step_s, self.price = max_memory, max_step_s, price
+        self.results: dict[str, list[tuple[str, dict[str, Any], float]]] = {}
+        for p in state["probes"]:
+            self.results.setdefault(p["key"], []).append((p["run_dir"], p["summary"], p["wall_s"]))
+        self.dropped: dict[str, tuple[int, str]] = {}
+        self.unprobed: set[str] = set()
+        self.skipped: dict[str, str] = {}  # ``model``: not probed, the corrected estimate predicting it slower
+        self.used: dict[str, int] = {}  # probes of each candidate taken from ``results`` by this search so far
+
+    # -- the budget and one probe ------------------------------------------------------------------
+    def spent(self) -> float:
+        return sum(wall for runs in self.results.values() for _, _, wall in runs)
+
+    def affordable(self, share: float = 1.0) -> bool:
+        walls = [wall for runs in self.results.values() for _, _, wall in runs]
+        expected = statistics.median(walls) if walls else MIN_PROBE_S
+        return self.spent() + expected <= self.budget_s * share
+
+    def probe(self, c: Candidate) -> None:
+        """One more run of ``c``: a finished one from the state where there is one, else a new run."""
+        from llmadapt.launch.run import run
+
+        n = self.used.get(c.key, 0)
+        self.used[c.key] = n + 1
+        if n < len(self.results.get(c.key, [])):
+            return
+        w = c.workload
+        if self.probe_steps is not None:
+            w = w.with_overrides([f"train.steps={self.probe_steps}"], source="tune")
+        self.log(f"[{sum(map(len, self.results.values())) + 1}] {c.label} (run {n + 1})")
+        start = time.monotonic()
+        result = run(w, c.adapter, **self.run_options)
+        wall = time.monotonic() - start
+        summary = to_json(result.summary)
+        self.results.setdefault(c.key, []).append((str(result.run_dir), summary, wall))
+        self.state["probes"].append({"key": c.key, "run_dir": str(result.run_dir), "summary": summary,
+                                     "wall_s": wall})
+        tmp = self.folder / f".{STATE}.{os.getpid()}"
+        tmp.write_text(json.dumps(self.state, indent=1, default=str) + "\n")
+        os.replace(tmp, self.folder / STATE)
+
+    # -- strategies ----------------------------------------------------------------------------------
+    def race(self, order: list[Candidate], max_runs: int, rng: random.Random, model: bool = False) -> None:
+        alive = []
+        for c in order:  # round 1: every candidate once, while the first half of the budget lasts
+            if not (self.used.get(c.key, 0) < len(self.results.get(c.key, [])) or self.affordable(0.5)):
+                self.unprobed.add(c.key)
+                continue
+            skip = self._predicted_slower(c, alive) if model else None
+            if skip:
+                self.skipped[c.key] = skip
+                continue
+            self.probe(c)
+            if self._failed(c, 1) is None:
+                alive.append(c)
+        alive = self._cut(alive, 1)
+        for round_index in range(2, max_runs + 1):
+            if len(alive) < 2:
+                break
+            rng.shuffle(alive)
+            for c in alive:
+                if not (self.used.get(c.key, 0) < len(self.results.get(c.key, [])) or self.affordable()):
+                    return
+                self.probe(c)
+            alive = [c for c in alive if self._failed(c, round_index) is None]
+            alive = self._cut(alive, round_index)
+
+    def _predicted_slower(self, c: Candidate, alive: list[Candidate]) -> str | None:
+        """``model``: why the estimate, corrected by the measured/estimated ratio of the stack's probes so far (all
+        stacks' while it has none), predicts ``c`` slower than the best measured beyond MODEL_MARGIN; None to probe
+        it."""
+        measured = [(a, self._row(a).metrics.get("step_p50_s")) for a in alive if a.estimate_step_s]
+        measured = [(a, t) for a, t in measured if isinstance(t, (int, float))]
+        if not measured or not c.estimate_step_s:
+            return None
+        own = [t / a.estimate_step_s for a, t in measured if a.adapter == c.adapter]
+        ratio = statistics.median(own or [t / a.estimate_step_s for a, t in measured])
+        best = min(t for _, t in measured)
+        predicted = c.estimate_step_s * ratio
+        if predicted > best * (1 + MODEL_MARGIN):
+            return (f"predicted {predicted:.3g} s a step (estimate x {ratio:.2f}, the measured/estimated ratio so far) "
+                    f"against the best measured {best:.3g} s")
+        return None
+
+    def grid(self, order: list[Candidate], runs: int, rng: random.Random) -> None:
+        for round_index in range(1, runs + 1):
+            todo = list(order)
+            if round_index > 1:
+                rng.shuffle(todo)
+            for c in todo:
+                if self.used.get(c.key, 0) < len(self.results.get(c.key, [])) or self.affordable():
+                    self.probe(c)
+                elif c.key not in self.results:
+                    self.unprobed.add(c.key)
+
+    def _failed(self, c: Candidate, round_index: int) -> str | None:
+        """Why a candidate's last probe rules it out (failed, over a constraint); None when it stands."""
+        _, summary, _ = self.results[c.key][self.used[c.key] - 1]
+        reason = None
+        if summary.get("status") != "ok":
+            failures = summary.get("failures") or [{}]
+            reason = f"{summary.get('status')}: {failures[0].get('cause', '')} {failures[0].get('message', '')}".strip()
+        elif self.max_memory is not None and (summary.get("peak_memory_bytes") or 0) > self.max_memory:
+            reason = f"over the memory limit: peak {summary['peak_memory_bytes'] / 2**30:.2f} GiB per rank measured"
+        elif self.max_step_s is not None and ((summary.get("step_time_s") or {}).get("p50") or 0) > self.max_step_s:
+            reason = f"over the step-time limit: p50 {summary['step_time_s']['p50']:.3g} s measured"
+        if reason:
+            self.dropped[c.key] = (round_index, reason)
+        return reason
+
+    def _cut(self, alive: list[Candidate], round_index: int) -> list[Candidate]:
+        """Drop the candidates the verdict's rules call slower than the best beyond noise."""
+        if len(alive) < 2:
+            return alive
+        from llmadapt.analysis.tuning import score, slower_than
+
+        scored = {c.key: score(self._row(c), self.objective, self.price) for c in alive}
+        scored = {k: v for k, v in scored.items() if v is not None}
+        if not scored:
+            return alive
+        best = min(scored, key=lambda k: scored[k].median)
+        keep = []
+        for c in alive:
+            s = scored.get(c.key)
+            if s is not None and c.key != best and slower_than(s, scored[best]):
+                self.dropped[c.key] = (round_index, f"slower than {self._label(best)} beyond noise "
+                                                    f"({s.median / scored[best].median - 1:+.0%}, round {round_index})")
+            else:
+                keep.append(c)
+        return keep
+
+    def _label(self, key: str) -> str:
+        return next(c.label for c in self.found.candidates if c.key == key)
+
+    def _row(self, c: Candidate):
+        runs = self.results[c.key][:self.used.get(c.key, len(self.results[c.key]))]
+        return row_of_runs(c.label, c.adapter, "", c.cell, [(d, s) for d, s, _ in runs], {})
+
+    def probed(self) -> list[Probed]:
+        out = []
+        for c in self.found.candidates:
+            if c.key in self.results:
+                self.used.setdefault(c.key, len(self.results[c.key]))
+                out.append(self._probed(c))
+        return out
+
+    def _probed(self, c: Candidate) -> Probed:
+        runs = self.results[c.key]
+        return Probed(c, self._row(c), self.dropped.get(c.key), sum(w for *_, w in runs),
+                      list(runs[0][1].get("losses") or []))
+
+    def reference(self, adapter: str) -> Probed | None:
+        """The first adapter's run of the workload as given, for the winners' parity certificate: probed (once) if
+        the search did not."""
+        for c in self.found.candidates:
+            if c.key == f"{adapter}:":
+                if c.key not in self.results:
+                    self.probe(c)
+                self.used.setdefault(c.key, len(self.results[c.key]))
+                return self._probed(c)
+        return None

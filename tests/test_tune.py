@@ -1,0 +1,171 @@
+"""``tune``: the space comes from the adapters' declarations, pruning says why, the race drops a candidate only on
+the verdict's rules, the answer's workload files run as they are, and an interrupted tune resumes from its folder.
+The probes are real torch runs; which configuration wins is timing and is measured in benchmarks/, not asserted."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from llmadapt.adapter.plugins import check_supported, get_adapter
+from llmadapt.analysis.tuning import slower_than
+from llmadapt.analysis.uncertainty import Estimate, bootstrap_median
+from llmadapt.errors import LlmadaptError
+from llmadapt.experiments.tune import tune
+from llmadapt.experiments.tunespace import space
+from llmadapt.spec import Workload
+from llmadapt.testing import environments_unready
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "tiny-llama.toml"
+SMALL = ["train.steps=3", "train.warmup_steps=1", "train.seq_len=32", "train.global_batch=4"]
+
+
+def small() -> Workload:
+    return Workload.from_file(EXAMPLE).with_overrides(SMALL)
+
+
+def test_the_space_is_every_declared_configuration_that_the_stack_accepts():
+    w = small()
+    found = space(w, ["torch"], ranks=2)
+    s = get_adapter("torch").supports
+    # independently: every layout, recomputation and micro-batch torch declares, at the global batch of 4
+    expected = set()
+    for dp, recompute, flash in itertools.product([1, 2] if s.dp else [1], s.recompute,
+                                                  [False, True] if s.flash_attention else [False]):
+        for mb in [m for m in (1, 2, 4) if (4 // dp) % m == 0]:
+            expected.add((dp, recompute, flash, mb))
+    got = {(c.workload.parallelism.dp, c.workload.optimizations.recompute, c.workload.optimizations.flash_attention,
+            c.workload.micro_batch) for c in found.candidates}
+    assert got == expected
+    for c in found.candidates:
+        check_supported(get_adapter("torch"), c.workload)  # raises if the stack would refuse it
+        assert c.workload.problem_hash == w.problem_hash  # every candidate computes the same problem
+    assert found.enumerated == len(found.candidates) + len(found.pruned)
+
+
+def test_pruning_names_its_reasons_and_an_empty_space_is_refused():
+    found = space(small(), ["deepspeed"], ranks=2)
+    reasons = found.reasons()
+    assert reasons.get("redundant") and reasons.get("workload rule")  # ZeRO on dp1; offload without ZeRO
+    assert all(p.reason for p in found.pruned)
+    with pytest.raises(LlmadaptError, match=r"nothing left to probe: all \d+ configurations were pruned .*memory"):
+        tune(small(), ["torch"], max_memory_bytes=1024, budget_s=60)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"objective": "speed"}, "objective 'speed' names no known metric"),
+    ({"budget_s": 5}, "less than one probe"),
+    ({"fixed": ("train.lr",)}, "not a searched field"),
+    ({"objective": "cost_per_token"}, "needs a price"),
+    ({"strategy": "annealing"}, "strategy 'annealing'"),
+])
+def test_bad_input_is_one_line_before_anything_runs(tmp_path, options, message):
+    with pytest.raises(LlmadaptError, match=message):
+        tune(small(), ["torch"], out=tmp_path, **options)
+    assert not list(tmp_path.iterdir())  # nothing was started or written
+
+
+def _steps(values, what="steps") -> Estimate:
+    return bootstrap_median(values, what)
+
+
+def test_a_candidate_is_dropped_only_where_the_verdicts_rules_tell_it_apart():
+    fast = _steps([1.00, 1.01, 0.99, 1.00, 1.02, 0.98])
+    assert slower_than(_steps([1.30, 1.31, 1.29, 1.30, 1.32, 1.28]), fast)  # 30% slower, intervals apart
+    assert not slower_than(_steps([1.00, 1.02, 0.97, 1.01, 1.03, 0.99]), fast)  # within noise
+    assert not slower_than(fast, _steps([1.30, 1.31, 1.29]))  # faster is never dropped
+    # over runs: fewer than four a side never separates (the verdict's RUNS_TO_SEPARATE), four wholly apart do
+    assert not slower_than(_steps([1.3, 1.3, 1.3], "runs"), _steps([1.0, 1.0, 1.0], "runs"))
+    assert slower_than(_steps([1.3, 1.31, 1.32, 1.33], "runs"), _steps([1.0, 1.01, 1.02, 1.03], "runs"))
+
+
+NOT_READY = environments_unready("torch") or ""
+
+
+@pytest.mark.skipif(bool(NOT_READY), reason=NOT_READY)
+def test_a_tune_answers_writes_runnable_workloads_and_resumes(tmp_path):
+    w = small()
+    fixed = ("parallelism.tp", "parallelism.pp", "parallelism.dp", "train.micro_batch",
+             "optimizations.flash_attention")
+    result = tune(w, ["torch"], ranks=1, fixed=fixed, budget_s=600, max_runs=2, out=tmp_path, log=lambda m: None)
+    labels = {r["label"] for r in result.rows}
+    assert labels == {"torch dp1", "torch dp1 recompute=full"}, labels  # recomputation is the one axis left
+    assert result.ranking and result.ranking[0].adapter == "torch"
+    best = result.ranking[0]
+    written = Workload.from_file(best.workload_file)
+    assert written.problem_hash == w.problem_hash and written.train.steps == w.train.steps
+    assert best.parity == "the reference" or best.parity.startswith("ok"), best.parity
+    folder = Path(result.folder)
+    state = json.loads((folder / "tune.json").read_text())
+    made = len(state["probes"])
+    assert made == result.probes and all(Path(p["run_dir"]).is_dir() for p in state["probes"])
+    assert json.loads((folder / "answer.json").read_text())["ranking"][0]["label"] == best.label
+
+    # resumed: every finished probe is reused, none is run again, and the answer is the same
+    again = tune(w, ["torch"], ranks=1, fixed=fixed, budget_s=600, max_runs=2, out=tmp_path, resume=folder,
+                 log=lambda m: None)
+    assert len(json.loads((folder / "tune.json").read_text())["probes"]) == made
+    assert [r.label for r in again.ranking] == [r.label for r in result.ranking]
+    # a resume of another workload is refused in one line
+    with pytest.raises(LlmadaptError, match="the workload changed"):
+        tune(w.with_overrides(["train.lr=0.01"]), ["torch"], ranks=1, fixed=fixed, out=tmp_path, resume=folder)
+
+
+# -- serving ----------------------------------------------------------------------------------------------------
+SERVE = ROOT / "examples" / "serve-tiny.toml"
+
+
+def test_the_engine_space_comes_from_the_declarations():
+    from llmadapt.experiments.tuneserve import LADDERS, candidates
+
+    w = Workload.from_file(SERVE)
+    for adapter in ("hf", "vllm", "llamacpp"):
+        takes = [k for k in LADDERS if k in get_adapter(adapter).supports.engine]
+        found = candidates(w, [adapter])
+        expected = 1
+        for k in takes:
+            expected *= len(LADDERS[k])
+        assert len(found) == 1 + expected and found[0] == (adapter, ())  # the engine's defaults first
+        assert {s.split("=")[0].removeprefix("serve.engine.") for _, c in found for s in c} == set(takes)
+    # a setting the workload gives is the user's, not searched
+    given = w.with_overrides(["serve.engine.max_batched_tokens=512"])
+    with pytest.raises(LlmadaptError, match="adapter 'hf' has no tunable engine option"):
+        candidates(given, ["hf"])
+
+
+def test_capacities_are_told_apart_only_beyond_the_search_bracket():
+    from llmadapt.analysis.tuning import ServeCandidate, capacity_apart, serve_answer
+
+    def c(label, capacity, above):
+        return ServeCandidate(label.split()[0], label, (), capacity, above, 10.0, "", 60.0)
+
+    best = c("vllm a", 8.0, 9.0)
+    assert capacity_apart(best, c("hf b", 2.0, 4.0))  # hf failed at 4, where vllm passed every probe
+    assert not capacity_apart(best, c("llamacpp c", 7.0, 9.5))  # both boundaries may lie in 8-9
+    assert capacity_apart(best, c("hf d", None, 1.0))  # met the objectives nowhere
+    answer = serve_answer([best, c("hf b", 2.0, 4.0), c("llamacpp c", 7.0, 9.5)], over="rate",
+                          objectives=["ttft_p99_ms<=500"], budget_s=600, spent_s=180, candidates=3, folder="f")
+    assert [r.adapter for r in answer.ranking] == ["vllm", "llamacpp", "hf"]
+    assert "cannot be told apart at the search's resolution: llamacpp c" in answer.verdict
+    assert "lower beyond it: hf b" in answer.verdict
+
+
+@pytest.mark.skipif(bool(NOT_READY), reason=NOT_READY)
+def test_a_serving_tune_answers_under_an_slo(tmp_path):
+    from llmadapt.experiments.tuneserve import tune_serving
+
+    # one closed-loop point per configuration (one request in flight: no schedule for a busy client to fall behind)
+    w = Workload.from_file(SERVE).with_overrides(["serve.requests=4", "serve.warmup_requests=1",
+                                                  "serve.output_len.mean=4"])
+    result = tune_serving(w, ["hf"], ["e2el_p99_ms<=60000"], over="concurrency", start=1, maximum=1, repeats=1,
+                          max_probes=1, ladders={"max_batched_tokens": (64,)}, budget_s=1800, out=tmp_path,
+                          log=lambda m: None)
+    assert [s["label"] for s in result.searched] == ["hf", "hf max_batched_tokens=64"]
+    assert result.ranking and result.ranking[0].capacity is not None, result.text()
+    best = Workload.from_file(result.ranking[0].workload_file)
+    assert best.kind == "serve" and best.serve.requests == 6
+    assert (Path(result.folder) / "answer.json").is_file()
