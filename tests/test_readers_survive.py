@@ -369,3 +369,69 @@ def test_the_stream_file_readers_survive_any_file(kind):
                                           "serve": {**serve, "source": {"kind": kind, "path": str(path)}}})
 
     check()
+
+
+# -- the crashes the properties found, kept as examples -------------------------------------------------------
+@pytest.mark.parametrize("change, field", [
+    (lambda t: t["distributedInfo"].update(rank="zero"), "distributedInfo.rank"),
+    (lambda t: t.update(distributedInfo=True), "distributedInfo"),
+    (lambda t: t["traceEvents"].__setitem__(0, None), r"traceEvents\[0\]"),
+    (lambda t: t["traceEvents"][5].update(ts="20"), r"traceEvents\[5\].ts"),
+    (lambda t: t["traceEvents"][5].update(args="stream 7"), r"traceEvents\[5\].args"),
+    (lambda t: t["traceEvents"][5]["args"].update(stream=None), r"traceEvents\[5\].args.stream"),
+    (lambda t: t["traceEvents"][4]["args"].update(correlation=[10]), r"traceEvents\[4\].args.correlation"),
+    (lambda t: t["traceEvents"][5].update(pid=[0]), r"traceEvents\[5\].pid"),
+])
+def test_a_trace_field_of_the_wrong_type_is_named(change, field):
+    trace = kineto_trace()
+    change(trace)
+    with pytest.raises(LlmadaptError, match=rf"rank0.json: {field} is .*, expected "):
+        _analysed(trace)
+
+
+@pytest.mark.parametrize("tool, change, field", [
+    ("vllm-bench", lambda d: d.update(input_lens=None), "input_lens"),
+    ("vllm-bench", lambda d: d["itls"].__setitem__(0, 0.1), r"itls\[0\]"),
+    ("vllm-bench", lambda d: d.update(num_prompts=float("nan")), "num_prompts"),
+    ("vllm-bench", lambda d: d.update(model_id=True), "model_id"),
+    ("vllm-bench", lambda d: d["start_times"].__setitem__(0, 1e300), r"start_times\[0\]"),
+    ("guidellm", lambda d: d["benchmarks"].__setitem__(0, None), r"benchmarks\[0\]"),
+    ("guidellm", lambda d: d["benchmarks"][0]["requests"].update(successful="x"), "requests.successful"),
+    ("aiperf-records", lambda d: d[0].update(metadata=None), "line 1 metadata"),
+    ("aiperf-records", lambda d: d[0]["metrics"].update(inter_chunk_latency={"value": 3.0, "unit": "ms"}),
+     "line 1 inter_chunk_latency"),
+    ("aiperf-aggregate", lambda d: d.update(error_summary=7), "error_summary"),
+])
+def test_a_result_field_of_the_wrong_type_is_named(tool, change, field):
+    original = FOREIGN_FILES[tool]
+    doc = _load(original)
+    change(doc)
+    result = _import(doc, original)
+    assert isinstance(result, LlmadaptError), result
+    assert rf"{original.name}: " in str(result) and field.replace("\\", "") in str(result), str(result)
+
+
+def test_a_damaged_summary_is_rebuilt_from_the_records():
+    """A summary.json whose field has the wrong type is damaged: show rebuilds it from the records and says so."""
+    from llmadapt.analysis.report import read_summary, summary_text
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / RUN.name
+        shutil.copytree(RUN, folder)
+        summary = json.loads((folder / "summary.json").read_text())
+        (folder / "summary.json").write_text(json.dumps({**summary, "phase_means_s": None}))
+        rebuilt = read_summary(folder)
+    assert rebuilt["warnings"][0].startswith("summary.json is damaged (summary record, field phase_means_s")
+    assert rebuilt["serving"]["completed"] == summary["serving"]["completed"]
+    assert "could not render" not in summary_text(rebuilt)
+
+
+def test_a_yaml_parse_error_is_one_line():
+    from llmadapt.spec import Workload
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "w.yaml"
+        path.write_text("kind: finetune\nname: x\np")
+        with pytest.raises(LlmadaptError) as caught:
+            Workload.from_file(path)
+    assert "could not be parsed" in str(caught.value) and "\n" not in str(caught.value)
