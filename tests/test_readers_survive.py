@@ -31,7 +31,7 @@ FOREIGN = HERE / "data" / "foreign"
 RUN = FOREIGN / "20261205-092522-vllm-ec57af78-3304"  # a recorded serving run folder
 EXAMPLES = ROOT / "examples"
 
-BOUNDED = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+BOUNDED = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
                                                                            HealthCheck.data_too_large])
 
 WRONG = (None, True, 0, -1, 2.5, float("nan"), 1e300, "", "x", "7", [], [1], {}, {"x": 1})
