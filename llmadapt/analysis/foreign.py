@@ -246,7 +246,8 @@ def _vllm_bench(data: dict[str, Any], path: Path) -> Measured:
             sent.append(Sent(start, ttft, start + _number(data["latencies"][i], path, f"latencies[{i}]"), chunks,
                              inputs, _count(data["output_lens"][i], path, f"output_lens[{i}]")))
     return Measured(tool="vllm-bench", version=_text(data.get("vllm_version"), path, "vllm_version"), path=path,
-                    created=_date(data.get("date"), "%Y%m%d-%H%M%S"), model=_text(data.get("model_id"), path, "model_id"),
+                    created=_date(data.get("date"), "%Y%m%d-%H%M%S"),
+                    model=_text(data.get("model_id"), path, "model_id"),
                     url=_text(data.get("base_url"), path, "base_url"), requests_asked=prompts, arrival=arrival,
                     sent=sent, reported=reported, completed=_count(data["completed"], path, "completed"),
                     failed=_count(data.get("failed") or 0, path, "failed"))
@@ -391,13 +392,14 @@ def _aiperf_config(config: dict[str, Any], path: Path) -> tuple[dict[str, Any], 
         raise LlmadaptError(f"{path}: an AIPerf phase of type {phase.get('type')!r} without a rate: llmadapt's "
                             "arrivals take a concurrency or a request rate: nothing imported")
     items = _object(config.get("models") or {}, path, "input_config.models").get("items") or []
-    models = [_text(_object(m, path, "input_config.models.items[]").get("name"), path, "input_config.models.items[].name")
-              for m in _list(items, path, "input_config.models.items")]
+    models = [_text(_object(m, path, "input_config.models.items[]").get("name"), path,
+                    "input_config.models.items[].name") for m in _list(items, path, "input_config.models.items")]
     urls = _list(_object(config.get("endpoint") or {}, path, "input_config.endpoint").get("urls") or [None], path,
                  "input_config.endpoint.urls")
     requests = phase.get("requests")
     requests = _count(requests, path, "input_config.phases[].requests") if requests is not None else None
-    return arrival, requests, ", ".join(filter(None, models)) or None, _text(urls[0], path, "input_config.endpoint.urls[0]")
+    url = _text(urls[0], path, "input_config.endpoint.urls[0]")
+    return arrival, requests, ", ".join(filter(None, models)) or None, url
 
 
 def _aiperf_reported(data: dict[str, Any], path: Path) -> dict[str, tuple[float, str]]:
@@ -464,7 +466,8 @@ def _aiperf_records(records: list[dict[str, Any]], path: Path) -> Measured:
     sent = []
     for i, r in enumerate(records):
         where = f"line {i + 1}"
-        meta, metrics = _object(r["metadata"], path, f"{where} metadata"), _object(r["metrics"], path, f"{where} metrics")
+        meta = _object(r["metadata"], path, f"{where} metadata")
+        metrics = _object(r["metrics"], path, f"{where} metrics")
         if meta.get("benchmark_phase", "profiling") != "profiling":
             continue  # warm-up requests
         if "request_start_ns" not in meta:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llmadapt.contract.rundir import RunDir
-from llmadapt.contract.schema import upgrade, validate
+from llmadapt.contract.schema import to_json, upgrade, validate
 from llmadapt.errors import ContractError, LlmadaptError
 from llmadapt.launch.summary import load_records
 
@@ -29,15 +29,12 @@ def read_summary(run_dir: str | Path, needs: tuple[str, ...] | None = None) -> d
             if not missing:  # the whole summary: each field of the type it is read as, or damaged
                 return summary if needs else validate(upgrade(summary))
             problem = f"summary.json lacks {', '.join(missing[:4])}"
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            problem = "summary.json is not JSON"
-        except ContractError as exc:
-            problem = f"summary.json is damaged ({exc})"
+        except (json.JSONDecodeError, UnicodeDecodeError, ContractError) as exc:
+            problem = "summary.json is " + (f"damaged ({exc})" if isinstance(exc, ContractError) else "not JSON")
     if not RunDir(run_dir).launch_file.is_file():
         raise LlmadaptError(f"{run_dir} is not a run directory" +
                             (f" ({problem}, and no launch.json to rebuild it from)" if path.is_file() else
                              " (no summary.json, no launch.json)"))
-    from llmadapt.contract.schema import to_json
     from llmadapt.launch.summary import summarise
 
     try:
