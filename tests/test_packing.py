@@ -260,3 +260,20 @@ def test_the_check_before_launch_reads_the_samples_the_workers_read():
         str(folder)))
     assert [ours.sample(i) for i in range(16)] == [workers.sample(i) for i in range(16)]
     assert [ours.loss_tokens(s) for s in range(3)] == [workers.loss_tokens(s) for s in range(3)] != [0, 0, 0]
+
+
+def test_held_out_examples_that_seq_len_cuts_to_their_prompts_are_refused_before_launch(tmp_path):
+    """eval.path whose every prompt fills train.seq_len: no answer token would be scored (a NaN loss). Refused
+    before launch; the training data alone fits."""
+    if environments_unready("torch"):
+        pytest.skip(environments_unready("torch"))
+    import json
+
+    long = tmp_path / "long.jsonl"
+    long.write_text("\n".join(json.dumps({"instruction": " ".join(["river stone apple"] * 40) + f" {i}?",
+                                          "answer": "yes"}) for i in range(3)))
+    w = Workload().with_overrides([*PACKED, "data.packing=false", f"eval.path={long}", "eval.examples=3"])
+    out = tmp_path / "runs"
+    with pytest.raises(WorkloadError, match=r"no answer token of the 3 held-out examples \(eval\) fits") as caught:
+        run(w, "torch", out=out)
+    assert "\n" not in str(caught.value) and not (out.exists() and any(out.iterdir()))
