@@ -226,6 +226,7 @@ RUN_FILES = ("launch.json", "summary.json", "rank-00000.jsonl")
 
 def _run_folder_read(name: str, doc: Any) -> None:
     from llmadapt.analysis.report import read_summary, summary_text
+    from llmadapt.analysis.store import describe_run
     from llmadapt.launch.summary import summarise
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -240,6 +241,7 @@ def _run_folder_read(name: str, doc: Any) -> None:
         summary = survives(read_summary, folder)
         if isinstance(summary, dict):
             survives(summary_text, summary)
+        survives(describe_run, folder)  # what the run store indexes (`runs`, `runs import`)
 
 
 @pytest.mark.parametrize("name", RUN_FILES)
