@@ -437,3 +437,26 @@ def test_a_yaml_parse_error_is_one_line():
         with pytest.raises(LlmadaptError) as caught:
             Workload.from_file(path)
     assert "could not be parsed" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_record_whose_type_is_not_a_name_is_refused_in_one_line():
+    from llmadapt.contract.jsonl import read_jsonl
+    from llmadapt.errors import ContractError
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rank-00000.jsonl"
+        path.write_text('{"type": []}\n{"type": "end"}\n')
+        with pytest.raises(ContractError, match=r"rank-00000.jsonl:1: record has unknown type \[\]"):
+            read_jsonl(path)
+
+
+def test_the_store_reads_a_run_whose_rank_file_starts_with_no_header():
+    """A rank file whose first line is JSON null: the run is indexed (its node unknown), from its summary."""
+    from llmadapt.analysis.store import describe_run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / RUN.name
+        shutil.copytree(RUN, folder)
+        (folder / "rank-00000.jsonl").write_text("null\n")
+        row, _ = describe_run(folder)
+    assert (row["run_id"], row["machine"]) == (RUN.name, "")
