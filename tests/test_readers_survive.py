@@ -226,6 +226,7 @@ RUN_FILES = ("launch.json", "summary.json", "rank-00000.jsonl")
 
 def _run_folder_read(name: str, doc: Any) -> None:
     from llmadapt.analysis.report import read_summary, summary_text
+    from llmadapt.analysis import frames
     from llmadapt.analysis.store import describe_run
     from llmadapt.launch.summary import summarise
 
@@ -242,6 +243,8 @@ def _run_folder_read(name: str, doc: Any) -> None:
         if isinstance(summary, dict):
             survives(summary_text, summary)
         survives(describe_run, folder)  # what the run store indexes (`runs`, `runs import`)
+        for frame in (frames.requests, frames.steps):  # the per-request and per-step tables (pandas)
+            survives(frame, [folder])
 
 
 @pytest.mark.parametrize("name", RUN_FILES)
