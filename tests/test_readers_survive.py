@@ -463,3 +463,21 @@ def test_the_store_reads_a_run_whose_rank_file_starts_with_no_header():
         (folder / "rank-00000.jsonl").write_text("null\n")
         row, _ = describe_run(folder)
     assert (row["run_id"], row["machine"]) == (RUN.name, "")
+
+
+@pytest.mark.parametrize("tool, change", [
+    ("vllm-bench", lambda d: d.update({k: [] for k in ("input_lens", "output_lens", "ttfts", "itls", "latencies",
+                                                       "start_times", "errors")})),
+    ("guidellm", lambda d: d["benchmarks"][0]["requests"].clear()),
+    ("guidellm", lambda d: d["benchmarks"][0]["requests"]["successful"].pop()),
+])
+def test_per_request_lists_that_miss_requests_are_refused(tool, change):
+    """A file whose per-request lists are empty or shorter than its own count of completed requests: imported, it
+    would be a run of fewer requests (or none) than the tool measured."""
+    original = FOREIGN_FILES[tool]
+    doc = _load(original)
+    change(doc)
+    result = _import(doc, original)
+    assert isinstance(result, LlmadaptError), result
+    assert f"{original.name}: its per-request lists hold " in str(result), str(result)
+    assert "completed), its count says 8 completed: nothing imported" in str(result), str(result)

@@ -127,17 +127,29 @@ def read_result(path: str | Path) -> Measured:
                                 "or guidellm (nor a run folder): nothing imported") from None
     if isinstance(data, list) and data and all(isinstance(r, dict) and "metadata" in r and "metrics" in r
                                                for r in data):
-        return _aiperf_records(data, path)
+        return _held_requests(_aiperf_records(data, path))
     if isinstance(data, dict):
         if "benchmarks" in data and isinstance(data.get("metadata"), dict) and "guidellm_version" in data["metadata"]:
-            return _guidellm(data, path)
+            return _held_requests(_guidellm(data, path))
         if "input_config" in data and ("time_to_first_token" in data or "request_latency" in data):
             return _aiperf_aggregate(data, path)
         if "completed" in data and any(k in data for k in ("median_ttft_ms", "mean_ttft_ms", "ttfts")):
-            return _vllm_bench(data, path)
+            return _held_requests(_vllm_bench(data, path))
     raise LlmadaptError(f"{path}: not a result file of vllm bench serve (completed, *_ttft_ms), AIPerf "
                         "(profile_export.jsonl records or profile_export_aiperf.json) or guidellm (benchmarks.json "
                         "with metadata.guidellm_version): nothing imported")
+
+
+def _held_requests(m: Measured) -> Measured:
+    """A file with per-request times holds the requests it counts as completed: lists left empty or cut short
+    would make a run of fewer requests (or none) than the tool measured."""
+    if m.sent is None:
+        return m
+    done = sum(s.error is None for s in m.sent)
+    if not m.sent or done != m.completed:
+        raise LlmadaptError(f"{m.path}: its per-request lists hold {len(m.sent)} requests ({done} completed), its "
+                            f"count says {m.completed} completed: nothing imported")
+    return m
 
 
 def _date(text: Any, fmt: str) -> float | None:
