@@ -95,8 +95,8 @@ def _message_bytes(event: dict[str, Any], kind: str, world: int) -> int | None:
         return nelems * size if size and nelems else None
     dims, types = args.get("Input Dims"), args.get("Input type")
     # a flat shape of the first input; a tensor list's shapes (nested lists) or anything else: size unknown
-    if not isinstance(dims, list) or not isinstance(types, list) or not dims or not types or \
-            not isinstance(dims[0], list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims[0]):
+    if not (isinstance(dims, list) and isinstance(types, list) and dims and types and isinstance(dims[0], list)
+            and all(isinstance(d, int) and not isinstance(d, bool) for d in dims[0])):
         return None
     size = _DTYPE_BYTES.get(str(types[0]).lower())
     if size is None:
