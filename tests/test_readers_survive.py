@@ -481,3 +481,20 @@ def test_per_request_lists_that_miss_requests_are_refused(tool, change):
     assert isinstance(result, LlmadaptError), result
     assert f"{original.name}: its per-request lists hold " in str(result), str(result)
     assert "completed), its count says 8 completed: nothing imported" in str(result), str(result)
+
+
+def test_the_command_exits_2_naming_the_file_and_the_field():
+    import subprocess
+    import sys
+
+    doc = _load(FOREIGN_FILES["vllm-bench"])
+    doc["itls"][3] = "0.1"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "vllm-bench.json"
+        path.write_text(json.dumps(doc))
+        done = subprocess.run([sys.executable, "-m", "llmadapt.cli", "runs", "import", str(path), "--root",
+                               str(Path(tmp) / "runs")], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip().splitlines() == [
+            f"error: {path}: itls[3] is \"0.1\", expected a list: nothing imported"], done.stderr
+        assert not (Path(tmp) / "runs").exists() or not any((Path(tmp) / "runs").iterdir())
