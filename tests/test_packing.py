@@ -231,3 +231,49 @@ def test_packing_off_leaves_the_hashes_as_they_were():
     assert w.content_hash == "c3d5055d851794e65ff5fa4ce3aa7f652e90a93d698f2558c5eeb2e3d51d6c12"
     packed = Workload().with_overrides(PACKED)
     assert packed.problem_hash != packed.with_overrides(["data.packing=false"]).problem_hash
+
+
+@pytest.mark.parametrize("packing", ["true", "false"])
+def test_a_seq_len_that_every_prompt_fills_is_refused_before_launch(packing, tmp_path):
+    """train.seq_len shorter than every prompt: no step has an answer token to train on. Refused before anything is
+    written, naming the field and the first step that cannot train (not a failure at step 0)."""
+    if environments_unready("torch"):
+        pytest.skip(environments_unready("torch"))
+    w = Workload().with_overrides([*PACKED, "train.seq_len=4", f"data.packing={packing}"])
+    with pytest.raises(WorkloadError, match=r"train.seq_len.* 4; no answer token of step 0's samples fits") as caught:
+        run(w, "torch", out=tmp_path)
+    assert "\n" not in str(caught.value) and not any(tmp_path.iterdir())
+
+
+def test_the_check_before_launch_reads_the_samples_the_workers_read():
+    """The launcher's tokenizer (tokenizer.json through `tokenizers`, no torch) gives the workers' samples."""
+    from transformers import PreTrainedTokenizerFast
+
+    from llmadapt.launch.prepare import CheckpointTokenizer
+    from llmadapt.models import build_tokenizer
+    from llmadapt.runtime.data import TokenData
+
+    folder = Path(tempfile.mkdtemp())
+    build_tokenizer(512, folder)
+    w = Workload().with_overrides(PACKED)
+    ours, workers = TokenData(w, CheckpointTokenizer(folder)), TokenData(w, PreTrainedTokenizerFast.from_pretrained(
+        str(folder)))
+    assert [ours.sample(i) for i in range(16)] == [workers.sample(i) for i in range(16)]
+    assert [ours.loss_tokens(s) for s in range(3)] == [workers.loss_tokens(s) for s in range(3)] != [0, 0, 0]
+
+
+def test_held_out_examples_that_seq_len_cuts_to_their_prompts_are_refused_before_launch(tmp_path):
+    """eval.path whose every prompt fills train.seq_len: no answer token would be scored (a NaN loss). Refused
+    before launch; the training data alone fits."""
+    if environments_unready("torch"):
+        pytest.skip(environments_unready("torch"))
+    import json
+
+    long = tmp_path / "long.jsonl"
+    long.write_text("\n".join(json.dumps({"instruction": " ".join(["river stone apple"] * 40) + f" {i}?",
+                                          "answer": "yes"}) for i in range(3)))
+    w = Workload().with_overrides([*PACKED, "data.packing=false", f"eval.path={long}", "eval.examples=3"])
+    out = tmp_path / "runs"
+    with pytest.raises(WorkloadError, match=r"no answer token of the 3 held-out examples \(eval\) fits") as caught:
+        run(w, "torch", out=out)
+    assert "\n" not in str(caught.value) and not (out.exists() and any(out.iterdir()))

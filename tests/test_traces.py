@@ -198,5 +198,42 @@ def test_a_trace_that_is_not_one_is_refused_in_one_line(tmp_path):
         analyse_traces([tmp_path / "absent.json"])
     (tmp_path / "cpu.json").write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm",
                                                                      "ts": 0, "dur": 5}]}))
-    (cpu,) = analyse_traces([tmp_path / "cpu.json"]).ranks
-    assert cpu.breakdown.error.startswith("no GPU activity")
+    with pytest.raises(LlmadaptError, match=r"cpu.json: no GPU activity in this trace .*: nothing to break down"):
+        analyse_traces([tmp_path / "cpu.json"])
+
+
+@needs_data
+def test_a_trace_without_gpu_activity_is_refused_by_the_command(tmp_path):
+    """A real GPU trace with its GPU work left out (the profiler ran on the CPU only) is refused by `llmadapt trace`
+    with that reason (exit 2, one line), where the trace as recorded is broken down."""
+    import subprocess
+    import sys
+
+    trace = read_trace(DATA / "a100-2rank-nccl.json.gz")
+    gpu_work = ("kernel", "gpu_memcpy", "gpu_memset")  # Kineto's categories of what a GPU runs
+    cpu_only = dict(trace, traceEvents=[e for e in trace["traceEvents"] if e.get("cat") not in gpu_work])
+    assert len(cpu_only["traceEvents"]) < len(trace["traceEvents"])
+    (tmp_path / "cpu-only.json").write_text(json.dumps(cpu_only))
+
+    def trace_command(path):
+        return subprocess.run([sys.executable, "-m", "llmadapt.cli", "trace", str(path)], capture_output=True,
+                              text=True, timeout=300)
+
+    done = trace_command(tmp_path / "cpu-only.json")
+    assert done.returncode == 2, done.stderr
+    assert "cpu-only.json: no GPU activity in this trace" in done.stderr and "nothing to break down" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    done = trace_command(DATA / "a100-2rank-nccl.json.gz")
+    assert done.returncode == 0, done.stderr
+    assert "rank 0" in done.stdout
+
+
+def test_a_trace_field_of_the_wrong_type_exits_2_naming_it(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "rank.json").write_text(json.dumps({"distributedInfo": {"rank": "zero"}, "traceEvents": []}))
+    done = subprocess.run([sys.executable, "-m", "llmadapt.cli", "trace", str(tmp_path / "rank.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "rank.json: distributedInfo.rank is 'zero', expected a whole number >= 0" in done.stderr

@@ -127,17 +127,29 @@ def read_result(path: str | Path) -> Measured:
                                 "or guidellm (nor a run folder): nothing imported") from None
     if isinstance(data, list) and data and all(isinstance(r, dict) and "metadata" in r and "metrics" in r
                                                for r in data):
-        return _aiperf_records(data, path)
+        return _held_requests(_aiperf_records(data, path))
     if isinstance(data, dict):
         if "benchmarks" in data and isinstance(data.get("metadata"), dict) and "guidellm_version" in data["metadata"]:
-            return _guidellm(data, path)
+            return _held_requests(_guidellm(data, path))
         if "input_config" in data and ("time_to_first_token" in data or "request_latency" in data):
             return _aiperf_aggregate(data, path)
         if "completed" in data and any(k in data for k in ("median_ttft_ms", "mean_ttft_ms", "ttfts")):
-            return _vllm_bench(data, path)
+            return _held_requests(_vllm_bench(data, path))
     raise LlmadaptError(f"{path}: not a result file of vllm bench serve (completed, *_ttft_ms), AIPerf "
                         "(profile_export.jsonl records or profile_export_aiperf.json) or guidellm (benchmarks.json "
                         "with metadata.guidellm_version): nothing imported")
+
+
+def _held_requests(m: Measured) -> Measured:
+    """A file with per-request times holds the requests it counts as completed: lists left empty or cut short
+    would make a run of fewer requests (or none) than the tool measured."""
+    if m.sent is None:
+        return m
+    done = sum(s.error is None for s in m.sent)
+    if not m.sent or done != m.completed:
+        raise LlmadaptError(f"{m.path}: its per-request lists hold {len(m.sent)} requests ({done} completed), its "
+                            f"count says {m.completed} completed: nothing imported")
+    return m
 
 
 def _date(text: Any, fmt: str) -> float | None:
@@ -147,10 +159,49 @@ def _date(text: Any, fmt: str) -> float | None:
         return None
 
 
+_LARGEST = 1e19
+"""No figure of these files reaches it (AIPerf's nanosecond Unix times are about 1.8e18): a larger one is not a
+measurement, and would overflow the nanoseconds a request record holds."""
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value, default=str)[:40]
+
+
 def _number(value: Any, path: Path, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise LlmadaptError(f"{path}: {what} is {json.dumps(value)[:40]}, not a number: nothing imported")
+        raise LlmadaptError(f"{path}: {what} is {_shown(value)}, not a number: nothing imported")
+    if abs(value) >= _LARGEST:
+        raise LlmadaptError(f"{path}: {what} is {value:g}, out of range (a figure below {_LARGEST:g}): nothing "
+                            "imported")
     return float(value)
+
+
+def _count(value: Any, path: Path, what: str) -> int:
+    """A whole number >= 0: a count of requests or tokens, a concurrency."""
+    number = _number(value, path, what)
+    if number < 0 or not number.is_integer():
+        raise LlmadaptError(f"{path}: {what} is {_shown(value)}, expected a whole number >= 0: nothing imported")
+    return int(number)
+
+
+def _object(value: Any, path: Path, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise LlmadaptError(f"{path}: {what} is {_shown(value)}, expected an object: nothing imported")
+    return value
+
+
+def _list(value: Any, path: Path, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise LlmadaptError(f"{path}: {what} is {_shown(value)}, expected a list: nothing imported")
+    return value
+
+
+def _text(value: Any, path: Path, what: str) -> str | None:
+    """An optional text (a model's name, a URL, a version)."""
+    if value is not None and not isinstance(value, str):
+        raise LlmadaptError(f"{path}: {what} is {_shown(value)}, expected a text: nothing imported")
+    return value
 
 
 # -- vllm bench serve --------------------------------------------------------------------------------
@@ -161,17 +212,18 @@ VLLM_DETAILED = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "sta
 def _vllm_bench(data: dict[str, Any], path: Path) -> Measured:
     what = "vllm bench serve result"
     _need(data, path, what, ("completed", "duration", "num_prompts", "request_rate", "max_concurrency"))
-    rate = data["request_rate"]
-    if data.get("max_concurrency") and rate in ("inf", None):
-        arrival = {"process": "closed", "concurrency": int(data["max_concurrency"])}
+    rate, prompts = data["request_rate"], _count(data["num_prompts"], path, "num_prompts")
+    most = _count(data["max_concurrency"], path, "max_concurrency") if data["max_concurrency"] is not None else None
+    if most and rate in ("inf", None):
+        arrival = {"process": "closed", "concurrency": most}
     elif rate in ("inf", None):
-        arrival = {"process": "closed", "concurrency": int(data["num_prompts"])}  # every request at once
+        arrival = {"process": "closed", "concurrency": prompts}  # every request at once
     else:
-        burst = float(data.get("burstiness", 1.0))
+        burst = _number(data.get("burstiness", 1.0), path, "burstiness")
         arrival = {"process": "poisson" if burst == 1.0 else "gamma", "rate": _number(rate, path, "request_rate"),
                    **({"burstiness": burst} if burst != 1.0 else {})}
-        if data.get("max_concurrency"):
-            arrival["max_concurrency"] = int(data["max_concurrency"])
+        if most:
+            arrival["max_concurrency"] = most
     reported: dict[str, tuple[float, str]] = {"duration": (_number(data["duration"], path, "duration"), "s")}
     for key, unit in (("completed", "requests"), ("failed", "requests"), ("request_throughput", "req/s"),
                       ("request_goodput", "req/s"), ("output_throughput", "tok/s"), ("total_token_throughput", "tok/s"),
@@ -186,27 +238,31 @@ def _vllm_bench(data: dict[str, Any], path: Path) -> Measured:
     sent = None
     if any(k in data for k in VLLM_DETAILED):
         _need(data, path, what + " saved with --save-detailed", VLLM_DETAILED)
-        n = len(data["ttfts"])
-        if any(len(data[k]) != n for k in VLLM_DETAILED):
+        lists = {k: _list(data[k], path, k) for k in VLLM_DETAILED}
+        n = len(lists["ttfts"])
+        if any(len(lists[k]) != n for k in VLLM_DETAILED):
             raise LlmadaptError(f"{path}: its per-request lists ({', '.join(VLLM_DETAILED)}) differ in length: "
                                 "nothing imported")
         sent = []
         for i in range(n):
             start = _number(data["start_times"][i], path, f"start_times[{i}]")
             error = data["errors"][i] or None
+            inputs = _count(data["input_lens"][i], path, f"input_lens[{i}]")
             if error:
-                sent.append(Sent(start, None, None, [], int(data["input_lens"][i]), None, error=str(error)))
+                sent.append(Sent(start, None, None, [], inputs, None, error=str(error)))
                 continue
             ttft = _number(data["ttfts"][i], path, f"ttfts[{i}]")  # seconds
             chunks = [start + ttft]
-            for gap in data["itls"][i]:  # seconds between chunks after the first
+            for gap in _list(data["itls"][i], path, f"itls[{i}]"):  # seconds between chunks after the first
                 chunks.append(chunks[-1] + _number(gap, path, f"itls[{i}]"))
             sent.append(Sent(start, ttft, start + _number(data["latencies"][i], path, f"latencies[{i}]"), chunks,
-                             int(data["input_lens"][i]), int(data["output_lens"][i])))
-    return Measured(tool="vllm-bench", version=data.get("vllm_version"), path=path,
-                    created=_date(data.get("date"), "%Y%m%d-%H%M%S"), model=data.get("model_id"),
-                    url=data.get("base_url"), requests_asked=int(data["num_prompts"]), arrival=arrival, sent=sent,
-                    reported=reported, completed=int(data["completed"]), failed=int(data.get("failed") or 0))
+                             inputs, _count(data["output_lens"][i], path, f"output_lens[{i}]")))
+    return Measured(tool="vllm-bench", version=_text(data.get("vllm_version"), path, "vllm_version"), path=path,
+                    created=_date(data.get("date"), "%Y%m%d-%H%M%S"),
+                    model=_text(data.get("model_id"), path, "model_id"),
+                    url=_text(data.get("base_url"), path, "base_url"), requests_asked=prompts, arrival=arrival,
+                    sent=sent, reported=reported, completed=_count(data["completed"], path, "completed"),
+                    failed=_count(data.get("failed") or 0, path, "failed"))
 
 
 # -- guidellm -------------------------------------------------------------------------------------------
@@ -217,13 +273,14 @@ def _guidellm(data: dict[str, Any], path: Path) -> Measured:
         raise LlmadaptError(f"{path}: a {what} with {len(benchmarks) if isinstance(benchmarks, list) else 'no'} "
                             "benchmarks; import one at a time (one load point: `guidellm run` with one profile rate "
                             "or stream count): nothing imported")
-    b = benchmarks[0]
+    b = _object(benchmarks[0], path, "benchmarks[0]")
     _need(b, path, what + "'s benchmark", ("config", "requests", "metrics", "start_time"))
-    config = b["config"]
-    strategy = config.get("strategy") or {}
+    config = _object(b["config"], path, "benchmarks[0].config")
+    strategy = _object(config.get("strategy") or {}, path, "benchmarks[0].config.strategy")
     kind = strategy.get("type_")
     if kind == "concurrent":
-        arrival = {"process": "closed", "concurrency": int(strategy.get("streams") or strategy["max_concurrency"])}
+        arrival = {"process": "closed", "concurrency": _count(strategy.get("streams") or strategy.get(
+            "max_concurrency"), path, "config.strategy.streams")}
     elif kind == "synchronous":
         arrival = {"process": "closed", "concurrency": 1}
     elif kind in ("constant", "poisson"):
@@ -231,47 +288,59 @@ def _guidellm(data: dict[str, Any], path: Path) -> Measured:
     else:
         raise LlmadaptError(f"{path}: a {what} of strategy {kind!r}: llmadapt's arrival processes take concurrent, "
                             "synchronous, constant and poisson: nothing imported")
-    requests = b["requests"]
+    requests = _object(b["requests"], path, "benchmarks[0].requests")
     sent = []
     for status in ("successful", "errored", "incomplete"):
-        for i, r in enumerate(requests.get(status) or []):
+        for i, r in enumerate(_list(requests.get(status) or [], path, f"requests.{status}")):
             where = f"requests.{status}[{i}]"
-            _need(r, path, f"{what}'s request", ("request_start_time", "prompt_tokens"))
+            _need(_object(r, path, where), path, f"{what}'s request", ("request_start_time", "prompt_tokens"))
             start = _number(r["request_start_time"], path, where + ".request_start_time")  # Unix seconds
+            inputs = _count(r["prompt_tokens"] or 0, path, where + ".prompt_tokens")
             if status != "successful":
-                error = (r.get("info") or {}).get("error") or status
-                sent.append(Sent(start, None, None, [], int(r["prompt_tokens"] or 0), None, error=str(error)))
+                info = r.get("info")
+                error = (info.get("error") if isinstance(info, dict) else None) or status
+                sent.append(Sent(start, None, None, [], inputs, None, error=str(error)))
                 continue
             _need(r, path, f"{what}'s request", ("time_to_first_token_ms", "request_end_time", "output_tokens"))
             ttft = _number(r["time_to_first_token_ms"], path, where + ".time_to_first_token_ms") / 1e3  # ms -> s
             end = _number(r["request_end_time"], path, where + ".request_end_time")
-            sent.append(Sent(start, ttft, end, [start + ttft], int(r["prompt_tokens"]), int(r["output_tokens"])))
+            sent.append(Sent(start, ttft, end, [start + ttft], inputs,
+                             _count(r["output_tokens"], path, where + ".output_tokens")))
     sent.sort(key=lambda s: s.start_s)
     reported: dict[str, tuple[float, str]] = {"duration": (_number(b.get("duration", 0.0), path, "duration"), "s")}
-    metrics = b["metrics"]
+    metrics = _object(b["metrics"], path, "benchmarks[0].metrics")
     for name, key, scale, unit in (("ttft", "time_to_first_token_ms", 1.0, "ms"),
                                    ("tpot", "inter_token_latency_ms", 1.0, "ms"),
                                    ("e2el", "request_latency", 1e3, "ms")):  # guidellm's latency is in seconds
-        figures = (metrics.get(key) or {}).get("successful")
+        figures = _object(metrics.get(key) or {}, path, f"metrics.{key}").get("successful")
         if figures:
-            reported[f"mean_{name}_ms"] = (_number(figures["mean"], path, f"{key}.mean") * scale, unit)
-            reported[f"median_{name}_ms"] = (_number(figures["median"], path, f"{key}.median") * scale, unit)
+            figures = _object(figures, path, f"metrics.{key}.successful")
+            reported[f"mean_{name}_ms"] = (_number(figures.get("mean"), path, f"{key}.mean") * scale, unit)
+            reported[f"median_{name}_ms"] = (_number(figures.get("median"), path, f"{key}.median") * scale, unit)
+            percentiles = _object(figures.get("percentiles") or {}, path, f"metrics.{key}.successful.percentiles")
             for q in ("p90", "p99"):
-                if q in (figures.get("percentiles") or {}):
-                    reported[f"{q}_{name}_ms"] = (_number(figures["percentiles"][q], path, f"{key}.{q}") * scale, unit)
-    totals = metrics.get("request_totals") or {}
-    backend = config.get("backend") or {}
-    return Measured(tool="guidellm", version=data["metadata"].get("guidellm_version"), path=path,
-                    created=float(b["start_time"]), model=backend.get("model"), url=backend.get("target"),
-                    requests_asked=_max_requests(config), arrival=arrival, sent=sent, reported=reported,
-                    completed=int(totals.get("successful", len(requests.get("successful") or []))),
-                    failed=int(totals.get("errored", 0)) + int(totals.get("incomplete", 0)), per_chunk=False)
+                if q in percentiles:
+                    reported[f"{q}_{name}_ms"] = (_number(percentiles[q], path, f"{key}.{q}") * scale, unit)
+    totals = _object(metrics.get("request_totals") or {}, path, "metrics.request_totals")
+    backend = _object(config.get("backend") or {}, path, "config.backend")
+    return Measured(tool="guidellm", version=_text(data["metadata"].get("guidellm_version"), path,
+                                                   "metadata.guidellm_version"), path=path,
+                    created=_number(b["start_time"], path, "start_time"),
+                    model=_text(backend.get("model"), path, "config.backend.model"),
+                    url=_text(backend.get("target"), path, "config.backend.target"),
+                    requests_asked=_max_requests(config, path), arrival=arrival, sent=sent, reported=reported,
+                    completed=_count(totals.get("successful", len(requests.get("successful") or [])), path,
+                                     "metrics.request_totals.successful"),
+                    failed=sum(_count(totals.get(k, 0), path, f"metrics.request_totals.{k}")
+                               for k in ("errored", "incomplete")), per_chunk=False)
 
 
-def _max_requests(config: dict[str, Any]) -> int | None:
-    limit = ((config.get("constraints") or {}).get("max_requests") or {}).get("args") or {}
+def _max_requests(config: dict[str, Any], path: Path) -> int | None:
+    where = "config.constraints.max_requests.args"
+    limit = _object(_object(_object(config.get("constraints") or {}, path, "config.constraints").get(
+        "max_requests") or {}, path, "config.constraints.max_requests").get("args") or {}, path, where)
     count = limit.get("count")
-    return int(count) if isinstance(count, (int, float)) else None
+    return _count(count, path, where + ".count") if count is not None else None
 
 
 # -- AIPerf -----------------------------------------------------------------------------------------------
@@ -287,40 +356,62 @@ _MS = {"ms": 1.0, "sec": 1e3, "s": 1e3, "ns": 1e-6, "us": 1e-3}
 """AIPerf's time units -> milliseconds."""
 
 
-def _aiperf_ms(entry: Any, path: Path, what: str) -> Any:
-    """An AIPerf metric ({'value': ..., 'unit': 'ms'}) in ms: a number, or a list of them."""
-    if not isinstance(entry, dict) or "value" not in entry or entry.get("unit") not in _MS:
-        raise LlmadaptError(f"{path}: {what} is {json.dumps(entry)[:60]}, not a time with a unit AIPerf writes "
-                            f"({', '.join(_MS)}): nothing imported")
+def _aiperf_ms(entry: Any, path: Path, what: str, *, many: bool = False) -> Any:
+    """An AIPerf metric ({'value': ..., 'unit': 'ms'}) in ms: a number, or (``many``) a list of them."""
+    if not isinstance(entry, dict) or "value" not in entry or _unit(entry) not in _MS:
+        raise LlmadaptError(f"{path}: {what} is {json.dumps(entry, default=str)[:60]}, not a time with a unit AIPerf "
+                            f"writes ({', '.join(_MS)}): nothing imported")
     scale, value = _MS[entry["unit"]], entry["value"]
-    if isinstance(value, list):
-        return [_number(v, path, what) * scale for v in value]
+    if many:
+        return [_number(v, path, what) * scale for v in _list(value, path, what + " value")]
     return _number(value, path, what) * scale
+
+
+def _unit(entry: dict[str, Any]) -> str | None:
+    """An AIPerf metric's unit where it is a text (a key of _MS or not), else None."""
+    unit = entry.get("unit")
+    return unit if isinstance(unit, str) else None
+
+
+def _aiperf_tokens(metrics: dict[str, Any], names: tuple[str, ...], path: Path, what: str) -> int | None:
+    """The first of NAMES that the record holds, a count of tokens ({'value': N, 'unit': 'tokens'})."""
+    for name in names:
+        if metrics.get(name):
+            value = _object(metrics[name], path, f"{what} {name}").get("value")
+            return _count(value, path, f"{what} {name}") if value is not None else None
+    return None
 
 
 def _aiperf_config(config: dict[str, Any], path: Path) -> tuple[dict[str, Any], int | None, str | None, str | None]:
     """(arrival, requests, model, url) from an AIPerf input_config."""
-    phases = [p for p in config.get("phases") or [] if p.get("kind", "profiling") == "profiling"]
+    config = _object(config, path, "input_config")
+    phases = [p for i, p in enumerate(_list(config.get("phases") or [], path, "input_config.phases"))
+              if _object(p, path, f"input_config.phases[{i}]").get("kind", "profiling") == "profiling"]
     if len(phases) != 1:
         raise LlmadaptError(f"{path}: an AIPerf export of {len(phases)} profiling phases; one is a run: nothing "
                             "imported")
     phase = phases[0]
     if phase.get("type") == "concurrency" and not phase.get("rate"):
-        arrival: dict[str, Any] = {"process": "closed", "concurrency": int(phase.get("concurrency") or 1)}
+        arrival: dict[str, Any] = {"process": "closed", "concurrency": _count(
+            phase.get("concurrency") or 1, path, "input_config.phases[].concurrency")}
     elif phase.get("rate"):
         pattern = phase.get("arrival_pattern") or phase.get("request_rate_mode") or "poisson"
         arrival = {"process": pattern if pattern in ("constant", "poisson", "gamma") else "poisson",
                    "rate": _number(phase["rate"], path, "input_config.phases[].rate")}
         if phase.get("concurrency"):
-            arrival["max_concurrency"] = int(phase["concurrency"])
+            arrival["max_concurrency"] = _count(phase["concurrency"], path, "input_config.phases[].concurrency")
     else:
         raise LlmadaptError(f"{path}: an AIPerf phase of type {phase.get('type')!r} without a rate: llmadapt's "
                             "arrivals take a concurrency or a request rate: nothing imported")
-    models = [m.get("name") for m in (config.get("models") or {}).get("items") or []]
-    urls = (config.get("endpoint") or {}).get("urls") or [None]
+    items = _object(config.get("models") or {}, path, "input_config.models").get("items") or []
+    models = [_text(_object(m, path, "input_config.models.items[]").get("name"), path,
+                    "input_config.models.items[].name") for m in _list(items, path, "input_config.models.items")]
+    urls = _list(_object(config.get("endpoint") or {}, path, "input_config.endpoint").get("urls") or [None], path,
+                 "input_config.endpoint.urls")
     requests = phase.get("requests")
-    return arrival, int(requests) if isinstance(requests, int) else None, ", ".join(filter(None, models)) or None, \
-        urls[0]
+    requests = _count(requests, path, "input_config.phases[].requests") if requests is not None else None
+    url = _text(urls[0], path, "input_config.endpoint.urls[0]")
+    return arrival, requests, ", ".join(filter(None, models)) or None, url
 
 
 def _aiperf_reported(data: dict[str, Any], path: Path) -> dict[str, tuple[float, str]]:
@@ -330,7 +421,7 @@ def _aiperf_reported(data: dict[str, Any], path: Path) -> dict[str, tuple[float,
         entry = data.get(theirs)
         if not isinstance(entry, dict):
             continue
-        scale = _MS.get(entry.get("unit"))
+        scale = _MS.get(_unit(entry))
         if scale is None:
             raise LlmadaptError(f"{path}: {theirs} has unit {entry.get('unit')!r}, not one AIPerf writes for times: "
                                 "nothing imported")
@@ -347,8 +438,8 @@ def _aiperf_reported(data: dict[str, Any], path: Path) -> dict[str, tuple[float,
         if isinstance(data.get(key), dict) and data[key].get("avg") is not None:
             out[name] = (_number(data[key]["avg"], path, key), unit)
     if isinstance(data.get("benchmark_duration"), dict):
-        out["duration"] = (_number(data["benchmark_duration"]["avg"], path, "benchmark_duration") *
-                           _MS.get(data["benchmark_duration"].get("unit"), 1e3) / 1e3, "s")
+        out["duration"] = (_number(data["benchmark_duration"].get("avg"), path, "benchmark_duration") *
+                           _MS.get(_unit(data["benchmark_duration"]), 1e3) / 1e3, "s")
     return out
 
 
@@ -356,10 +447,11 @@ def _aiperf_aggregate(data: dict[str, Any], path: Path) -> Measured:
     """profile_export_aiperf.json alone: aggregate figures, a summary-only run."""
     arrival, requests, model, url = _aiperf_config(data["input_config"], path)
     reported = _aiperf_reported(data, path)
-    count = (data.get("request_count") or {}).get("avg")
-    errors = sum(int(e.get("count", 0)) for e in data.get("error_summary") or [] if isinstance(e, dict))
-    completed = int(count) if isinstance(count, (int, float)) else 0
-    return Measured(tool="aiperf", version=data.get("aiperf_version"), path=path,
+    count = _object(data.get("request_count") or {}, path, "request_count").get("avg")
+    errors = sum(_count(e.get("count", 0), path, "error_summary[].count")
+                 for e in _list(data.get("error_summary") or [], path, "error_summary") if isinstance(e, dict))
+    completed = _count(count, path, "request_count.avg") if count is not None else 0
+    return Measured(tool="aiperf", version=_text(data.get("aiperf_version"), path, "aiperf_version"), path=path,
                     created=_iso(data.get("start_time")), model=model, url=url, requests_asked=requests,
                     arrival=arrival, sent=None, reported=reported, completed=completed, failed=errors)
 
@@ -385,17 +477,18 @@ def _aiperf_records(records: list[dict[str, Any]], path: Path) -> Measured:
     arrival, requests, model, url = _aiperf_config(config, beside)
     sent = []
     for i, r in enumerate(records):
-        meta, metrics = r["metadata"], r["metrics"]
+        where = f"line {i + 1}"
+        meta = _object(r["metadata"], path, f"{where} metadata")
+        metrics = _object(r["metrics"], path, f"{where} metrics")
         if meta.get("benchmark_phase", "profiling") != "profiling":
             continue  # warm-up requests
-        where = f"line {i + 1}"
         if "request_start_ns" not in meta:
             raise LlmadaptError(f"{path}: {where}: a record without metadata.request_start_ns: nothing imported")
         start = _number(meta["request_start_ns"], path, f"{where} request_start_ns") / 1e9  # ns -> s
-        inputs = (metrics.get("usage_prompt_tokens") or metrics.get("input_sequence_length") or {}).get("value")
+        inputs = _aiperf_tokens(metrics, ("usage_prompt_tokens", "input_sequence_length"), path, where) or 0
         if r.get("error") or "time_to_first_token" not in metrics:
             error = r.get("error") or "no time to first token recorded"
-            sent.append(Sent(start, None, None, [], int(inputs or 0), None,
+            sent.append(Sent(start, None, None, [], inputs, None,
                              error=str(error.get("message", error) if isinstance(error, dict) else error)))
             continue
         for key in ("time_to_first_token", "request_latency"):
@@ -404,15 +497,14 @@ def _aiperf_records(records: list[dict[str, Any]], path: Path) -> Measured:
         ttft = _aiperf_ms(metrics["time_to_first_token"], path, f"{where} time_to_first_token") / 1e3  # ms -> s
         chunks = [start + ttft]
         for gap in _aiperf_ms(metrics.get("inter_chunk_latency", {"value": [], "unit": "ms"}), path,
-                              f"{where} inter_chunk_latency"):
+                              f"{where} inter_chunk_latency", many=True):
             chunks.append(chunks[-1] + gap / 1e3)
         latency = _aiperf_ms(metrics["request_latency"], path, f"{where} request_latency") / 1e3
         # the engine's count (usage) where AIPerf recorded it; else AIPerf's own count of the text, re-tokenized
-        outputs = (metrics.get("usage_completion_tokens") or metrics.get("output_sequence_length") or {}).get("value")
-        sent.append(Sent(start, ttft, start + latency, chunks, int(inputs or 0),
-                         int(outputs) if outputs is not None else None))
+        outputs = _aiperf_tokens(metrics, ("usage_completion_tokens", "output_sequence_length"), path, where)
+        sent.append(Sent(start, ttft, start + latency, chunks, inputs, outputs))
     sent.sort(key=lambda s: s.start_s)
-    return Measured(tool="aiperf", version=aggregate.get("aiperf_version"), path=path,
+    return Measured(tool="aiperf", version=_text(aggregate.get("aiperf_version"), path, "aiperf_version"), path=path,
                     created=_iso(aggregate.get("start_time")), model=model, url=url, requests_asked=requests,
                     arrival=arrival, sent=sent, reported=_aiperf_reported(aggregate, beside),
                     completed=sum(1 for s in sent if s.error is None), failed=sum(1 for s in sent if s.error))

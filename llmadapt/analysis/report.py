@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from llmadapt.contract.rundir import RunDir
-from llmadapt.errors import LlmadaptError
+from llmadapt.contract.schema import to_json, upgrade, validate
+from llmadapt.errors import ContractError, LlmadaptError
 from llmadapt.launch.summary import load_records
 
 
@@ -25,17 +26,16 @@ def read_summary(run_dir: str | Path, needs: tuple[str, ...] | None = None, *, r
         try:
             summary = json.loads(path.read_bytes())
             missing = [k for k in (needs or _SUMMARY_KEYS) if not isinstance(summary, dict) or k not in summary]
-            if not missing:
-                return summary
+            if not missing:  # the whole summary: each field of the type it is read as, or damaged
+                return summary if needs else validate(upgrade(summary))
             problem = f"summary.json lacks {', '.join(missing[:4])}"
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            problem = "summary.json is not JSON"
+        except (json.JSONDecodeError, UnicodeDecodeError, ContractError) as exc:
+            problem = "summary.json is " + (f"damaged ({exc})" if isinstance(exc, ContractError) else "not JSON")
     if not RunDir(run_dir).launch_file.is_file():
         raise LlmadaptError(f"{run_dir} is not a run directory" +
                             (f" ({problem}, and no launch.json to rebuild it from)" if path.is_file() else
                              " (no summary.json, no launch.json)"))
     from llmadapt.analysis.runstatus import settle_status
-    from llmadapt.contract.schema import to_json
     from llmadapt.launch.summary import summarise
 
     try:

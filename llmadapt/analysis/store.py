@@ -619,8 +619,8 @@ def _machine(folder: Path) -> str:
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
                 first = json.loads(f.readline() or "{}")
-            if first.get("type") == "header":
-                return first.get("node", "")
+            if isinstance(first, dict) and first.get("type") == "header":  # a line of anything else: no node
+                return first["node"] if isinstance(first.get("node"), str) else ""
         except (OSError, json.JSONDecodeError):
             continue
     return ""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import gzip
 import json
+import math
 import re
 import statistics
 from collections import defaultdict
@@ -23,7 +24,7 @@ from typing import Any
 import attrs
 
 from llmadapt.contract.records import Breakdown, ClassTime
-from llmadapt.errors import LlmadaptError
+from llmadapt.errors import LlmadaptError, excerpt
 
 _MODULE = "llmadapt::module::"
 
@@ -55,7 +56,54 @@ def read_trace(path: str | Path) -> dict[str, Any]:
         raise LlmadaptError(f"{path}: not a readable trace ({type(exc).__name__}: {str(exc)[:120]})") from None
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
         raise LlmadaptError(f"{path}: not a Kineto trace (no traceEvents list)")
+    check_trace(trace, path)
     return trace
+
+
+def check_trace(trace: dict[str, Any], path: str | Path) -> None:
+    """Every field the breakdown reads, of the type it is read as (the rank a whole number, an event's times
+    numbers, its correlation and stream ids integers): a trace that differs is one line naming the file, the field
+    and what was expected, before anything is computed from it."""
+    from llmadapt.runtime.timeline import DEVICE_CATEGORIES
+
+    def wrong(field: str, value: Any, expected: str) -> LlmadaptError:
+        return LlmadaptError(f"{path}: {field} is {excerpt(value, 60)}, expected {expected}")
+
+    info = trace.get("distributedInfo")
+    if info is not None and not isinstance(info, dict):
+        raise wrong("distributedInfo", info, "an object (rank, world_size)")
+    for key, least in (("rank", 0), ("world_size", 1)):
+        if key in (info or {}) and not (_integer(info[key]) and info[key] >= least):
+            raise wrong(f"distributedInfo.{key}", info[key], f"a whole number >= {least}")
+    for i, e in enumerate(trace["traceEvents"]):
+        if not isinstance(e, dict):
+            raise wrong(f"traceEvents[{i}]", e, "an event (a JSON object)")
+        if e.get("ph") != "X":
+            continue  # instants, counters, flows, metadata: not read
+        if not _finite(e.get("ts")):
+            raise wrong(f"traceEvents[{i}].ts", e.get("ts"), "a time in microseconds (a number)")
+        if "dur" in e and not (_finite(e["dur"]) and e["dur"] >= 0):
+            raise wrong(f"traceEvents[{i}].dur", e["dur"], "a duration in microseconds (a number >= 0)")
+        for key in ("pid", "tid"):
+            if isinstance(e.get(key), (list, dict)):
+                raise wrong(f"traceEvents[{i}].{key}", e[key], "an id (a number or a text)")
+        args = e.get("args")
+        if args is None:
+            continue
+        if not isinstance(args, dict):
+            raise wrong(f"traceEvents[{i}].args", args, "an object")
+        ids = ("correlation", "stream") if e.get("cat") in DEVICE_CATEGORIES else ("correlation",)
+        for key in ids + ("In msg nelems", "Out msg nelems", "Group size"):
+            if key in args and not _integer(args[key]) and not (args[key] is None and key not in ids):
+                raise wrong(f"traceEvents[{i}].args.{key}", args[key], "a whole number")
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def trace_breakdown(trace: dict[str, Any], *, include_last_step: bool = False) -> Breakdown:
@@ -165,7 +213,10 @@ def analyse_traces(paths: list[str | Path], *, include_last_step: bool = False) 
     """Each trace file's breakdown and, for distinct ranks of one job, the stragglers."""
     ranks = [RankTrace(str(f), trace_breakdown(read_trace(f), include_last_step=include_last_step))
              for f in trace_files(paths)]
-    good = [r.breakdown for r in ranks if r.breakdown.error is None]
+    for r in ranks:  # a breakdown of nothing is no answer: the trace was of the CPU alone, or cut before its kernels
+        if r.breakdown.error is not None:
+            raise LlmadaptError(f"{r.path}: {r.breakdown.error}: nothing to break down on the kernel basis")
+    good = [r.breakdown for r in ranks]
     note = None
     numbers = [b.rank for b in good]
     if len(set(numbers)) < len(numbers):

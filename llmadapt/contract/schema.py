@@ -176,7 +176,7 @@ def validate(record: dict[str, Any]) -> dict[str, Any]:
 
         _validator = jsonschema.Draft202012Validator(json_schema())
     kind = record.get("type") if isinstance(record, dict) else None
-    if kind not in RECORD_TYPES:
+    if not isinstance(kind, str) or kind not in RECORD_TYPES:  # a list or an object is no type's name
         raise ContractError(f"record has unknown type {kind!r}; known: {', '.join(RECORD_TYPES)}")
     sub = {"$ref": f"#/$defs/{RECORD_TYPES[kind].__name__}", "$defs": _validator.schema["$defs"]}
     error = next(iter(_validator.evolve(schema=sub).iter_errors(record)), None)

@@ -88,3 +88,48 @@ def ensure_checkpoint(workload: Workload, environment: EnvironmentSpec) -> Path:
         what = f"converting {workload.model.path}" if gguf else "building the canonical checkpoint"
         raise LlmadaptError(f"{what} in environment {environment.name!r} failed: {last}")
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+def check_data_fits(workload: Workload, checkpoint: Path) -> None:
+    """Every training step of a JSONL workload, and its held-out examples, have an answer token within
+    train.seq_len, on the checkpoint's own tokenizer and the workers' batches (runtime.data.TokenData): a seq_len
+    that every prompt of a step fills trains nothing, and is refused here, before launch, instead of failing that
+    step (or scoring the held-out examples' loss as NaN)."""
+    if workload.kind == "serve" or not (workload.data.source == "jsonl" or workload.eval.path) or \
+            not (checkpoint / "tokenizer.json").is_file():
+        return
+    from llmadapt.adapter.context import IGNORE
+    from llmadapt.runtime.data import TokenData
+
+    data, seq_len = TokenData(workload, CheckpointTokenizer(checkpoint)), workload.train.seq_len
+    for step in range(workload.train.total_steps if workload.data.source == "jsonl" else 0):
+        if not data.loss_tokens(step):
+            raise WorkloadError("train.seq_len", seq_len, f"no answer token of step {step}'s samples fits within it "
+                                f"(each of their prompts takes more than {seq_len} tokens of the model's tokenizer): "
+                                "raise train.seq_len, or give shorter prompts")
+    # held-out examples are cut to seq_len too: with no answer token left, their loss would be NaN
+    if data.has_answers and not any(t != IGNORE for e in data.eval_examples() for t in e.sample.labels):
+        raise WorkloadError("train.seq_len", seq_len, f"no answer token of the {workload.eval.examples} held-out "
+                            f"examples (eval) fits within it (each of their prompts takes more than {seq_len} tokens "
+                            "of the model's tokenizer): raise train.seq_len, or give shorter prompts")
+
+
+class CheckpointTokenizer:
+    """A checkpoint's tokenizer.json through the ``tokenizers`` library (no torch, no transformers), with what
+    TokenData reads of a Hugging Face tokenizer: the same tokens the workers get from the same file."""
+
+    def __init__(self, folder: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = (
+            self._special(config.get(name)) for name in ("bos_token", "eos_token", "pad_token"))
+
+    def _special(self, token) -> int | None:
+        token = token.get("content") if isinstance(token, dict) else token
+        return self._tokenizer.token_to_id(token) if isinstance(token, str) else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

@@ -28,7 +28,7 @@ from llmadapt.host import free_port
 from llmadapt.launch.collect import Collector
 from llmadapt.launch.environments import TOOLS_ENVIRONMENT, python_for
 from llmadapt.launch.multinode import gather, run_node_agent, run_node_zero, warn_loopback
-from llmadapt.launch.prepare import check_save_folder, ensure_checkpoint
+from llmadapt.launch.prepare import check_data_fits, check_save_folder, ensure_checkpoint
 from llmadapt.launch.serve import run_serving
 from llmadapt.launch.settings import LAUNCHERS, NodeSettings, check_run_options, launch_request, resolve
 from llmadapt.launch.sinks import RecordSinks
@@ -112,7 +112,7 @@ def _run(workload: Workload, adapter: str, launcher: str, out: str | Path, run_i
         per_node = nodes.procs_per_node(world)
     python = None if launcher == "inline" else python_for(info.environment)
     if python is not None or workload.model.path:
-        ensure_checkpoint(workload, info.environment)
+        check_data_fits(workload, ensure_checkpoint(workload, info.environment))
     multinode = launcher == "torchrun" and nodes.nnodes > 1
     if multinode:
         warn_loopback(nodes, progress)

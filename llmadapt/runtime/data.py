@@ -98,7 +98,7 @@ class TokenData:
         if self._examples is None:  # synthetic: every label counts, so no need to build the other ranks' samples
             loss_tokens = g * self.seq_len
         else:
-            loss_tokens = sum(sum(1 for t in s.labels if t != IGNORE) for s in self.global_samples(step))
+            loss_tokens = self.loss_tokens(step)
             if not loss_tokens:
                 shortest = min(len(self._examples[self._order(i // len(self._examples))[i % len(self._examples)]]
                                    .prompt) for i in range(step * g, step * g + g))
@@ -124,6 +124,16 @@ class TokenData:
             sample_length_squares=sum(s.length ** 2 for s in mine),
         )
 
+    def loss_tokens(self, step: int) -> int:
+        """The answer tokens of global step ``step``, every rank's (its loss is their mean): 0 where every prompt
+        of the step fills train.seq_len, a step that cannot train. The launcher checks each step before launch."""
+        g = self.w.train.global_batch
+        if self.w.data.packing:
+            samples = [s for r in range(step * g, step * g + g) for s in self.row_samples(r)]
+        else:
+            samples = self.global_samples(step)
+        return sum(t != IGNORE for s in samples for t in s.labels)
+
     # -- packing (data.packing) -------------------------------------------------------
     def row_samples(self, row: int) -> list[Sample]:
         """The samples of packed row ``row`` of the global order: whole samples, in order, as many as fit in
@@ -145,7 +155,7 @@ class TokenData:
         g = self.w.train.global_batch  # rows
         per_rank = g // dp_size
         rows = [self.row_samples(r) for r in range(step * g, step * g + g)]
-        loss_tokens = sum(t != IGNORE for row in rows for s in row for t in s.labels)
+        loss_tokens = self.loss_tokens(step)
         if not loss_tokens:
             raise ValueError(f"step {step}: no answer token within train.seq_len={self.seq_len} in any of the "
                              f"step's samples: raise train.seq_len")

@@ -88,13 +88,15 @@ def _span(event: dict[str, Any]) -> Interval:
 
 def _message_bytes(event: dict[str, Any], kind: str, world: int) -> int | None:
     """nccl-tests' message size: the larger of input and output (all-gather: gathered, reduce-scatter: input)."""
-    args = event.get("args", {})
+    args = event.get("args") or {}
     if "In msg nelems" in args:  # NCCL kernels (from record_param_comms)
         size = _DTYPE_BYTES.get(str(args.get("dtype", "")).lower())
         nelems = max(int(args.get("In msg nelems") or 0), int(args.get("Out msg nelems") or 0))
         return nelems * size if size and nelems else None
     dims, types = args.get("Input Dims"), args.get("Input type")
-    if not dims or not types or not isinstance(dims[0], list):
+    # a flat shape of the first input; a tensor list's shapes (nested lists) or anything else: size unknown
+    if not (isinstance(dims, list) and isinstance(types, list) and dims and types and isinstance(dims[0], list)
+            and all(isinstance(d, int) and not isinstance(d, bool) for d in dims[0])):
         return None
     size = _DTYPE_BYTES.get(str(types[0]).lower())
     if size is None:
@@ -125,7 +127,7 @@ def analyse(trace: dict[str, Any], world: int) -> dict[str, Any]:
     if not steps:
         return {}
     step = _span(steps[0])
-    if any(e.get("cat") in _DEVICE_CATEGORIES for e in events):
+    if any(e.get("cat") in DEVICE_CATEGORIES for e in events):
         return device_breakdown(trace, world, window=step)
     group = (trace.get("distributedInfo") or {}).get("world_size") or world
 
@@ -182,7 +184,7 @@ def _collectives(comm_events: list[tuple[str, str, dict[str, Any]]], group: int)
 
 
 # -- the GPU's kernel basis ---------------------------------------------------------------------------------
-_DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 """Kineto's categories of work a GPU does: what Holistic Trace Analysis counts as GPU kernels (stream >= 0)."""
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 """Kineto's categories of the host calls that launch GPU work (their correlation ids name the work)."""
@@ -208,7 +210,7 @@ def device_activities(trace: dict[str, Any], *, include_last_step: bool = False)
     selects them: where the trace holds two or more ``ProfilerStep`` ranges, only what was launched before the
     last one started (the profiler may stop inside the last step), unless ``include_last_step``."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    activities = [e for e in events if e.get("cat") in _DEVICE_CATEGORIES
+    activities = [e for e in events if e.get("cat") in DEVICE_CATEGORIES
                   and int((e.get("args") or {}).get("stream", -1)) >= 0
                   and int((e.get("args") or {}).get("correlation", -1)) >= 0]
     starts = [float(e["ts"]) for e in events if str(e.get("name", "")).startswith(STEP_MARK)]
@@ -216,7 +218,7 @@ def device_activities(trace: dict[str, Any], *, include_last_step: bool = False)
         return activities
     last = max(starts)
     launched = {int(e["args"]["correlation"]): float(e["ts"]) for e in events
-                if e.get("cat") not in _DEVICE_CATEGORIES and "correlation" in (e.get("args") or {})}
+                if e.get("cat") not in DEVICE_CATEGORIES and "correlation" in (e.get("args") or {})}
     return [e for e in activities if launched.get(int(e["args"]["correlation"]), last) < last]
 
 

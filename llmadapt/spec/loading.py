@@ -120,8 +120,8 @@ def read_document(path: Path) -> Any:
         if suffix == ".json":
             return json.loads(text)
         return load_yaml(text) or {}
-    except Exception as exc:  # parse errors of three libraries: one clear line
-        raise ValueError(f"could not be parsed: {exc}") from None
+    except Exception as exc:  # parse errors of three libraries: one clear line (YAML's span several: joined)
+        raise ValueError(f"could not be parsed: {' '.join(str(exc).split())}") from None
 
 
 def build(cls: type, data: Any, path: str) -> Any:
