@@ -51,7 +51,7 @@ def tune(workload: Workload | str | Path, adapters: list[str], *, ranks: int | N
         workload = Workload.from_file(workload)
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     _check(objective, strategy, budget_s, max_runs, grid_runs, price_per_hour, device)
-    ranks = ranks or max(workload.world_size, os.cpu_count() or 1)  # on CPU every rank needs a core at least
+    ranks = ranks or max(workload.world_size, available_ranks())
     spec = _device(device)
     found = space(workload, adapters, ranks=ranks, max_memory_bytes=max_memory_bytes, device=spec, fixed=fixed)
     if not found.candidates:
@@ -85,6 +85,26 @@ def tune(workload: Workload | str | Path, adapters: list[str], *, ranks: int | N
         Path(ranked.workload_file).write_text(json.dumps(best.workload.to_dict(), indent=1) + "\n")
     (folder / "answer.json").write_text(json.dumps(result.to_dict(), indent=1, default=str) + "\n")
     return result
+
+
+def available_ranks() -> int:
+    """This node's ranks: its visible GPUs, or on a CPU machine its cores (every rank needs one at least)."""
+    import shutil
+    import subprocess
+
+    from llmadapt.host import gpu_visible
+
+    if gpu_visible():
+        visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        if visible:
+            return len(visible)
+        if shutil.which("nvidia-smi"):
+            listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+            return max(1, sum(1 for line in listed.splitlines() if line.startswith("GPU ")))
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _check(objective: str, strategy: str, budget_s: float, max_runs: int, grid_runs: int,
