@@ -13,6 +13,7 @@ without LoRA's update.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -129,3 +130,63 @@ def test_a_qlora_fine_tune_is_saved_evaluated_before_and_after_and_served(tmp_pa
     served = run(serve, "hf", out=tmp_path / "runs")
     assert served.ok, served.summary.failures
     assert served.summary.serving.completed == 4
+
+
+EXPERTS_QLORA = ["kind=finetune", "lora.rank=4", 'lora.target_modules=["w1", "w2", "w3", "gate"]',
+                 "optimizations.quantization=nf4", "train.steps=2", "train.warmup_steps=1", "train.lr=0.01",
+                 "telemetry.interval_s=0"]
+
+
+def expected_experts(workload) -> tuple[int, int]:
+    """The tiny Mixtral's expert parameters (w1, w2, w3 of every expert of every layer) and their nf4 bytes: half a
+    byte per parameter, an fp32 absmax per block of 64 and one 16-entry fp32 code table per tensor (two fused
+    tensors per layer: gate_up_proj and down_proj)."""
+    m = workload.model
+    params = m.num_layers * m.num_experts * 3 * m.hidden_size * m.intermediate_size
+    return params, params // 2 + params // 64 * 4 + 2 * m.num_layers * 16 * 4
+
+
+def assert_experts_in_4_bit(result, workload) -> None:
+    """The trace's header (and the summary) says the experts are held nf4, with their byte count; no class QLoRA
+    quantizes holds float matrices."""
+    from llmadapt.contract.jsonl import read_jsonl
+    from llmadapt.contract.rundir import RunDir
+
+    header = read_jsonl(RunDir(result.run_dir).rank_file(0))[0]
+    rows = {(w["module_class"], w["format"]): w for w in header["weights"]}
+    params, stored = expected_experts(workload)
+    experts = rows[("moe.experts", "nf4")]
+    assert (experts["params"], experts["bytes"], experts["unquantized_bytes"]) == (params, stored, params * 4), rows
+    assert not [k for k in rows if k[0].startswith(("attention.", "mlp", "moe.experts")) and k[1] != "nf4"], rows
+    assert {(w.module_class, w.format) for w in result.summary.weights} == set(rows)
+
+
+@pytest.mark.skipif(bool(environments_unready("torch")), reason=environments_unready("torch") or "")
+def test_a_nf4_mixtral_holds_its_experts_in_4_bit(tmp_path):
+    """transformers 5 fuses Mixtral's experts into 3-D parameters that bitsandbytes leaves alone: with nf4 they are
+    quantized too (bitsandbytes' functional API), LoRA on them still trains, and the trace says what each module
+    class holds; `show` prints it."""
+    from llmadapt.analysis.report import summary_text
+
+    workload = Workload.from_file(EXAMPLES / "tiny-mixtral.toml").with_overrides(EXPERTS_QLORA)
+    result = run(workload, "torch", out=tmp_path, launcher="inline")
+    assert result.ok, result.summary.failures
+    assert_experts_in_4_bit(result, workload)
+    assert all(math.isfinite(x) for x in result.summary.losses) and result.summary.losses[0] != result.summary.losses[-1]
+    text = summary_text(json.loads((result.run_dir / "summary.json").read_text()))
+    assert "weights    nf4: " in text and "moe.experts 4 (" in text, text
+
+
+def test_a_quantization_that_leaves_a_class_unquantized_is_refused(monkeypatch):
+    """Where a stack cannot quantize a part QLoRA quantizes (here: the fused experts, as bitsandbytes alone leaves
+    them), the check before step 0 refuses the run naming the module class."""
+    import torch
+
+    from llmadapt.adapter import quantization
+
+    model = quantized_peft_model("nf4", "tiny-mixtral.toml")
+    monkeypatch.setattr(quantization, "quantize_fused_experts", lambda model, quant: {})
+    with pytest.raises(RuntimeError, match=r"optimizations.quantization=nf4 does not cover .*moe\.experts: 4 weight "
+                                           r"matrices stay fp32 \(e\.g\. .*layers\.0\.mlp\.experts\.gate_up_proj\)"):
+        quantization.quantize_and_check(model, "nf4", torch.float32)
+

@@ -65,6 +65,24 @@ def summary_text(summary: dict[str, Any]) -> str:
         return f"(llmadapt show could not render this summary: {exc!r})\n" + json.dumps(summary, indent=1) + "\n"
 
 
+def weights_lines(weights: list[dict[str, Any]]) -> list[str]:
+    """What the model held, quantized or not: per storage format, its module classes with their tensors and bytes
+    (stored, and unquantized where quantized)."""
+    def size(n: float) -> str:
+        return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+    by_format: dict[str, list[dict[str, Any]]] = {}
+    for w in weights:
+        by_format.setdefault(w["format"], []).append(w)
+    lines = []
+    for fmt, rows in sorted(by_format.items(), key=lambda kv: kv[0].startswith(("fp", "bf"))):
+        parts = [f"{w['module_class']} {w['tensors']} ({size(w['bytes'])}"
+                 + (f" of {size(w['unquantized_bytes'])})" if w["bytes"] != w["unquantized_bytes"] else ")")
+                 for w in rows]
+        lines.append(f"weights    {fmt}: " + ", ".join(parts))
+    return lines
+
+
 def render_summary(s: dict[str, Any]) -> str:
     st, tok = s.get("step_time_s"), s.get("tokens_per_s")
     device = f"device     {s['device']['kind']}: {s['device']['name']}" if s.get("device") else "device     -"
@@ -83,6 +101,7 @@ def render_summary(s: dict[str, Any]) -> str:
             device,
             f"steps      {s['steps_completed']} completed, {s['measured_steps']} measured",
         ]
+    lines += weights_lines(s.get("weights") or [])
     if st:
         lines.append(f"step time  p50 {st['p50']:.4f} s  p90 {st['p90']:.4f} s  mean {st['mean']:.4f} s "
                      f"(std {st['std']:.4f}, n={st['count']})")

@@ -117,6 +117,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
             checkpoint_hash=workload.model.checksum or recorded_weights_hash(checkpoint), device=describe_device(device),
             software=software_versions(), patches=list(trainer.patches), topology=describe_topology(device),
             notes=list(getattr(trainer, "notes", [])),  # an adapter written before notes may not call our __init__
+            weights=list(getattr(trainer, "weights", [])),
         ))
 
         for metric in setup:

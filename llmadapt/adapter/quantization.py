@@ -1,0 +1,196 @@
+"""Base-weight quantization (QLoRA) as every stack that loads a transformers model does it (worker side): the
+bitsandbytes config, the experts transformers 5 fuses into 3-D parameters quantized too, and what the model holds
+per module class, checked against the workload before step 0.
+
+bitsandbytes replaces ``nn.Linear`` layers; transformers 5 holds a MoE layer's experts as 3-D parameters
+(Mixtral's ``mlp.experts.gate_up_proj`` and ``down_proj``), which it leaves as they were loaded. Those are quantized
+here with bitsandbytes' functional API (the codes and block size of its Linear4bit, or LLM.int8's row-wise int8)
+and dequantized for the length of the experts' forward, into the parameter itself: peft's LoRA on the experts (its
+``ParamWrapper``, which maps w1/w2/w3 onto the fused tensors and adds its update to the parameter) works on it as on
+the unquantized model. Nothing here imports torch at module level.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from llmadapt.adapter.breakdown import hf_module_class
+from llmadapt.contract.records import WeightClass
+
+FOUR_BIT = ("nf4", "fp4")
+BLOCKSIZE = 64  # bitsandbytes' Linear4bit default (transformers' BitsAndBytesConfig passes none)
+
+
+def bnb_config(quant: str, compute_dtype):
+    """transformers' BitsAndBytesConfig for ``optimizations.quantization`` (nf4/fp4: 4-bit, int8: LLM.int8)."""
+    from transformers import BitsAndBytesConfig
+
+    if quant in FOUR_BIT:
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_compute_dtype=compute_dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+class FusedWeight:
+    """One fused expert tensor held quantized: bitsandbytes' codes and state, dequantized into the parameter's data
+    for the length of the experts' forward; between calls the parameter is a stand-in of the right shape that holds
+    one zero (expanded), in fp32, the dtype prepare_model_for_kbit_training gives the weights bitsandbytes leaves
+    alone: peft makes LoRA's factors in the parameter's dtype."""
+
+    def __init__(self, param, quant: str, double: bool) -> None:
+        import bitsandbytes.functional as bf
+        import torch
+
+        weight = param.detach()
+        self.param, self.quant, self.shape, self.dtype = param, quant, tuple(weight.shape), weight.dtype
+        if quant in FOUR_BIT:
+            self.codes, self.state = bf.quantize_4bit(weight, blocksize=BLOCKSIZE, compress_statistics=double,
+                                                      quant_type=quant)
+        else:
+            self.codes, self.state, _ = bf.int8_vectorwise_quant(weight.reshape(-1, weight.shape[-1]).half())
+        self.stand_in = torch.zeros((), dtype=torch.float32, device=weight.device).expand(self.shape)
+        param.data = self.stand_in
+
+    def load(self, dtype) -> None:
+        """The weight dequantized in ``dtype``, the input's (as bitsandbytes' Linear4bit computes)."""
+        import bitsandbytes.functional as bf
+
+        if self.quant in FOUR_BIT:
+            self.param.data = bf.dequantize_4bit(self.codes, self.state).to(dtype)
+        else:
+            self.param.data = bf.int8_vectorwise_dequant(self.codes, self.state).reshape(self.shape).to(dtype)
+
+    def release(self) -> None:
+        self.param.data = self.stand_in  # autograd keeps what the forward saved; nothing else holds the copy
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.codes.nbytes + _state_bytes(self.state)
+
+
+def _state_bytes(state) -> int:
+    """The bytes a 4-bit quantization state (absmax, code table, nested statistics) or int8 row scales hold."""
+    if not hasattr(state, "absmax"):
+        return state.nbytes
+    total = state.absmax.nbytes + state.code.nbytes
+    if state.nested:
+        total += state.state2.absmax.nbytes + state.state2.code.nbytes + state.offset.nbytes
+    return total
+
+
+def quantize_fused_experts(model, quant: str) -> dict[str, FusedWeight]:
+    """Quantize every 3-D floating parameter of the model's expert modules (transformers 5's fused experts) as
+    bitsandbytes quantized the linear layers (4-bit codes in blocks of 64, double quantization as the model's
+    quantization config says; or int8 per row), dequantized for the length of each forward of the module the MoE
+    block calls (peft's outermost ParamWrapper where LoRA targets the experts: its LoRA parametrization reads the
+    weight). Call after get_peft_model: peft then wraps the parameters as it would unquantized. Returns the
+    quantized tensors by parameter name (``model.named_parameters``')."""
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    double = bool(getattr(config, "bnb_4bit_use_double_quant", False) if not isinstance(config, dict)
+                  else config.get("bnb_4bit_use_double_quant"))
+    done: dict[str, FusedWeight] = {}
+    for name, module in list(model.named_modules()):
+        fused = [leaf for leaf, p in module.named_parameters(recurse=False)
+                 if p.dim() == 3 and p.is_floating_point() and not p.requires_grad]
+        if not fused or hf_module_class(name, type(module).__name__) != "moe.experts":
+            continue
+        weights = [FusedWeight(getattr(module, leaf), quant, double) for leaf in fused]
+        done.update({f"{name}.{leaf}": w for leaf, w in zip(fused, weights)})
+        outer = name
+        while outer.endswith(".base_layer"):
+            outer = outer.removesuffix(".base_layer")
+        called = model.get_submodule(outer)
+        called.register_forward_pre_hook(lambda _, args, ws=weights: [w.load(args[0].dtype) for w in ws] and None)
+        called.register_forward_hook(lambda *_, ws=weights: [w.release() for w in ws] and None)
+    return done
+
+
+def _tensors(model) -> Iterator[tuple[str, str, str, Any]]:
+    """(owner module name, owner type name, parameter name, parameter) for every parameter of the model's base (LoRA's
+    own left out)."""
+    for name, module in model.named_modules():
+        if "lora_" in name:
+            continue
+        for leaf, tensor in module.named_parameters(recurse=False):
+            yield name, type(module).__name__, f"{name}.{leaf}" if name else leaf, tensor
+
+
+def _classify(model, module_class: Callable[[str, str], str | None]) -> Callable[[str, str], str]:
+    """A module's class, or its nearest classified ancestor's ('model' at the top)."""
+    types = {name: type(m).__name__ for name, m in model.named_modules()}
+
+    def find(name: str, type_name: str) -> str:
+        while True:
+            cls = module_class(name, type_name)
+            if cls or not name:
+                return cls or "model"
+            name = name.rpartition(".")[0]
+            type_name = types.get(name, "")
+    return find
+
+
+def _dtype_name(dtype) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(str(dtype).removeprefix("torch."),
+                                                                        str(dtype).removeprefix("torch."))
+
+
+def _describe(tensor, fused: FusedWeight | None, load_dtype) -> tuple[str, int, int, int]:
+    """(format, parameters, stored bytes, bytes at the dtype it was loaded in) of one weight."""
+    import torch
+
+    kind, load_size = type(tensor).__name__, torch.empty((), dtype=load_dtype).element_size()
+    if fused is not None:
+        n = math.prod(fused.shape)
+        return fused.quant, n, fused.stored_bytes, n * load_size
+    if kind == "Params4bit":
+        qs = tensor.quant_state
+        n = math.prod(qs.shape)
+        return qs.quant_type, n, tensor.nbytes + _state_bytes(qs), n * load_size
+    if kind == "Int8Params":
+        scales = getattr(tensor, "SCB", None)
+        return "int8", tensor.numel(), tensor.nbytes + (scales.nbytes if scales is not None else 0), \
+            tensor.numel() * load_size
+    return _dtype_name(tensor.dtype), tensor.numel(), tensor.nbytes, tensor.nbytes
+
+
+def weight_classes(model, load_dtype, fused: dict[str, FusedWeight] | None = None,
+                   module_class: Callable[[str, str], str | None] = hf_module_class) -> list[WeightClass]:
+    """What the model's base holds, per module class and storage format: tensors, parameters, stored bytes
+    (quantization state included) and the bytes the same weights take unquantized (a quantized weight at
+    ``load_dtype``, the dtype it was loaded in; a float weight as held). ``fused``: ``quantize_fused_experts``' result."""
+    classify, rows, fused = _classify(model, module_class), {}, fused or {}
+    for owner, type_name, name, tensor in _tensors(model):
+        fmt, n, stored, plain = _describe(tensor, fused.get(name), load_dtype)
+        key = (classify(owner, type_name), fmt)
+        t, p, b, u = rows.get(key, (0, 0, 0, 0))
+        rows[key] = (t + 1, p + n, b + stored, u + plain)
+    return [WeightClass(module_class=c, format=f, tensors=t, params=p, bytes=b, unquantized_bytes=u)
+            for (c, f), (t, p, b, u) in sorted(rows.items())]
+
+
+QUANTIZED_CLASSES = ("attention.", "mlp", "moe.experts")
+"""The module classes whose matrices QLoRA quantizes: attention's and the MLP's projections and the experts. The
+embedding, the norms, the router and lm_head stay in the compute dtype (bitsandbytes leaves lm_head; transformers
+5's router is no Linear), as llmadapt.analysis.perf.estimate counts them."""
+
+
+def quantize_and_check(model, quant: str, load_dtype) -> list[WeightClass]:
+    """Quantize what bitsandbytes left of a model loaded for ``quant`` and wrapped by peft (its fused experts), and
+    say what the model's base holds per module class; raises naming each module class whose matrices the
+    quantization should cover (``QUANTIZED_CLASSES``) and does not, before the run's first step."""
+    fused = quantize_fused_experts(model, quant)
+    classes = weight_classes(model, load_dtype, fused)
+    classify, missing = _classify(model, hf_module_class), {}
+    for owner, type_name, name, tensor in _tensors(model):
+        if (name not in fused and type(tensor).__name__ not in ("Params4bit", "Int8Params") and tensor.dim() >= 2
+                and tensor.is_floating_point()):
+            cls = classify(owner, type_name)
+            if cls.startswith(QUANTIZED_CLASSES):
+                missing.setdefault((cls, _dtype_name(tensor.dtype)), []).append(name)
+    if missing:
+        raise RuntimeError(
+            f"optimizations.quantization={quant} does not cover the whole model on this stack: " + "; ".join(
+                f"{cls}: {len(names)} weight matrices stay {fmt} (e.g. {names[0]})"
+                for (cls, fmt), names in sorted(missing.items())))
+    return classes
