@@ -28,9 +28,11 @@ QLORA = ["kind=finetune", "lora.rank=4", "lora.target_modules=[q_proj,v_proj,dow
          "train.warmup_steps=1", "train.lr=0.01", "telemetry.interval_s=0"]
 
 
-def quantized_peft_model(quant: str, example: str = "tiny-llama.toml"):
+def quantized_peft_model(quant: str, example: str = "tiny-llama.toml", targets=("q_proj", "v_proj", "down_proj"),
+                         experts: bool = False):
     """The canonical tiny Llama (or another example's model) loaded as the reference adapter loads it for QLoRA,
-    LoRA B made non-zero (as after training) so that merging matters."""
+    LoRA B made non-zero (as after training) so that merging matters. ``experts``: transformers 5's fused experts
+    quantized too, as the adapters do (llmadapt.adapter.quantization)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -40,7 +42,11 @@ def quantized_peft_model(quant: str, example: str = "tiny-llama.toml"):
               if quant != "int8" else BitsAndBytesConfig(load_in_8bit=True))
     base = AutoModelForCausalLM.from_pretrained(str(canonical_checkpoint(w.model, w.seed)), dtype=torch.float32,
                                                 quantization_config=config, device_map={"": "cpu"})
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
+    if experts:
+        from llmadapt.adapter import quantization
+
+        assert quantization.quantize_fused_experts(model, quant)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -83,17 +89,20 @@ def test_a_quantized_lora_model_saves_as_the_model_it_computes(quant, tolerance,
         assert float((lost(input_ids=ids).logits - trained).abs().max()) > limit
 
 
-def test_a_quantized_mixtral_saves_in_the_published_layout(tmp_path):
+@pytest.mark.parametrize("experts", [False, True], ids=["attention", "experts"])
+def test_a_quantized_mixtral_saves_in_the_published_layout(experts, tmp_path):
     """transformers 5 holds Mixtral's experts fused in memory (mlp.experts.gate_up_proj) and publishes them as
     block_sparse_moe.experts.N.w1/w2/w3: a QLoRA save writes the published layout, which every loader and the
-    model-folder check read, and computes what the quantized model computed (tolerance as for nf4 above)."""
+    model-folder check read, and computes what the quantized model computed (tolerance as for nf4 above); also with
+    the fused experts quantized and LoRA on them and the router (study B's recipe): their updates merged."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from llmadapt.adapter import weights
     from llmadapt.modelfolder import shape_of
 
-    model = quantized_peft_model("nf4", "tiny-mixtral.toml")
+    model = (quantized_peft_model("nf4", "tiny-mixtral.toml", ("w1", "w2", "w3", "gate", "q_proj"), experts=True)
+             if experts else quantized_peft_model("nf4", "tiny-mixtral.toml"))
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         trained = model(input_ids=ids).logits

@@ -34,32 +34,35 @@ def bnb_config(quant: str, compute_dtype):
 
 class FusedWeight:
     """One fused expert tensor held quantized: bitsandbytes' codes and state, dequantized into the parameter's data
-    for the length of the experts' forward; between calls the parameter is a stand-in of the right shape that holds
-    one zero (expanded), in fp32, the dtype prepare_model_for_kbit_training gives the weights bitsandbytes leaves
-    alone: peft makes LoRA's factors in the parameter's dtype."""
+    for the length of the experts' forward (in the input's dtype); between calls the parameter holds nothing (an empty
+    fp32 tensor: what a framework does to every parameter, such as DeepSpeed's broadcast from rank 0, costs
+    nothing)."""
 
     def __init__(self, param, quant: str, double: bool) -> None:
         import bitsandbytes.functional as bf
         import torch
 
         weight = param.detach()
-        self.param, self.quant, self.shape, self.dtype = param, quant, tuple(weight.shape), weight.dtype
+        self.param, self.quant, self.shape = param, quant, tuple(weight.shape)
         if quant in FOUR_BIT:
             self.codes, self.state = bf.quantize_4bit(weight, blocksize=BLOCKSIZE, compress_statistics=double,
                                                       quant_type=quant)
         else:
             self.codes, self.state, _ = bf.int8_vectorwise_quant(weight.reshape(-1, weight.shape[-1]).half())
-        self.stand_in = torch.zeros((), dtype=torch.float32, device=weight.device).expand(self.shape)
+        self.stand_in = torch.empty(0, dtype=torch.float32, device=weight.device)
         param.data = self.stand_in
+        param.quantized_experts = self  # for a save, which writes the dequantized weight (adapter.weights)
 
-    def load(self, dtype) -> None:
-        """The weight dequantized in ``dtype``, the input's (as bitsandbytes' Linear4bit computes)."""
+    def dequantized(self, dtype):
         import bitsandbytes.functional as bf
 
         if self.quant in FOUR_BIT:
-            self.param.data = bf.dequantize_4bit(self.codes, self.state).to(dtype)
-        else:
-            self.param.data = bf.int8_vectorwise_dequant(self.codes, self.state).reshape(self.shape).to(dtype)
+            return bf.dequantize_4bit(self.codes, self.state).to(dtype)
+        return bf.int8_vectorwise_dequant(self.codes, self.state).reshape(self.shape).to(dtype)
+
+    def load(self, dtype) -> None:
+        """The weight dequantized in ``dtype``, the input's (as bitsandbytes' Linear4bit computes)."""
+        self.param.data = self.dequantized(dtype)
 
     def release(self) -> None:
         self.param.data = self.stand_in  # autograd keeps what the forward saved; nothing else holds the copy

@@ -133,9 +133,12 @@ def merged_lora_state_dict(base, quantized: dict[str, Any] | None = None) -> dic
     their quantization state (absmax, quant_map, SCB, ...) left out."""
     quantized = quantized or {}
     out = {}
-    for name, tensor in base.state_dict().items():
+    for name, tensor in base.state_dict(keep_vars=True).items():
         if ".lora_" in name:
             continue
+        fused = getattr(tensor, "quantized_experts", None)  # llmadapt.adapter.quantization's fused experts
+        if fused is not None:
+            tensor = fused.dequantized(dtype=fused.stand_in.dtype)
         owner, _, leaf = name.rpartition(".")
         module = quantized.get(owner)
         if module is None and any(name.startswith(f"{q}.weight.") for q in quantized):
@@ -148,14 +151,22 @@ def merged_lora_state_dict(base, quantized: dict[str, Any] | None = None) -> dic
 
                 tensor = dequantize_module_weight(module)
         if ".base_layer." in name:
-            owner, _, leaf = name.rpartition(".base_layer.")
-            if leaf == "weight":
-                layer = base.get_submodule(owner)
-                tensor = tensor + sum(layer.get_delta_weight(a).to(tensor.dtype) for a in layer.active_adapters
-                                      if a in layer.lora_A)
+            owner, leaf = name.partition(".base_layer.")[0], name.rpartition(".")[2]
+            tensor = tensor + _lora_delta(base.get_submodule(owner), leaf, tensor.dtype)
             name = f"{owner}.{leaf}"
         out[name] = tensor.detach()
     return out
+
+
+def _lora_delta(layer, leaf: str, dtype):
+    """The LoRA update to the base tensor ``leaf`` of a peft layer: a Linear's to its weight, or a ParamWrapper's
+    (LoRA on a parameter: transformers 5's fused experts, each wrapped around the next) to the parameter it
+    wraps; 0 where none."""
+    while layer is not None and hasattr(layer, "lora_A"):
+        if getattr(layer, "parameter_name", "weight") == leaf:
+            return sum(layer.get_delta_weight(a).to(dtype) for a in layer.active_adapters if a in layer.lora_A)
+        layer = getattr(layer, "base_layer", None)
+    return 0
 
 
 def write_safetensors(folder: str | Path, tensors: dict[str, Any], shard_bytes: int = 1 << 30) -> None:
