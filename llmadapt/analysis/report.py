@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from llmadapt.analysis.breakdown_text import weights_lines
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
 from llmadapt.launch.summary import load_records
@@ -63,24 +64,6 @@ def summary_text(summary: dict[str, Any]) -> str:
         return render_summary(summary) + "\n"
     except (KeyError, TypeError, ValueError) as exc:
         return f"(llmadapt show could not render this summary: {exc!r})\n" + json.dumps(summary, indent=1) + "\n"
-
-
-def weights_lines(weights: list[dict[str, Any]]) -> list[str]:
-    """What the model held, quantized or not: per storage format, its module classes with their tensors and bytes
-    (stored, and unquantized where quantized)."""
-    def size(n: float) -> str:
-        return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
-
-    by_format: dict[str, list[dict[str, Any]]] = {}
-    for w in weights:
-        by_format.setdefault(w["format"], []).append(w)
-    lines = []
-    for fmt, rows in sorted(by_format.items(), key=lambda kv: kv[0].startswith(("fp", "bf"))):
-        parts = [f"{w['module_class']} {w['tensors']} ({size(w['bytes'])}"
-                 + (f" of {size(w['unquantized_bytes'])})" if w["bytes"] != w["unquantized_bytes"] else ")")
-                 for w in rows]
-        lines.append(f"weights    {fmt}: " + ", ".join(parts))
-    return lines
 
 
 def render_summary(s: dict[str, Any]) -> str:
@@ -152,16 +135,14 @@ def render_summary(s: dict[str, Any]) -> str:
         if failure.get("step") is not None:
             where += f", step {failure['step']}"
         lines.append(f"failure    {failure['cause']} ({where}): {failure['message'][:300]}")
-    for warning in s.get("warnings", []):
-        lines.append(f"warning    {warning}")
+    lines += [f"warning    {warning}" for warning in s.get("warnings", [])]
     step_mean = (s.get("step_time_s") or {}).get("mean")
     for name, secs in s.get("phase_means_s", {}).items():
         share = f"  {secs / step_mean:6.1%} of the step" if step_mean else ""
         lines.append(f"phase      {name:<24} {secs:.4f} s{share}")
     for p in s.get("patches", []):
         lines.append(f"patch      {p['framework']}: {p['name']} ({p['kind']}) - {p['description']}")
-    for note in s.get("notes", []):
-        lines.append(f"note       {note}")
+    lines += [f"note       {note}" for note in s.get("notes", [])]
     if s.get("expert_imbalance"):
         lines += ["", "experts    load per MoE layer over the steps after warm-up (CV: std/mean of tokens per expert)",
                   render_imbalance(s["expert_imbalance"])]
