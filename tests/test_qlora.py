@@ -174,14 +174,20 @@ def assert_experts_in_4_bit(result, workload) -> None:
 def test_a_nf4_mixtral_holds_its_experts_in_4_bit(tmp_path):
     """transformers 5 fuses Mixtral's experts into 3-D parameters that bitsandbytes leaves alone: with nf4 they are
     quantized too (bitsandbytes' functional API), LoRA on them still trains, and the trace says what each module
-    class holds; `show` prints it."""
+    class holds; `show` prints it, and the estimate counts the same parameters quantized."""
+    from llmadapt.analysis.perf.estimate import rank_params
     from llmadapt.analysis.report import summary_text
 
     workload = Workload.from_file(EXAMPLES / "tiny-mixtral.toml").with_overrides(EXPERTS_QLORA)
     result = run(workload, "torch", out=tmp_path, launcher="inline")
     assert result.ok, result.summary.failures
     assert_experts_in_4_bit(result, workload)
-    assert all(math.isfinite(x) for x in result.summary.losses) and result.summary.losses[0] != result.summary.losses[-1]
+    losses = result.summary.losses
+    assert all(math.isfinite(x) for x in losses) and losses[0] != losses[-1]  # LoRA on the 4-bit experts trains
+    # the estimate describes the model the run held: the same parameters quantized, the same in all
+    params = rank_params(workload)
+    assert params.quantized == sum(w.params for w in result.summary.weights if w.format == "nf4")
+    assert params.total == sum(w.params for w in result.summary.weights)
     text = summary_text(json.loads((result.run_dir / "summary.json").read_text()))
     assert "weights    nf4: " in text and "moe.experts 4 (" in text, text
 

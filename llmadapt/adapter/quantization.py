@@ -161,7 +161,8 @@ def weight_classes(model, load_dtype, fused: dict[str, FusedWeight] | None = Non
                    module_class: Callable[[str, str], str | None] = hf_module_class) -> list[WeightClass]:
     """What the model's base holds, per module class and storage format: tensors, parameters, stored bytes
     (quantization state included) and the bytes the same weights take unquantized (a quantized weight at
-    ``load_dtype``, the dtype it was loaded in; a float weight as held). ``fused``: ``quantize_fused_experts``' result."""
+    ``load_dtype``, the dtype it was loaded in; a float weight as held). ``fused``: what ``quantize_fused_experts``
+    returned."""
     classify, rows, fused = _classify(model, module_class), {}, fused or {}
     for owner, type_name, name, tensor in _tensors(model):
         fmt, n, stored, plain = _describe(tensor, fused.get(name), load_dtype)
