@@ -174,14 +174,19 @@ def assert_experts_in_4_bit(result, workload) -> None:
 def test_a_nf4_mixtral_holds_its_experts_in_4_bit(tmp_path):
     """transformers 5 fuses Mixtral's experts into 3-D parameters that bitsandbytes leaves alone: with nf4 they are
     quantized too (bitsandbytes' functional API), LoRA on them still trains, and the trace says what each module
-    class holds; `show` prints it, and the estimate counts the same parameters quantized."""
+    class holds; `show` prints it, the estimate counts the same parameters quantized, and the profiled step's module x
+    operator table has the experts' dequantization."""
     from llmadapt.analysis.perf.estimate import rank_params
     from llmadapt.analysis.report import summary_text
 
-    workload = Workload.from_file(EXAMPLES / "tiny-mixtral.toml").with_overrides(EXPERTS_QLORA)
+    workload = Workload.from_file(EXAMPLES / "tiny-mixtral.toml").with_overrides(
+        [*EXPERTS_QLORA, "profile.steps=[2]", "profile.level=operator"])
     result = run(workload, "torch", out=tmp_path, launcher="inline")
     assert result.ok, result.summary.failures
     assert_experts_in_4_bit(result, workload)
+    # the experts' dequantization is theirs in the breakdown, as attention's is attention's
+    cross = {c.name: c.seconds for c in result.summary.breakdown.module_operators}
+    assert cross.get("moe.experts/dequantization", 0) > 0 and cross.get("attention.qkv/dequantization", 0) > 0, cross
     losses = result.summary.losses
     assert all(math.isfinite(x) for x in losses) and losses[0] != losses[-1]  # LoRA on the 4-bit experts trains
     # the estimate describes the model the run held: the same parameters quantized, the same in all

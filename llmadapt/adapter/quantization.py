@@ -103,10 +103,26 @@ def quantize_fused_experts(model, quant: str) -> dict[str, FusedWeight]:
         outer = name
         while outer.endswith(".base_layer"):
             outer = outer.removesuffix(".base_layer")
-        called = model.get_submodule(outer)
-        called.register_forward_pre_hook(lambda _, args, ws=weights: [w.load(args[0].dtype) for w in ws] and None)
-        called.register_forward_hook(lambda *_, ws=weights: [w.release() for w in ws] and None)
+        _dequantize_in_forward(model.get_submodule(outer), weights)
     return done
+
+
+def _dequantize_in_forward(module, weights: list[FusedWeight]) -> None:
+    """The module's forward with its weights dequantized for its length. Inside the forward, not in a hook: the
+    profiler's range around the module (llmadapt.runtime.profile, hooks added later) then holds the
+    dequantization, as it holds bitsandbytes' inside a Linear4bit."""
+    forward = module.forward
+
+    def dequantized_forward(hidden_states, *args, **kwargs):
+        for w in weights:
+            w.load(hidden_states.dtype)
+        try:
+            return forward(hidden_states, *args, **kwargs)
+        finally:
+            for w in weights:
+                w.release()
+
+    module.forward = dequantized_forward
 
 
 def _tensors(model) -> Iterator[tuple[str, str, str, Any]]:
