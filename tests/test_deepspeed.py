@@ -339,9 +339,9 @@ def test_qlora_holds_the_experts_in_4_bit_on_both_stacks(out):
                    shared_run(MOE_QLORA.with_overrides(["optimizations.zero_stage=2", *DP2]), out)):
         rows = {(w["module_class"], w["format"]): w for w in records(result)[0]["weights"]}
         experts = rows[("moe.experts", "nf4")]
-        assert (experts["params"], experts["bytes"]) == (params, params // 2 + params // 64 * 4 + 2 * m.num_layers * 64)
+        assert (experts["params"], experts["stored_bytes"]) == (params, params // 2 + params // 64 * 4 + 2 * m.num_layers * 64)
         assert not [k for k in rows if k[0].startswith(("attention.", "mlp", "moe.experts")) and k[1] != "nf4"], rows
-        held.append({k: (w["params"], w["bytes"]) for k, w in rows.items() if k[1] == "nf4"})
+        held.append({k: (w["params"], w["stored_bytes"]) for k, w in rows.items() if k[1] == "nf4"})
     assert held[0] == held[1]
 
 

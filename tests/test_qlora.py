@@ -165,7 +165,7 @@ def assert_experts_in_4_bit(result, workload) -> None:
     rows = {(w["module_class"], w["format"]): w for w in header["weights"]}
     params, stored = expected_experts(workload)
     experts = rows[("moe.experts", "nf4")]
-    assert (experts["params"], experts["bytes"], experts["unquantized_bytes"]) == (params, stored, params * 4), rows
+    assert (experts["params"], experts["stored_bytes"], experts["unquantized_bytes"]) == (params, stored, params * 4), rows
     assert not [k for k in rows if k[0].startswith(("attention.", "mlp", "moe.experts")) and k[1] != "nf4"], rows
     assert {(w.module_class, w.format) for w in result.summary.weights} == set(rows)
 

@@ -185,7 +185,7 @@ def weight_classes(model, load_dtype, fused: dict[str, FusedWeight] | None = Non
         key = (classify(owner, type_name), fmt)
         t, p, b, u = rows.get(key, (0, 0, 0, 0))
         rows[key] = (t + 1, p + n, b + stored, u + plain)
-    return [WeightClass(module_class=c, format=f, tensors=t, params=p, bytes=b, unquantized_bytes=u)
+    return [WeightClass(module_class=c, format=f, tensors=t, params=p, stored_bytes=b, unquantized_bytes=u)
             for (c, f), (t, p, b, u) in sorted(rows.items())]
 
 

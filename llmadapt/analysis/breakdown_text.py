@@ -95,8 +95,8 @@ def weights_lines(weights: list[dict[str, Any]]) -> list[str]:
         by_format.setdefault(w["format"], []).append(w)
     lines = []
     for fmt, rows in sorted(by_format.items(), key=lambda kv: kv[0].startswith(("fp", "bf"))):
-        parts = [f"{w['module_class']} {w['tensors']} ({size(w['bytes'])}"
-                 + (f" of {size(w['unquantized_bytes'])})" if w["bytes"] != w["unquantized_bytes"] else ")")
+        parts = [f"{w['module_class']} {w['tensors']} ({size(w['stored_bytes'])}"
+                 + (f" of {size(w['unquantized_bytes'])})" if w["stored_bytes"] != w["unquantized_bytes"] else ")")
                  for w in rows]
         lines.append(f"weights    {fmt}: " + ", ".join(parts))
     return lines

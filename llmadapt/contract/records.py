@@ -135,11 +135,11 @@ class WeightClass:
     tensors: int
     params: int
     """Parameters (elements) of the weights, unquantized."""
-    bytes: int
+    stored_bytes: int
     """Bytes the weights take as stored, quantization state (scales, code tables) included."""
     unquantized_bytes: int
     """Bytes the same weights take unquantized: a quantized weight at the dtype it was loaded in, a float weight as
-    held (equal to bytes)."""
+    held (equal to stored_bytes)."""
 
 
 @attrs.frozen
