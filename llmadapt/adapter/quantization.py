@@ -33,25 +33,32 @@ def bnb_config(quant: str, compute_dtype):
 
 
 class FusedWeight:
-    """One fused expert tensor held quantized: bitsandbytes' codes and state, dequantized into the parameter's data
-    for the length of the experts' forward (in the input's dtype); between calls the parameter holds nothing (an empty
-    fp32 tensor: what a framework does to every parameter, such as DeepSpeed's broadcast from rank 0, costs
-    nothing)."""
+    """One fused expert tensor held quantized: bitsandbytes' codes and state, dequantized for the length of the
+    experts' forward (in the input's dtype) into a buffer of the experts' module under the parameter's name (peft's
+    LoRA parametrizes a buffer as it does a parameter), empty between calls."""
 
-    def __init__(self, param, quant: str, double: bool) -> None:
+    def __init__(self, module, leaf: str, quant: str, double: bool) -> None:
         import bitsandbytes.functional as bf
         import torch
 
-        weight = param.detach()
-        self.param, self.quant, self.shape = param, quant, tuple(weight.shape)
+        weight = getattr(module, leaf).detach()
+        self.quant, self.shape = quant, tuple(weight.shape)
         if quant in FOUR_BIT:
             self.codes, self.state = bf.quantize_4bit(weight, blocksize=BLOCKSIZE, compress_statistics=double,
                                                       quant_type=quant)
         else:
             self.codes, self.state, _ = bf.int8_vectorwise_quant(weight.reshape(-1, weight.shape[-1]).half())
-        self.stand_in = torch.empty(0, dtype=torch.float32, device=weight.device)
-        param.data = self.stand_in
-        param.quantized_experts = self  # for a save, which writes the dequantized weight (adapter.weights)
+        # a buffer from now on, empty between forwards: frozen anyway, and what a framework does to parameters
+        # (ZeRO-3 partitions them, DeepSpeed broadcasts them) has no business with it
+        self.module, self.leaf, self.device = module, leaf, weight.device
+        del module._parameters[leaf]
+        module.register_buffer(leaf, self._stand_in())
+        module.__dict__.setdefault("quantized_experts", {})[leaf] = self  # a save writes it dequantized
+
+    def _stand_in(self):
+        import torch
+
+        return torch.empty(0, dtype=torch.float32, device=self.device)
 
     def dequantized(self, dtype):
         import bitsandbytes.functional as bf
@@ -62,10 +69,10 @@ class FusedWeight:
 
     def load(self, dtype) -> None:
         """The weight dequantized in ``dtype``, the input's (as bitsandbytes' Linear4bit computes)."""
-        self.param.data = self.dequantized(dtype)
+        self.module._buffers[self.leaf] = self.dequantized(dtype)
 
     def release(self) -> None:
-        self.param.data = self.stand_in  # autograd keeps what the forward saved; nothing else holds the copy
+        self.module._buffers[self.leaf] = self._stand_in()  # autograd keeps what the forward saved
 
     @property
     def stored_bytes(self) -> int:
@@ -98,7 +105,7 @@ def quantize_fused_experts(model, quant: str) -> dict[str, FusedWeight]:
                  if p.dim() == 3 and p.is_floating_point() and not p.requires_grad]
         if not fused or hf_module_class(name, type(module).__name__) != "moe.experts":
             continue
-        weights = [FusedWeight(getattr(module, leaf), quant, double) for leaf in fused]
+        weights = [FusedWeight(module, leaf, quant, double) for leaf in fused]
         done.update({f"{name}.{leaf}": w for leaf, w in zip(fused, weights)})
         outer = name
         while outer.endswith(".base_layer"):
@@ -127,12 +134,15 @@ def _dequantize_in_forward(module, weights: list[FusedWeight]) -> None:
 
 def _tensors(model) -> Iterator[tuple[str, str, str, Any]]:
     """(owner module name, owner type name, parameter name, parameter) for every parameter of the model's base (LoRA's
-    own left out)."""
+    own left out), the fused experts' quantized buffers included."""
+    from torch import nn
+
     for name, module in model.named_modules():
         if "lora_" in name:
             continue
-        for leaf, tensor in module.named_parameters(recurse=False):
-            yield name, type(module).__name__, f"{name}.{leaf}" if name else leaf, tensor
+        for leaf, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if isinstance(tensor, nn.Parameter) or leaf in getattr(module, "quantized_experts", {}):
+                yield name, type(module).__name__, f"{name}.{leaf}" if name else leaf, tensor
 
 
 def _classify(model, module_class: Callable[[str, str], str | None]) -> Callable[[str, str], str]:

@@ -130,15 +130,19 @@ def merged_lora_state_dict(base, quantized: dict[str, Any] | None = None) -> dic
     """A peft model's base (``get_base_model()``) as the plain model's state dict, each LoRA layer's update
     (``get_delta_weight``: B A times its scale) added to a copy of its base weight; LoRA's own tensors left out.
     ``quantized`` (``_quantized_modules``): those modules' weights dequantized (peft's own dequantization) and
-    their quantization state (absmax, quant_map, SCB, ...) left out."""
+    their quantization state (absmax, quant_map, SCB, ...) left out; fused experts quantized by
+    llmadapt.adapter.quantization dequantized too."""
+    import torch
+
     quantized = quantized or {}
+    fused = {f"{name}.{leaf}": weight for name, m in base.named_modules()  # llmadapt.adapter.quantization's experts
+             for leaf, weight in getattr(m, "quantized_experts", {}).items()}
     out = {}
-    for name, tensor in base.state_dict(keep_vars=True).items():
+    for name, tensor in base.state_dict().items():
         if ".lora_" in name:
             continue
-        fused = getattr(tensor, "quantized_experts", None)  # llmadapt.adapter.quantization's fused experts
-        if fused is not None:
-            tensor = fused.dequantized(dtype=fused.stand_in.dtype)
+        if name in fused:
+            tensor = fused[name].dequantized(torch.float32)
         owner, _, leaf = name.rpartition(".")
         module = quantized.get(owner)
         if module is None and any(name.startswith(f"{q}.weight.") for q in quantized):
