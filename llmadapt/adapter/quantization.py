@@ -5,9 +5,9 @@ per module class, checked against the workload before step 0.
 bitsandbytes replaces ``nn.Linear`` layers; transformers 5 holds a MoE layer's experts as 3-D parameters
 (Mixtral's ``mlp.experts.gate_up_proj`` and ``down_proj``), which it leaves as they were loaded. Those are quantized
 here with bitsandbytes' functional API (the codes and block size of its Linear4bit, or LLM.int8's row-wise int8)
-and dequantized for the length of the experts' forward, into the parameter itself: peft's LoRA on the experts (its
-``ParamWrapper``, which maps w1/w2/w3 onto the fused tensors and adds its update to the parameter) works on it as on
-the unquantized model. Nothing here imports torch at module level.
+and dequantized for the length of the experts' forward into a tensor under the parameter's name: peft's LoRA on the
+experts (its ``ParamWrapper``, which maps w1/w2/w3 onto the fused tensors and parametrizes that tensor with its
+update) works on it as on the unquantized model. Nothing here imports torch at module level.
 """
 
 from __future__ import annotations
