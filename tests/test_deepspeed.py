@@ -52,6 +52,8 @@ MOE = WORKLOADS["moe"].with_overrides(["optimizations.zero_stage=3", "optimizati
                                        "parallelism.dp=2"])
 LORA = WORKLOADS["finetune"].with_overrides(["lora.rank=8"])
 QLORA = LORA.with_overrides(["optimizations.quantization=nf4"])
+MOE_QLORA = WORKLOADS["moe"].with_overrides(["kind=finetune", "lora.rank=4", "optimizations.quantization=nf4",
+                                             'lora.target_modules=["w1", "w2", "w3", "gate"]', "train.lr=0.01"])
 CPU_ADAM_OFFLOAD = TRAIN.with_overrides(["train.optimizer_impl=cpu_adam", "optimizations.zero_stage=2",
                                          "optimizations.offload=optimizer", *DP2])
 
@@ -315,8 +317,7 @@ def test_qlora_on_the_experts_and_router_matches_the_reference(out):
     transformers 4's names onto transformers 5's fused experts), ZeRO-2 on 2 ranks against the reference, fp32
     within the default tolerance; the adapters train (the loss moves away from attention-only LoRA's: measured
     8.7e-4 apart at the last step)."""
-    moe_qlora = WORKLOADS["moe"].with_overrides(["kind=finetune", "lora.rank=4", "optimizations.quantization=nf4",
-                                                 'lora.target_modules=["w1", "w2", "w3", "gate"]', "train.lr=0.01"])
+    moe_qlora = MOE_QLORA
     reference = shared_run(moe_qlora, out, adapter="torch")
     result = shared_run(moe_qlora.with_overrides(["optimizations.zero_stage=2", *DP2]), out)
     report = loss_parity(reference.losses, result.losses)
@@ -325,6 +326,29 @@ def test_qlora_on_the_experts_and_router_matches_the_reference(out):
                            adapter="torch")
     assert attention.losses[0] == reference.losses[0]  # B starts at zero: the same model at step 0
     assert abs(attention.losses[-1] - reference.losses[-1]) > 1e-4
+
+
+def test_qlora_holds_the_experts_in_4_bit_on_both_stacks(out):
+    """nf4 quantizes transformers 5's fused experts too (bitsandbytes leaves 3-D parameters alone): each stack's
+    trace says what it held per module class, the experts nf4 with their bytes (half a byte per parameter, an fp32
+    absmax per block of 64, a 16-entry fp32 code table per tensor), and both stacks held the same model. Under
+    ZeRO-3 too (which partitions parameters: the quantized experts are held apart from them), with the reference's
+    losses (fp32, the default tolerance)."""
+    m = MOE_QLORA.model
+    params = m.num_layers * m.num_experts * 3 * m.hidden_size * m.intermediate_size
+    reference = shared_run(MOE_QLORA, out, adapter="torch")
+    zero3 = shared_run(MOE_QLORA.with_overrides(["optimizations.zero_stage=3", "optimizations.recompute=full",
+                                                 "parallelism.dp=2"]), out)
+    report = loss_parity(reference.losses, zero3.losses)
+    assert report.ok, report.describe(("torch", "deepspeed zero=3 dp=2"))
+    held = []
+    for result in (reference, shared_run(MOE_QLORA.with_overrides(["optimizations.zero_stage=2", *DP2]), out), zero3):
+        rows = {(w["module_class"], w["format"]): w for w in records(result)[0]["weights"]}
+        experts = rows[("moe.experts", "nf4")]
+        assert (experts["params"], experts["stored_bytes"]) == (params, params // 2 + params // 64 * 4 + 2 * m.num_layers * 64)
+        assert not [k for k in rows if k[0].startswith(("attention.", "mlp", "moe.experts")) and k[1] != "nf4"], rows
+        held.append({k: (w["params"], w["stored_bytes"]) for k, w in rows.items() if k[1] == "nf4"})
+    assert held[0] == held[1] == held[2]
 
 
 def test_moe_matches_the_reference_with_expert_load(out):

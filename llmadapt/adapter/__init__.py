@@ -20,6 +20,9 @@ the hook alone, not the records, the workload or the plugin manager: `llmadapt a
   checkpoint folder's file helpers
 - serving: ``OpenAICompatibleServer`` (the module ``llmadapt.adapter.sse`` has its SSE helpers)
 - MoE: ``ExpertLoadCounter`` (the module ``llmadapt.adapter.moe`` has the near-tie and all-reduce helpers)
+- quantization: the module ``llmadapt.adapter.quantization`` loads a transformers model for QLoRA as every stack
+  does (``bnb_config``, ``quantize_fused_experts``) and says what it holds per module class, refusing a quantization
+  that leaves a part unquantized (``quantized_model_classes``, for ``Trainer.weights``)
 - tracking sinks: the module ``llmadapt.adapter.tracking`` names the metrics of a record and a summary
 - kernels: the module ``llmadapt.adapter.kernels``'s ``slow_paths(model)``, lines for ``Trainer.notes`` naming the
   layers that run transformers' PyTorch reference where a fused kernel's package is missing (Jamba's Mamba mixer)

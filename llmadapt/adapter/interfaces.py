@@ -12,7 +12,7 @@ import attrs
 
 from llmadapt.adapter.breakdown import hf_module_class, rotary_calls
 from llmadapt.adapter.context import Chunk, PlannedRequest, ServeContext, StepBatch, WorkerContext
-from llmadapt.contract.records import Comm, Metric, Patch, Phase, Span
+from llmadapt.contract.records import Comm, Metric, Patch, Phase, Span, WeightClass
 
 
 @attrs.frozen
@@ -54,7 +54,9 @@ class Trainer(abc.ABC):
     Lifecycle, all inside the worker process: ``__init__(ctx)``, ``setup()`` (build or load
     the model from ``ctx.checkpoint``, wrap it, make the optimizer; append any compatibility
     patch to ``self.patches``, and to ``self.notes`` a line for what a reader must know of how it ran, such as
-    a model's slow path: ``llmadapt.adapter.kernels.slow_paths``), then ``step(batch)`` for every warm-up and measured step, then
+    a model's slow path: ``llmadapt.adapter.kernels.slow_paths``), and to ``self.weights`` what the model holds per
+    module class (``llmadapt.adapter.quantization.quantized_model_classes``, which also refuses a quantization that
+    leaves a part unquantized), then ``step(batch)`` for every warm-up and measured step, then
     ``teardown()``. Raise exceptions freely: the core records them as failures.
     """
 
@@ -64,6 +66,7 @@ class Trainer(abc.ABC):
         self.ctx = ctx
         self.patches: list[Patch] = []
         self.notes: list[str] = []
+        self.weights: list[WeightClass] = []
 
     @abc.abstractmethod
     def setup(self) -> None:

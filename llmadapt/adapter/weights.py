@@ -130,12 +130,19 @@ def merged_lora_state_dict(base, quantized: dict[str, Any] | None = None) -> dic
     """A peft model's base (``get_base_model()``) as the plain model's state dict, each LoRA layer's update
     (``get_delta_weight``: B A times its scale) added to a copy of its base weight; LoRA's own tensors left out.
     ``quantized`` (``_quantized_modules``): those modules' weights dequantized (peft's own dequantization) and
-    their quantization state (absmax, quant_map, SCB, ...) left out."""
+    their quantization state (absmax, quant_map, SCB, ...) left out; fused experts quantized by
+    llmadapt.adapter.quantization dequantized too."""
+    import torch
+
     quantized = quantized or {}
+    fused = {f"{name}.{leaf}": weight for name, m in base.named_modules()  # llmadapt.adapter.quantization's experts
+             for leaf, weight in getattr(m, "quantized_experts", {}).items()}
     out = {}
     for name, tensor in base.state_dict().items():
         if ".lora_" in name:
             continue
+        if name in fused:
+            tensor = fused[name].dequantized(torch.float32)
         owner, _, leaf = name.rpartition(".")
         module = quantized.get(owner)
         if module is None and any(name.startswith(f"{q}.weight.") for q in quantized):
@@ -148,14 +155,22 @@ def merged_lora_state_dict(base, quantized: dict[str, Any] | None = None) -> dic
 
                 tensor = dequantize_module_weight(module)
         if ".base_layer." in name:
-            owner, _, leaf = name.rpartition(".base_layer.")
-            if leaf == "weight":
-                layer = base.get_submodule(owner)
-                tensor = tensor + sum(layer.get_delta_weight(a).to(tensor.dtype) for a in layer.active_adapters
-                                      if a in layer.lora_A)
+            owner, leaf = name.partition(".base_layer.")[0], name.rpartition(".")[2]
+            tensor = tensor + _lora_delta(base.get_submodule(owner), leaf, tensor.dtype)
             name = f"{owner}.{leaf}"
         out[name] = tensor.detach()
     return out
+
+
+def _lora_delta(layer, leaf: str, dtype):
+    """The LoRA update to the base tensor ``leaf`` of a peft layer: a Linear's to its weight, or a ParamWrapper's
+    (LoRA on a parameter: transformers 5's fused experts, each wrapped around the next) to the parameter it
+    wraps; 0 where none."""
+    while layer is not None and hasattr(layer, "lora_A"):
+        if getattr(layer, "parameter_name", "weight") == leaf:
+            return sum(layer.get_delta_weight(a).to(dtype) for a in layer.active_adapters if a in layer.lora_A)
+        layer = getattr(layer, "base_layer", None)
+    return 0
 
 
 def write_safetensors(folder: str | Path, tensors: dict[str, Any], shard_bytes: int = 1 << 30) -> None:

@@ -1,5 +1,6 @@
 """A run's breakdown as text: the timeline, module and operator classes, module x operator, layers and
-collectives, as `show` and `llmadapt trace` print them (docs/breakdown.md)."""
+collectives, as `show` and `llmadapt trace` print them (docs/breakdown.md); and the weights each module class held,
+quantized or not, as `show` prints them."""
 
 from __future__ import annotations
 
@@ -81,3 +82,21 @@ def module_operator_lines(b: dict[str, Any], width: int = 6) -> list[str]:
         body.append([module, *[f"{mine[op] * 1e3:.2f}" if op in mine else "-" for op in columns],
                      f"{rest * 1e3:.2f}" if rest else "-"])
     return [""] + text_table(["module x operator, ms", *columns, "rest"], body)
+
+
+def weights_lines(weights: list[dict[str, Any]]) -> list[str]:
+    """What the model held, quantized or not: per storage format, its module classes with their tensors and bytes
+    (stored, and unquantized where quantized)."""
+    def size(n: float) -> str:
+        return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+    by_format: dict[str, list[dict[str, Any]]] = {}
+    for w in weights:
+        by_format.setdefault(w["format"], []).append(w)
+    lines = []
+    for fmt, rows in sorted(by_format.items(), key=lambda kv: kv[0].startswith(("fp", "bf"))):
+        parts = [f"{w['module_class']} {w['tensors']} ({size(w['stored_bytes'])}"
+                 + (f" of {size(w['unquantized_bytes'])})" if w["stored_bytes"] != w["unquantized_bytes"] else ")")
+                 for w in rows]
+        lines.append(f"weights    {fmt}: " + ", ".join(parts))
+    return lines

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from llmadapt.analysis.breakdown_text import weights_lines
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json, upgrade, validate
 from llmadapt.errors import ContractError, LlmadaptError
@@ -82,6 +83,7 @@ def render_summary(s: dict[str, Any]) -> str:
             device,
             f"steps      {s['steps_completed']} completed, {s['measured_steps']} measured",
         ]
+    lines += weights_lines(s.get("weights") or [])
     if st:
         lines.append(f"step time  p50 {st['p50']:.4f} s  p90 {st['p90']:.4f} s  mean {st['mean']:.4f} s "
                      f"(std {st['std']:.4f}, n={st['count']})")
@@ -132,16 +134,14 @@ def render_summary(s: dict[str, Any]) -> str:
         if failure.get("step") is not None:
             where += f", step {failure['step']}"
         lines.append(f"failure    {failure['cause']} ({where}): {failure['message'][:300]}")
-    for warning in s.get("warnings", []):
-        lines.append(f"warning    {warning}")
+    lines += [f"warning    {warning}" for warning in s.get("warnings", [])]
     step_mean = (s.get("step_time_s") or {}).get("mean")
     for name, secs in s.get("phase_means_s", {}).items():
         share = f"  {secs / step_mean:6.1%} of the step" if step_mean else ""
         lines.append(f"phase      {name:<24} {secs:.4f} s{share}")
     for p in s.get("patches", []):
         lines.append(f"patch      {p['framework']}: {p['name']} ({p['kind']}) - {p['description']}")
-    for note in s.get("notes", []):
-        lines.append(f"note       {note}")
+    lines += [f"note       {note}" for note in s.get("notes", [])]
     if s.get("expert_imbalance"):
         lines += ["", "experts    load per MoE layer over the steps after warm-up (CV: std/mean of tokens per expert)",
                   render_imbalance(s["expert_imbalance"])]

@@ -21,7 +21,7 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.13"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.14"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
@@ -33,7 +33,8 @@ SCHEMA_VERSION = "1.13"  # 1.1: end records, summary warnings; 1.2: client_load 
 # measured_by (serving runs imported from other tools' result files), the header's and the summary's notes, the
 # client load's prefix_cache_metrics and stream_prefix_share, the serving stats' stream_prefix_share and
 # engine_prefix_cache_hit_share; 1.12: the step's sample_length_squares (the attention term's context); 1.13: the
-# header's model_source (a GGUF model's file hash, tensor types, dequantized)
+# header's model_source (a GGUF model's file hash, tensor types, dequantized); 1.14: the header's and the summary's
+# weights (per module class: stored format, count and bytes)
 
 
 @attrs.frozen
@@ -144,6 +145,25 @@ class Topology:
 
 
 @attrs.frozen
+class WeightClass:
+    """The weights of one module class held in one storage format, as the model ran (QLoRA's quantized matrices and
+    the weights kept in a float dtype): what a reader needs to know which parts a quantized run quantized."""
+
+    module_class: str
+    """The breakdown's module class (llmadapt.adapter.breakdown): 'attention.qkv', 'moe.experts', 'embedding', ..."""
+    format: str
+    """'nf4', 'fp4', 'int8' (bitsandbytes), or the float dtype held: 'bf16', 'fp16', 'fp32'."""
+    tensors: int
+    params: int
+    """Parameters (elements) of the weights, unquantized."""
+    stored_bytes: int
+    """Bytes the weights take as stored, quantization state (scales, code tables) included."""
+    unquantized_bytes: int
+    """Bytes the same weights take unquantized: a quantized weight at the dtype it was loaded in, a float weight as
+    held (equal to stored_bytes)."""
+
+
+@attrs.frozen
 class Header:
     """First record of each rank's file: who ran what, where, with which software."""
 
@@ -179,6 +199,9 @@ class Header:
     model_source: ModelSource | None = None
     """The file the weights were converted from (a GGUF: its hash, quantization, dequantized); None for a model
     folder or a preset's canonical checkpoint, which the stacks load as they are."""
+    weights: list[WeightClass] = attrs.field(factory=list)
+    """Training workers whose adapter reports it: the model's weights per module class and storage format, after
+    loading (before LoRA); empty where not reported."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["header"] = "header"
 
@@ -803,5 +826,7 @@ class Summary:
     serving result imported from that tool's file (llmadapt.analysis.foreign); None: measured by llmadapt."""
     notes: list[str] = attrs.field(factory=list)
     """Every rank header's notes, once each (e.g. a model's slow path)."""
+    weights: list[WeightClass] = attrs.field(factory=list)
+    """Rank 0's header's weights: per module class, the format the model held them in (quantized or not)."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["summary"] = "summary"

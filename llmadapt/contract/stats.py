@@ -31,6 +31,7 @@ from llmadapt.contract.records import (
     Patch,
     Stats,
     Summary,
+    WeightClass,
 )
 from llmadapt.spec import Workload
 
@@ -189,6 +190,7 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest,
         evaluations=_evaluations(records),
         interference=interference_summary([r for r in records if r["type"] == "interference"], step_waits),
         notes=_notes(headers.values()),
+        weights=[WeightClass(**w) for w in head.get("weights", [])] if head else [],
     )
 
 

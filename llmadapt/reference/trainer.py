@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-from llmadapt.adapter import FineTuner, Phase, Span, StepResult, Trainer
+from llmadapt.adapter import FineTuner, Phase, Span, StepResult, Trainer, quantization
 from llmadapt.adapter.kernels import slow_paths
 from llmadapt.adapter.moe import ExpertLoadCounter
 
@@ -30,12 +30,7 @@ class TorchTrainer(Trainer):
         kwargs = {"dtype": dtype, "attn_implementation": "sdpa" if w.optimizations.flash_attention else "eager"}
         quant = w.optimizations.quantization
         if quant != "none":
-            from transformers import BitsAndBytesConfig
-
-            kwargs["quantization_config"] = (
-                BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_compute_dtype=dtype)
-                if quant in ("nf4", "fp4") else BitsAndBytesConfig(load_in_8bit=True)
-            )
+            kwargs["quantization_config"] = quantization.bnb_config(quant, dtype)
             kwargs["device_map"] = {"": ctx.device}
         model = AutoModelForCausalLM.from_pretrained(str(ctx.checkpoint), **kwargs)
         self.model_loaded()
@@ -57,6 +52,8 @@ class TorchTrainer(Trainer):
                 r=w.lora.rank, lora_alpha=w.lora.alpha, lora_dropout=w.lora.dropout,
                 target_modules=list(w.lora.target_modules), task_type="CAUSAL_LM",
             ))
+            if quant != "none":  # the experts bitsandbytes left, quantized and checked before step 0
+                self.weights = quantization.quantize_and_check(model, quant, dtype)
         self.experts = ExpertLoadCounter(model, w.model.num_experts) if w.model.is_moe else None
         self.ddp = ctx.world_size > 1
         if self.ddp:

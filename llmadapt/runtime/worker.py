@@ -118,6 +118,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
             software=software_versions(), patches=list(trainer.patches), topology=describe_topology(device),
             notes=list(getattr(trainer, "notes", [])),  # an adapter written before notes may not call our __init__
             model_source=recorded_source(checkpoint),
+            weights=list(getattr(trainer, "weights", [])),
         ))
 
         for metric in setup:

@@ -129,7 +129,8 @@ class Params:
 
     total: float
     quantized: float
-    """Linear weights stored quantized (QLoRA); the rest of total stays in the compute dtype."""
+    """Linear weights stored quantized (QLoRA): attention's, the MLP's and the experts' matrices, the module classes
+    llmadapt.adapter.quantization quantizes (a run's header says what it held); the rest of total stays unquantized."""
     trainable: float
     per_layer: float
 
@@ -544,8 +545,9 @@ def estimate(workload: Workload | str | Path, device: str | DeviceSpec, *, optio
     elif w.precision != "fp32":
         assumptions.append(f"weights, gradients and optimizer states in {w.precision} (as the reference adapter)")
     if w.optimizations.quantization != "none":
-        assumptions.append("quantized: attention/MLP linear weights only; other weights upcast to fp32 "
-                           "(prepare_model_for_kbit_training)")
+        assumptions.append("quantized: the attention, MLP and expert matrices (transformers 5's fused experts too), as "
+                           "the run holds them (its trace's weights); router, embeddings, lm_head and norms upcast "
+                           "to fp32 (prepare_model_for_kbit_training)")
     if spec.shared_by_ranks and w.world_size > 1:
         assumptions.append(f"{w.world_size} ranks share this device's cores and memory bandwidth (one host)")
     sources = {f: spec.source_of(f) for f in ("peak_flops", "memory_bandwidth", "memory_bytes",

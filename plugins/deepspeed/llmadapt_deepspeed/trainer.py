@@ -20,7 +20,7 @@ import time
 from contextlib import nullcontext
 from typing import Any
 
-from llmadapt.adapter import Comm, FineTuner, Metric, Patch, Phase, Span, StepResult, Trainer, bandwidths
+from llmadapt.adapter import Comm, FineTuner, Metric, Patch, Phase, Span, StepResult, Trainer, bandwidths, quantization
 from llmadapt.adapter.kernels import slow_paths
 
 from .config import ADAM_BETAS, ADAM_EPS, build_config, client_cpu_adam, expected_optimizer, gradient_accumulation_steps
@@ -87,11 +87,7 @@ class DeepSpeedTrainer(Trainer):
         if quant != "none":
             # QLoRA as the reference adapter does it: bitsandbytes base weights (nf4 4-bit or LLM.int8),
             # loaded on this rank's device; compute in fp32 (DeepSpeed's bf16 mode casts the rest).
-            from transformers import BitsAndBytesConfig
-
-            kwargs["quantization_config"] = (
-                BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_compute_dtype=torch.float32)
-                if quant in ("nf4", "fp4") else BitsAndBytesConfig(load_in_8bit=True))
+            kwargs["quantization_config"] = quantization.bnb_config(quant, torch.float32)
             kwargs["device_map"] = {"": ctx.device}
         self._zero_init = None
         if w.optimizations.zero_stage == 3 and quant == "none":
@@ -135,6 +131,8 @@ class DeepSpeedTrainer(Trainer):
                 r=w.lora.rank, lora_alpha=w.lora.alpha, lora_dropout=w.lora.dropout,
                 target_modules=list(w.lora.target_modules), task_type="CAUSAL_LM",
             ))
+        if quant != "none":  # the experts bitsandbytes left, quantized and checked before step 0
+            self.weights = quantization.quantize_and_check(model, quant, torch.float32)
         self.experts = None
         if w.model.is_moe:
             from llmadapt.adapter.moe import ExpertLoadCounter
