@@ -18,7 +18,8 @@ import attrs
 from llmadapt.adapter.plugins import check_supported, get_adapter
 from llmadapt.errors import LlmadaptError, UnsupportedError, WorkloadError
 from llmadapt.launch.settings import check_adapter_settings
-from llmadapt.spec import Workload
+from llmadapt.spec import Workload, varied_fields
+from llmadapt.spec.loading import flatten
 
 # a comma starts a new setting only where "path=" follows: list values keep theirs ("lora.target_modules=[a,b]")
 _NEXT_SETTING = re.compile(r",(?=\s*[A-Za-z_][\w.]*\s*=)")
@@ -58,10 +59,21 @@ class PlannedCell:
     """A compact label of the layout: 'megatron tp2', 'deepspeed dp2 zero3 offload=optimizer'."""
     unsupported: str | None = None
     """Why the adapter declares it cannot run this cell; None when it can."""
+    distinct: str = ""
+    """The fields that set this cell apart from the others of its plan and its layout does not name
+    ('global_batch=4 experts_per_token=2'; ``distinct_labels``)."""
 
     @property
     def title(self) -> str:
-        return self.layout if not self.variant or self.workload.kind != "serve" else f"{self.layout} [{self.variant}]"
+        base = self.layout if not self.variant or self.workload.kind != "serve" else f"{self.layout} [{self.variant}]"
+        return f"{base} {self.distinct}" if self.distinct else base
+
+
+def _distinguished(planned: list[PlannedCell]) -> list[PlannedCell]:
+    """The cells with ``distinct`` set anew: what tells each apart from the others (``distinct_labels``)."""
+    bare = [attrs.evolve(p, distinct="") for p in planned]
+    titles = distinct_labels([(p.title, p.workload) for p in bare])
+    return [attrs.evolve(p, distinct=t[len(p.title):].strip()) for p, t in zip(bare, titles)]
 
 
 def as_cells(adapters: Iterable[str] | None, cells: Iterable[Cell | str] | None) -> list[Cell]:
@@ -108,6 +120,7 @@ def plan(workload: Workload, cells: list[Cell], matrix: dict[str, list[Any]] | N
                     raise UnsupportedError(f"{where}: {exc}") from None
                 reason = str(exc)
             planned.append(PlannedCell(cell, label, w, layout_label(cell.adapter, w), reason))
+    planned = _distinguished(planned)
     seen: dict[tuple[str, str], PlannedCell] = {}
     for p in planned if distinct else ():
         first = seen.setdefault((p.cell.adapter, p.workload.content_hash), p)
@@ -141,6 +154,7 @@ def same_threads(planned: list[PlannedCell], ranks_per_node=None) -> tuple[list[
     if len(counts) > 1:
         out = [attrs.evolve(p, layout=f"{p.layout} thr{p.workload.parallelism.threads_per_rank}")
                if p.workload.kind != "serve" else p for p in out]
+    out = _distinguished(out)
     if unset:
         line = (f"threads per rank: {chosen} for the {len(unset)} cell(s) that leave it unset, the fewest any of "
                 "them gets by default (set parallelism.threads_per_rank to choose)")
@@ -160,6 +174,8 @@ def layout_label(adapter: str, w: Workload) -> str:
         parts.append(f"offload={o.offload}")
     if o.recompute != "none":
         parts.append(f"recompute={o.recompute}")
+    if o.quantization != "none":
+        parts.append(f"quantization={o.quantization}")
     if o.flash_attention:
         parts.append("flash")
     if t.micro_batch and t.micro_batch != w.per_rank_batch:
@@ -176,6 +192,68 @@ def run_label(summary: dict[str, Any], w: Workload) -> str:
         only = ((summary.get("serving") or {}).get("validity") or "").startswith("summary only")
         return summary["measured_by"] + (" (summary only)" if only else "")
     return layout_label(summary["adapter"], w)
+
+
+# The fields a training row's layout label names in a form of its own ('dp2', 'zero3', 'mb4'; ``layout_label``)
+_LAYOUT_NAMED = frozenset({
+    "parallelism.tp", "parallelism.pp", "parallelism.dp", "parallelism.ep", "optimizations.zero_stage",
+    "optimizations.offload", "optimizations.recompute", "optimizations.flash_attention", "optimizations.quantization",
+    "train.micro_batch", "train.optimizer_impl"})
+
+
+def distinct_labels(labelled: list[tuple[str, Workload | dict[str, Any] | None]], ignore: Iterable[str] = ()) -> list[str]:
+    """Each (label, workload) pair's label followed by every workload field that differs among the pairs and the
+    label does not name yet, as name=value in its shortest unambiguous form: the path's last component
+    ('global_batch=4', 'experts_per_token=2'), or as many components as tell it from the other fields named; a
+    model that differs in its preset is named once ('model=tiny-mixtral'). The one place a label that tells rows
+    apart is made: compare's rows, a sweep's cells, the report's rows and series, ``runs``. ``ignore``: paths the
+    rows are meant to differ in (a series over batch sizes). A workload may be given as its dict (a stored run's);
+    a pair without one, or whose dict does not read as one, keeps its label."""
+    labelled = [(label, _as_workload(w)) for label, w in labelled]
+    known = [w for _, w in labelled if w is not None]
+    paths = [p for p in varied_fields(known) if p not in set(ignore)] if len(known) > 1 else []
+    if "model.name" in paths:  # another model: its name says it, not each of its fields
+        paths = [p for p in paths if not p.startswith("model.") or p == "model.name"]
+    names = _short_names(paths)
+    out = []
+    for label, w in labelled:
+        if w is None:
+            out.append(label)
+            continue
+        tokens = set(re.split(r"[\s,\[\]]+", label))
+        flat = flatten(w.to_dict())
+        extra = []
+        for path in paths:
+            value = _yaml_scalar(flat.get(path))
+            if (w.kind != "serve" and path in _LAYOUT_NAMED) or f"{path.split('.')[-1]}={value}" in tokens \
+                    or (path == "parallelism.threads_per_rank" and f"thr{value}" in tokens) \
+                    or (path == "model.name" and value in tokens):
+                continue
+            extra.append(f"{names[path]}={value}")
+        out.append(" ".join([label, *extra]))
+    return out
+
+
+def _as_workload(w: Workload | dict[str, Any] | None) -> Workload | None:
+    if w is None or isinstance(w, Workload):
+        return w
+    try:
+        return Workload.from_dict(w)
+    except (LlmadaptError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _short_names(paths: list[str]) -> dict[str, str]:
+    """Each path's shortest tail of components that no other path of PATHS ends with ('model.name': 'model')."""
+    out = {}
+    for path in paths:
+        parts = path.split(".")[:-1] if path == "model.name" else path.split(".")
+        for n in range(1, len(parts) + 1):
+            tail = ".".join(parts[-n:])
+            if not any(q != path and (q == tail or q.endswith("." + tail)) for q in paths):
+                break
+        out[path] = tail
+    return out
 
 
 def matrix_settings(matrix: dict[str, list[Any]]) -> list[tuple[str, list[str]]]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from llmadapt.analysis.cells import matrix_settings
+from llmadapt.analysis.cells import distinct_labels, matrix_settings
 from llmadapt.analysis.paritycheck import loss_parity
 from llmadapt.analysis.uncertainty import Estimate, bootstrap_median, mann_whitney_greater
 from llmadapt.errors import LlmadaptError
@@ -52,6 +52,9 @@ class Row:
     interference names; empty when every run was quiet or not judged."""
     judged: bool = True
     """False where a run's interference was not judged (measured steps too short to count other processes' CPU)."""
+    layout: str = ""
+    """The row's layout label alone ('torch dp2 recompute=full'), without what ``label`` adds to tell it from the
+    other rows: a scaling group is the rows whose layouts differ in their parallel layout alone."""
 
 
 # (key, heading, format) of the comparison table, per kind
@@ -337,7 +340,7 @@ class Comparison:
             groups: dict[str, list[Row]] = {}
             for r in ok:
                 if r.problem_hash == h:
-                    groups.setdefault(_without_layout(r.label), []).append(r)
+                    groups.setdefault(_without_layout(r.layout or r.label), []).append(r)
             for group in groups.values():
                 if len({r.metrics["devices"] for r in group}) < 2:
                     continue
@@ -385,7 +388,7 @@ class Comparison:
                 continue
             problem = w.problem_dict()
             problem["train"] = {k: v for k, v in problem["train"].items() if k != "global_batch"}
-            key = json.dumps([problem, w.train.global_batch / r.metrics["devices"], _without_layout(r.label)],
+            key = json.dumps([problem, w.train.global_batch / r.metrics["devices"], _without_layout(r.layout or r.label)],
                              sort_keys=True, default=str)
             groups.setdefault(key, []).append(r)
         return [g for g in groups.values() if len({r.problem_hash for r in g}) > 1
@@ -560,7 +563,7 @@ def from_json_summary(data: dict[str, Any]):
 
 
 def row_of_runs(label: str, adapter: str, variant: str, cell: str, results: list[tuple[str, dict[str, Any]]],
-                baselines: dict[str, list[float | None]], machine: str = "") -> Row:
+                baselines: dict[str, list[float | None]], machine: str = "", layout: str = "") -> Row:
     """One row from one or more runs of a cell ((run folder, summary) pairs): the first run's figures, the
     headline figures as medians with their intervals, every failure and warning in the note."""
     summaries = [from_json_summary(s) for _, s in results]
@@ -596,7 +599,8 @@ def row_of_runs(label: str, adapter: str, variant: str, cell: str, results: list
                note="; ".join(dict.fromkeys(notes))[:400], problem_hash=first.problem_hash, cell=cell,
                run_dirs=[d for d, _ in results], estimates=estimates, machine=machine,
                disturbed=list(dict.fromkeys(disturbed)),
-               judged=all(s.interference is None or s.interference.quiet is not None for s in summaries))
+               judged=all(s.interference is None or s.interference.quiet is not None for s in summaries),
+               layout=layout or label)
 
 
 def _row_status(statuses: list[str]) -> str:
@@ -660,12 +664,15 @@ def compare_stored(query: str | None = None, *, root: str | Path = "runs") -> Co
         groups.setdefault((r.problem_hash, r.adapter, r.layout, r.workload_hash, r.machine), []).append(r)
     rows, baselines, workloads, notes = [], {}, {}, {}
     problems = list(dict.fromkeys(r.problem_hash for r in found))
-    for key in sorted(groups, key=lambda k: problems.index(k[0])):
+    keys = sorted(groups, key=lambda k: problems.index(k[0]))
+    labels = distinct_labels([(groups[k][0].layout, groups[k][0].workload) for k in keys])
+    for key, label in zip(keys, labels):
         runs = groups[key]
-        label = runs[0].layout + (f" @{runs[0].machine}" if len(machines) > 1 and runs[0].machine else "")
+        label += f" @{runs[0].machine}" if len(machines) > 1 and runs[0].machine else ""
         name = runs[0].row.get("name") or ""
         rows.append(row_of_runs(label, runs[0].adapter, name, runs[0].layout,
-                                [(str(r.folder), r.summary) for r in runs], baselines, machine=runs[0].machine))
+                                [(str(r.folder), r.summary) for r in runs], baselines, machine=runs[0].machine,
+                                layout=runs[0].layout))
         workload = workloads.setdefault(runs[0].problem_hash, Workload.from_dict(runs[0].workload))
         if runs[0].summary.get("measured_by") and workload.problem_hash != runs[0].problem_hash:
             from llmadapt.analysis.foreign import AS_FILE_STATES

@@ -239,6 +239,16 @@ def _batch_group(r: ReportRun) -> str:
     return json.dumps([r.summary["adapter"], problem, layout], sort_keys=True, default=str)
 
 
+def _series_names(groups: dict[str, list[tuple[ReportRun, Any]]]) -> list[str]:
+    """Each group's name: its stack and layout less the micro-batch, and whatever else sets it apart from the other
+    groups but the batch it varies ('torch dp1 tiny-mixtral experts_per_token=2'; cells.distinct_labels)."""
+    from llmadapt.analysis.cells import distinct_labels, run_label
+
+    firsts = [members[0][0] for members in groups.values()]
+    return distinct_labels([(re.sub(r" mb\d+", "", f"{run_label(r.summary, r.workload)} {r.workload.model.name}"),
+                             r.workload) for r in firsts], ignore=("train.global_batch", "train.micro_batch"))
+
+
 def throughput_vs_batch(runs: list[ReportRun]):
     """Samples/s against global batch, per group of runs that differ in batch size alone (one stack, one problem
     but for its batch, one layout), with Study B's Eq. 2 fitted over each group of three batch sizes or more.
@@ -258,10 +268,8 @@ def throughput_vs_batch(runs: list[ReportRun]):
         return None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.6), layout="constrained")
-    for i, members in enumerate(groups.values()):
+    for i, (members, name) in enumerate(zip(groups.values(), _series_names(groups))):
         color, points = COLORS[i % 10], [p for _, p in members]
-        first = members[0][0]
-        name = re.sub(r" (mb\d+|#\d+)", "", f"{first.label} {first.workload.model.name}")
         ax.scatter([b for b, _, _ in points], [q for _, _, q in points], color=color, s=18, marker=MARKERS[i % 8],
                    label=f"{name} ({len(points)} runs)")
         try:

@@ -56,8 +56,8 @@ def _sources(runs: Any) -> list[tuple[Path, str | None]]:
         return [s for row in runs.rows for s in _sources(row)]
     if hasattr(runs, "run_dirs") and hasattr(runs, "label"):  # a comparison's Row (unsupported rows: no runs)
         return [(Path(d), runs.label) for d in runs.run_dirs or ([runs.run_dir] if runs.run_dir else [])]
-    if hasattr(runs, "folder") and hasattr(runs, "layout"):  # a StoredRun
-        return [(Path(runs.folder), runs.layout or None)]
+    if hasattr(runs, "folder") and hasattr(runs, "layout"):  # a StoredRun: labelled among the others (_frame)
+        return [(Path(runs.folder), None)]
     if hasattr(runs, "run_dir") and hasattr(runs, "summary"):  # a RunResult
         return [(Path(runs.run_dir), None)]
     if isinstance(runs, Iterable) and not isinstance(runs, (bytes, dict)):
@@ -127,8 +127,13 @@ def _frame(runs: Any, what: str, rows_of: Callable[[_Run], list[dict[str, Any]]]
         raise LlmadaptError(f"{what}: no runs given")
     rows: list[dict[str, Any]] = []
     lacking = []
-    for folder, label in sources:
-        run = _Run(folder, label)
+    from llmadapt.analysis.cells import distinct_labels
+
+    built = [(_Run(folder, label), label) for folder, label in sources]
+    own = [run for run, label in built if label is None]  # labelled here: by what sets each apart from the others
+    for run, text in zip(own, distinct_labels([(r.label, r.workload) for r in own])):
+        run.label = text
+    for run, _ in built:
         found = rows_of(run)
         if not found:
             lacking.append(run)

@@ -107,7 +107,7 @@ def build(folders: list[Path], *, title: str = "llmadapt report", keep_figures: 
     """The report: (HTML text, the figures by name as (title, figure), the comparison its tables show). The
     figures are closed once drawn into the page unless ``keep_figures`` (then close them with figures.close).
     ``baseline``: the row (a label) each problem's others are set against; default each problem's first."""
-    from llmadapt.analysis.cells import run_label
+    from llmadapt.analysis.cells import distinct_labels, run_label
 
     loaded = [(folder, *_load(folder)) for folder in folders]
     cells: dict[tuple[str, str, str], list[tuple[Path, dict, Workload, list]]] = {}
@@ -116,12 +116,13 @@ def build(folders: list[Path], *, title: str = "llmadapt report", keep_figures: 
         cells.setdefault(key, []).append((folder, summary, workload, records))
     problems = list(dict.fromkeys(k[0] for k in cells))
     rows, runs, baselines = [], [], {}
-    for key in sorted(cells, key=lambda k: problems.index(k[0])):
+    keys = sorted(cells, key=lambda k: problems.index(k[0]))
+    for key, title in zip(keys, distinct_labels([(k[1], cells[k][0][2]) for k in keys])):
         group = cells[key]
-        rows.append(row_of_runs(key[1], group[0][1]["adapter"], group[0][2].name, key[1],
-                                [(str(f), s) for f, s, _, _ in group], baselines))
+        rows.append(row_of_runs(title, group[0][1]["adapter"], group[0][2].name, key[1],
+                                [(str(f), s) for f, s, _, _ in group], baselines, layout=key[1]))
         for n, (folder, summary, workload, records) in enumerate(group):
-            label = key[1] + (f" #{n + 1}" if len(group) > 1 else "")
+            label = title + (f" #{n + 1}" if len(group) > 1 else "")
             runs.append(F.ReportRun(label, folder, workload, summary, records,
                                     problem=f"P{problems.index(key[0]) + 1}"))
     comparison = Comparison(rows=rows, workloads={k[0]: cells[k][0][2] for k in cells}, baseline=baseline)
