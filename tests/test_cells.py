@@ -196,6 +196,34 @@ def test_parity_of_finished_runs_of_different_problems_names_the_fields(tmp_path
         parity_of_runs(*folders)
 
 
+def test_labels_name_every_field_that_differs_between_the_rows():
+    """A grid over batch and sparsity on an MoE model: six rows, six labels, each naming its batch and its experts
+    per token in their shortest form; a quantized row says so; sweep titles follow the same labels."""
+    from llmadapt.analysis.cells import distinct_labels
+    from llmadapt.analysis.comparison import parse_matrix
+
+    mixtral = Workload.from_file(ROOT / "examples" / "tiny-mixtral.toml")
+    matrix = parse_matrix(["train.global_batch=2,4,8", "model.experts_per_token=2,4"])
+    planned, _ = same_threads(plan(mixtral, [Cell("torch")], matrix))
+    titles = [p.title for p in planned]
+    assert len(set(titles)) == 6, titles
+    for p in planned:
+        assert p.title == (f"torch dp1 experts_per_token={p.workload.model.experts_per_token} "
+                           f"global_batch={p.workload.train.global_batch}")
+    lora = Workload.from_file(ROOT / "examples" / "finetune-lora.yaml")
+    assert layout_label("torch", lora.with_overrides(["optimizations.quantization=nf4"])) == "torch dp1 quantization=nf4"
+    # another model is named once, by its preset; two fields ending alike are told apart by their section
+    llama = Workload.from_file(EXAMPLE).with_overrides([f"train.steps={mixtral.train.steps}",
+                                                        f"train.warmup_steps={mixtral.train.warmup_steps}"])
+    assert distinct_labels([("torch", llama), ("torch", mixtral)]) == ["torch model=tiny-llama",
+                                                                      "torch model=tiny-mixtral"]
+    serve = Workload.from_file(ROOT / "examples" / "serve-tiny.toml")
+    longer = serve.with_overrides(["serve.input_len.mean=64", "serve.output_len.mean=64"])
+    assert distinct_labels([("vllm", serve), ("vllm", longer), ("vllm", None)]) == [
+        f"vllm input_len.mean={serve.serve.input_len.mean} output_len.mean={serve.serve.output_len.mean}",
+        "vllm input_len.mean=64 output_len.mean=64", "vllm"]
+
+
 # -- real runs -------------------------------------------------------------------------------------
 def test_a_grid_shows_and_skips_what_an_adapter_cannot_run(tmp_path):
     """torch and plain across recompute none/full: plain declares no recompute, so that cell is shown as not

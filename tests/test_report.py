@@ -218,10 +218,11 @@ def test_the_report_fits_a_1400_px_window_and_every_figure_shows_in_a_screenshot
 
 
 # -- the figures that answer "which configuration", on made-up runs ---------------------------------------------
-def made_up(label: str, *overrides: str, problem: str = "P1", losses=None, seconds=None, samples_per_s=100.0):
+def made_up(label: str, *overrides: str, problem: str = "P1", losses=None, seconds=None, samples_per_s=100.0,
+            preset: str = "tiny-llama"):
     from llmadapt.analysis.figures import ReportRun
 
-    w = train("tiny-llama", *overrides)
+    w = train(preset, *overrides)
     seconds = seconds or [0.02] * 4
     records = [{"type": "step", "step": i, "seconds": s, "rank": 0, "warmup": i < 1} for i, s in enumerate(seconds)]
     summary = {"adapter": "torch", "status": "ok", "losses": losses or [6.0, 5.9, 5.8, 5.7],
@@ -279,7 +280,24 @@ def test_the_eq2_fit_is_drawn_only_over_runs_that_differ_in_batch_alone():
     try:
         (ax,) = visible(fig)
         labels = ax.get_legend_handles_labels()[1]
-        assert len([x for x in labels if x.startswith("Eq. 2 fit")]) == 1 and "a tiny-llama (3 runs)" in labels
+        assert len([x for x in labels if x.startswith("Eq. 2 fit")]) == 1 and "torch dp1 tiny-llama (3 runs)" in labels
+    finally:
+        close(fig)
+
+
+def test_each_series_over_batch_is_named_by_what_sets_it_apart():
+    """Two sparsities of one MoE model, three batch sizes each: two series, each naming its experts per token."""
+    from llmadapt.analysis.figures import close
+    from llmadapt.analysis.figures_train import throughput_vs_batch
+
+    runs = [made_up("torch dp1", f"train.global_batch={b}", f"model.experts_per_token={k}", preset="tiny-mixtral",
+                    samples_per_s=100.0 * b / k) for k in (2, 4) for b in (4, 8, 16)]
+    fig = throughput_vs_batch(runs)
+    try:
+        (ax,) = visible(fig)
+        series = [x for x in ax.get_legend_handles_labels()[1] if x.endswith("runs)")]
+        assert series == ["torch dp1 tiny-mixtral experts_per_token=2 (3 runs)",
+                          "torch dp1 tiny-mixtral experts_per_token=4 (3 runs)"]
     finally:
         close(fig)
 

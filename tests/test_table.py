@@ -176,3 +176,22 @@ def test_a_narrow_terminal_gets_the_columns_read_most_and_is_told_what_was_left_
     assert chosen[0].split() == ["problem", "run", "status", "tokens/s", "step", "p50", "s"]
     with pytest.raises(LlmadaptError, match=r"^unknown column 'tok/s': choose from step_p50_s, step_p90_s"):
         column_keys(["tok/s"])
+
+
+def test_the_runs_listing_labels_each_run_by_what_sets_it_apart():
+    """`runs` lists two runs of one layout on two sparsities: each layout names its experts per token."""
+    from pathlib import Path
+
+    from llmadapt import Workload
+    from llmadapt.analysis.store import StoredRun
+    from llmadapt.cli.runs import _runs_table
+
+    w = Workload.from_file(Path(__file__).resolve().parents[1] / "examples" / "tiny-mixtral.toml")
+
+    def stored(run_id, workload):
+        return StoredRun(run_id=run_id, folder=Path(run_id), status="ok", adapter="torch", layout="torch dp1",
+                         workload_hash=workload.content_hash, problem_hash=workload.problem_hash, machine="m",
+                         created="2026-01-01T00:00", workload=workload.to_dict(), summary={}, metrics={}, row={})
+
+    text = _runs_table([stored(f"r{k}", w.with_overrides([f"model.experts_per_token={k}"])) for k in (2, 4)])
+    assert "torch dp1 experts_per_token=2" in text and "torch dp1 experts_per_token=4" in text
