@@ -133,7 +133,12 @@ def test_a_grid_plans_what_an_adapter_cannot_run_as_unsupported_and_refuses_it_o
         ("colossalai dp1 mb1", None), ("colossalai dp1 zero2 mb1", None)]
     with pytest.raises(UnsupportedError, match=r"^cell torch \[zero_stage=2\]: adapter 'torch' cannot run"):
         plan(small(), cells, {"optimizations.zero_stage": [0, 2]}, refuse_unsupported=True)
-    # asked for by itself, a cell its adapter cannot run is an error, not a row
+    # an explicit cell its adapter cannot run is skipped as a matrix cell is, and refused alike on request
+    explicit = [Cell("colossalai"), Cell("torch", ("optimizations.zero_stage=2",))]
+    assert [p.unsupported is not None for p in plan(small(), explicit)] == [False, True]
+    with pytest.raises(UnsupportedError, match=r"^cell torch:optimizations.zero_stage=2: adapter 'torch' cannot run"):
+        plan(small(), explicit, refuse_unsupported=True)
+    # where no cell can run, nothing would: an error naming the first reason
     with pytest.raises(UnsupportedError, match=r"^cell torch:optimizations.zero_stage=2: adapter 'torch' cannot run"):
         plan(small(), [Cell("torch", ("optimizations.zero_stage=2",))])
 
@@ -243,6 +248,21 @@ def test_a_grid_shows_and_skips_what_an_adapter_cannot_run(tmp_path):
     assert "not supported, not run (1 of 4 cells):" in out.stderr  # said before the first run
     assert out.stderr.index("not supported, not run") < out.stderr.index("[1/3]")
     assert all(r["metrics"]["parity_delta"] <= PARITY_ATOL + PARITY_RTOL * 7 for r in data["rows"][:3])
+
+
+@pytest.mark.skipif(bool(environments_unready("torch")), reason=environments_unready("torch") or "")
+def test_an_explicit_cell_its_adapter_cannot_run_is_skipped_and_counted_as_a_matrix_cell_is(tmp_path):
+    sets = [a for s in SMALL for a in ("--set", s)]
+    out = cli("compare", EXAMPLE, *sets, "--cell", "torch", "--cell", "torch:optimizations.zero_stage=2",
+              "--out", tmp_path / "runs", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert [r["status"] for r in data["rows"]] == ["ok", "unsupported"]
+    assert "1 not supported (not run)" in json.loads(Path(data["saved"]).read_text())["table"]
+    refused = cli("compare", EXAMPLE, *sets, "--cell", "torch", "--cell", "torch:optimizations.zero_stage=2",
+                  "--refuse-unsupported", "--out", tmp_path / "refused")
+    assert refused.returncode == 2 and "cannot run optimizations.zero_stage=2" in refused.stderr
+    assert not (tmp_path / "refused").exists()
 
 
 NOT_READY = environments_unready("torch", "colossalai", "megatron") or ""

@@ -91,8 +91,9 @@ def plan(workload: Workload, cells: list[Cell], matrix: dict[str, list[Any]] | N
     """Every cell on every matrix variant, resolved and checked; nothing is run.
 
     Bad input (an unknown adapter or field, a layout its workload cannot have) is an error naming the cell. A
-    cell its adapter declares it cannot run is an error where it was asked for by itself (no matrix) or with
-    ``refuse_unsupported``; in a grid it is planned as unsupported, with the reason, and not run. Two cells
+    cell its adapter declares it cannot run, given explicitly or made by the matrix alike, is planned as
+    unsupported, with the reason, and not run; it is an error with ``refuse_unsupported``, or where no cell of the
+    plan can run. Two cells
     that run the same workload on the same adapter are an error unless ``distinct`` is off (parity of a run
     with itself checks determinism).
     """
@@ -116,10 +117,15 @@ def plan(workload: Workload, cells: list[Cell], matrix: dict[str, list[Any]] | N
                 check_supported(get_adapter(cell.adapter), w)
                 reason = None
             except UnsupportedError as exc:
-                if not matrix or refuse_unsupported:
+                if refuse_unsupported:
                     raise UnsupportedError(f"{where}: {exc}") from None
                 reason = str(exc)
             planned.append(PlannedCell(cell, label, w, layout_label(cell.adapter, w), reason))
+    if all(p.unsupported for p in planned):  # nothing would run: the first reason is the answer
+        first = planned[0]
+        more = f" (nor can the other {len(planned) - 1} cell(s) run)" if len(planned) > 1 else ""
+        raise UnsupportedError(f"cell {first.cell}{f' [{first.variant}]' if first.variant else ''}: "
+                               f"{first.unsupported}{more}")
     planned = _distinguished(planned)
     seen: dict[tuple[str, str], PlannedCell] = {}
     for p in planned if distinct else ():

@@ -33,8 +33,8 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     ``adapters``: one cell per adapter, with the workload's settings (and each adapter's own: ``[adapters.NAME]``,
     ``NAME:path=value``); ``cells``: more, each an adapter with settings of its own ("megatron:parallelism.tp=2",
     or `Cell`). Every cell is resolved and checked before the first run starts (`cells.plan`): a cell an adapter
-    declares it cannot run is an error by itself, and in a grid (with ``matrix``) a row marked unsupported,
-    not run, unless ``refuse_unsupported``.
+    declares it cannot run, explicit or from the ``matrix``, is a row marked unsupported, not run (counted under
+    the table), unless ``refuse_unsupported``; where no cell can run, that is an error.
 
     ``baseline``: the row the others of its problem are set against (a cell as given, e.g. 'torch' or
     'megatron:parallelism.tp=2', or a row's label); default each problem's first row.
