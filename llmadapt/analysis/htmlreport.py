@@ -175,6 +175,8 @@ def _figures(runs: list[F.ReportRun], comparison: Comparison, log) -> dict[str, 
         "throughput_vs_batch": ("Throughput against batch size, with Study B's Eq. 2 fitted over runs that differ "
                                 "in batch alone", T.throughput_vs_batch(runs)),
         "estimate_vs_measured": ("Estimated against measured step time", F.estimate_vs_measured(_estimates(runs))),
+        "scaling": ("Scaling efficiency against the devices, per stack and technique (strong: one problem on more "
+                    "devices; weak: the global batch grown with them)", T.scaling_efficiency(comparison.scaling())),
     }
     out = {name: (title, fig) for name, (title, fig) in made.items() if fig is not None}
     if log:
@@ -187,15 +189,16 @@ def _problem_names(comparison: Comparison) -> dict[str, str]:
 
 
 def _verdicts(comparison: Comparison, problems: dict[str, str]) -> list[str]:
-    """Comparison.verdict_lines per kind: the fastest row of each problem, the rows within noise of it, the rest."""
-    from llmadapt.analysis.comparison import HEADLINE
+    """The lines of Comparison.verdicts: the fastest row of each problem, the rows within noise of it, the rest."""
+    return [v.text() for v in comparison.verdicts()]
 
-    serving = {r.problem_hash for r in comparison.rows if "request_throughput" in r.metrics}
-    out = []
-    for kind in ("train", "serve"):
-        mine = {h: p for h, p in problems.items() if (h in serving) == (kind == "serve")}
-        out += comparison.verdict_lines(mine, HEADLINE[kind]) if mine else []
-    return out
+
+def _answers(comparison: Comparison) -> str:
+    """The comparison's answers as data in the page (as ``compare --json`` has them): verdicts, scaling, the
+    topology of each row's runs."""
+    data = comparison.to_dict()
+    return html.escape(json.dumps({"verdicts": data["verdicts"], "scaling": data["scaling"],
+                                   "topology": {r["label"]: r.get("topology") for r in data["rows"]}}, default=str))
 
 
 def _estimates(runs: list[F.ReportRun]) -> list[tuple[str, float, float]]:
@@ -286,6 +289,9 @@ def _html(title: str, comparison: Comparison, runs: list[F.ReportRun], figs: dic
                     + "</ul>") if verdicts else ""
     notes = [f"{problems[h]}: problem {h[:12]}{comparison.difference(h)}" for h in problems]
     notes += [f"{problems[r.problem_hash]} {r.label}: {r.note}" for r in comparison.rows if r.note]
+    scaling = comparison.scaling_lines(problems)
+    if scaling:  # the scaling table as the terminal shows it
+        tables.append('<pre class="scaling" id="scaling-table">' + html.escape("\n".join(scaling).strip()) + "</pre>")
     if any(r.estimates for r in comparison.rows):
         against = "the baseline row" if comparison.baseline else "the first row of its problem that ran ok"
         notes.append("Medians with 95% percentile-bootstrap intervals (2000 resamples; the interval under each "
@@ -316,6 +322,7 @@ def _html(title: str, comparison: Comparison, runs: list[F.ReportRun], figs: dic
 {''.join(f'<p class="note">{html.escape(n)}</p>' for n in notes)}
 {chr(10).join(sections)}
 <script type="application/json" id="runs">{runs_json}</script>
+<script type="application/json" id="answers">{_answers(comparison)}</script>
 <script>{_SCRIPT}</script>
 </body></html>
 """

@@ -21,7 +21,7 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.12"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.13"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
@@ -32,7 +32,8 @@ SCHEMA_VERSION = "1.12"  # 1.1: end records, summary warnings; 1.2: client_load 
 # llmadapt.contract.launch); 1.10: the step's grad_norm and the summary's grad_norms; 1.11: the summary's
 # measured_by (serving runs imported from other tools' result files), the header's and the summary's notes, the
 # client load's prefix_cache_metrics and stream_prefix_share, the serving stats' stream_prefix_share and
-# engine_prefix_cache_hit_share; 1.12: the step's sample_length_squares (the attention term's context)
+# engine_prefix_cache_hit_share; 1.12: the step's sample_length_squares (the attention term's context); 1.13: the
+# summary's topology (rank 0's)
 
 
 @attrs.frozen
@@ -779,5 +780,8 @@ class Summary:
     serving result imported from that tool's file (llmadapt.analysis.foreign); None: measured by llmadapt."""
     notes: list[str] = attrs.field(factory=list)
     """Every rank header's notes, once each (e.g. a model's slow path)."""
+    topology: Topology | None = None
+    """Rank 0's topology (its header's): the interconnect, NUMA nodes, cores and threads, communication settings;
+    each rank's own is in its header. None before schema 1.13, or where no header recorded one."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["summary"] = "summary"
