@@ -322,3 +322,43 @@ def test_the_headline_sorts_rows_with_their_intervals_and_marks_the_disturbed():
         assert step.collections and tokens.collections  # the 95% intervals, as error bars
     finally:
         close(fig)
+
+
+def test_the_report_holds_the_verdict_scaling_and_topology_as_data_and_draws_the_efficiency():
+    """The page carries the comparison's answers as data (its verdicts, scaling points and each row's topology, as
+    compare --json has them), and a figure of scaling efficiency against the devices, a line per stack."""
+    import html
+    import json
+
+    from llmadapt.analysis.comparison import Comparison, Row
+    from llmadapt.analysis.figures import close
+    from llmadapt.analysis.figures_train import scaling_efficiency
+    from llmadapt.analysis.htmlreport import _answers
+    from llmadapt.analysis.uncertainty import Estimate
+    from llmadapt.contract.records import Topology
+
+    w = train("tiny-llama")
+
+    def row(label, devices, median, disturbed=()):
+        return Row(label=label, adapter=label.split()[0], variant="", run_dir=None, status="ok",
+                   problem_hash=w.problem_hash, metrics={"devices": devices, "step_p50_s": median,
+                                                         "tokens_per_s": 100 / median},
+                   estimates={"step_p50_s": Estimate(median, median * 0.9, median * 1.1, 5, "steps")},
+                   disturbed=list(disturbed), topology=Topology(interconnect="cpu", numa_nodes=1))
+
+    c = Comparison(rows=[row("torch dp1", 1, 1.0), row("torch dp2", 2, 0.6, ["load"]), row("deepspeed dp1", 1, 1.2),
+                         row("deepspeed dp2", 2, 0.7)], workloads={w.problem_hash: w})
+    data = json.loads(html.unescape(_answers(c)))
+    assert data["verdicts"][0]["withheld"].startswith("the machine was disturbed during torch dp2")
+    assert {(p["stack"], p["devices"], p["disturbed"]) for p in data["scaling"]} == {
+        ("torch", 1, False), ("torch", 2, True), ("deepspeed", 1, False), ("deepspeed", 2, False)}
+    assert data["topology"]["torch dp1"]["interconnect"] == "cpu"
+    fig = scaling_efficiency(c.scaling())
+    try:
+        (ax,) = visible(fig)
+        labels = ax.get_legend_handles_labels()[1]
+        assert "torch, strong" in labels and "deepspeed, strong" in labels
+        assert "hollow: measured on a disturbed machine" in labels
+    finally:
+        close(fig)
+    assert scaling_efficiency([]) is None
