@@ -207,36 +207,46 @@ _LAYOUT_NAMED = frozenset({
     "train.micro_batch", "train.optimizer_impl"})
 
 
+# Sections that do not describe a row of the kind: a serving run takes no training settings, a training run no serving
+_NOT_OF_KIND = {"serve": ("data", "train", "lora", "eval", "save", "profile", "parallelism", "optimizations"),
+                "train": ("serve",)}
+
+
 def distinct_labels(labelled: list[tuple[str, Workload | dict[str, Any] | None]], ignore: Iterable[str] = ()) -> list[str]:
     """Each (label, workload) pair's label followed by every workload field that differs among the pairs and the
     label does not name yet, as name=value in its shortest unambiguous form: the path's last component
     ('global_batch=4', 'experts_per_token=2'), or as many components as tell it from the other fields named; a
-    model that differs in its preset is named once ('model=tiny-mixtral'). The one place a label that tells rows
-    apart is made: compare's rows, a sweep's cells, the report's rows and series, ``runs``. ``ignore``: paths the
-    rows are meant to differ in (a series over batch sizes). A workload may be given as its dict (a stored run's);
-    a pair without one, or whose dict does not read as one, keeps its label."""
+    model that differs in its preset is named once ('model=tiny-mixtral'). Serving and training rows sit in tables
+    of their own, so each is told apart from those of its own kind, by the sections that kind uses. The one place a
+    label that tells rows apart is made: compare's rows, a sweep's cells, the report's rows and series, ``runs``.
+    ``ignore``: paths the rows are meant to differ in (a series over batch sizes). A workload may be given as its
+    dict (a stored run's); a pair without one, or whose dict does not read as one, keeps its label."""
     labelled = [(label, _as_workload(w)) for label, w in labelled]
-    known = [w for _, w in labelled if w is not None]
-    paths = [p for p in varied_fields(known) if p not in set(ignore)] if len(known) > 1 else []
-    if "model.name" in paths:  # another model: its name says it, not each of its fields
-        paths = [p for p in paths if not p.startswith("model.") or p == "model.name"]
-    names = _short_names(paths)
+    out = [label for label, _ in labelled]
+    for kind in ("train", "serve"):
+        mine = [i for i, (_, w) in enumerate(labelled) if w is not None and (w.kind == "serve") == (kind == "serve")]
+        workloads = [labelled[i][1] for i in mine]
+        paths = [p for p in varied_fields(workloads) if p not in set(ignore)
+                 and p.split(".")[0] not in _NOT_OF_KIND[kind]] if len(mine) > 1 else []
+        if "model.name" in paths:  # another model: its name says it, not each of its fields
+            paths = [p for p in paths if not p.startswith("model.") or p == "model.name"]
+        names = _short_names(paths)
+        for i, w in zip(mine, workloads):
+            out[i] = " ".join([out[i], *(f"{names[p]}={v}" for p, v in _unnamed(out[i], w, paths))])
+    return out
+
+
+def _unnamed(label: str, w: Workload, paths: list[str]) -> list[tuple[str, str]]:
+    """(path, value) of the PATHS whose value the label does not say yet (in its layout's words, or as name=value)."""
+    tokens = set(re.split(r"[\s,\[\]]+", label))
+    flat = flatten(w.to_dict())
     out = []
-    for label, w in labelled:
-        if w is None:
-            out.append(label)
-            continue
-        tokens = set(re.split(r"[\s,\[\]]+", label))
-        flat = flatten(w.to_dict())
-        extra = []
-        for path in paths:
-            value = _yaml_scalar(flat.get(path))
-            if (w.kind != "serve" and path in _LAYOUT_NAMED) or f"{path.split('.')[-1]}={value}" in tokens \
-                    or (path == "parallelism.threads_per_rank" and f"thr{value}" in tokens) \
-                    or (path == "model.name" and value in tokens):
-                continue
-            extra.append(f"{names[path]}={value}")
-        out.append(" ".join([label, *extra]))
+    for path in paths:
+        value = _yaml_scalar(flat.get(path))
+        if not ((w.kind != "serve" and path in _LAYOUT_NAMED) or f"{path.split('.')[-1]}={value}" in tokens
+                or (path == "parallelism.threads_per_rank" and f"thr{value}" in tokens)
+                or (path == "model.name" and value in tokens)):
+            out.append((path, value))
     return out
 
 
