@@ -250,6 +250,15 @@ def _unnamed(label: str, w: Workload, paths: list[str]) -> list[tuple[str, str]]
     return out
 
 
+def labelled_by(summary: dict[str, Any], w: Workload | dict[str, Any] | None) -> Workload | None:
+    """The workload a run is told apart from others by (``distinct_labels``): its own; None for a result another
+    tool measured, imported without the workload it ran (its workload then states nothing of what ran)."""
+    w = _as_workload(w)
+    if w is not None and summary.get("measured_by") and w.problem_hash != summary.get("problem_hash"):
+        return None
+    return w
+
+
 def _as_workload(w: Workload | dict[str, Any] | None) -> Workload | None:
     if w is None or isinstance(w, Workload):
         return w

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from llmadapt.analysis.cells import distinct_labels, matrix_settings
+from llmadapt.analysis.cells import distinct_labels, labelled_by, matrix_settings
 from llmadapt.analysis.paritycheck import loss_parity
 from llmadapt.analysis.uncertainty import Estimate, bootstrap_median
 from llmadapt.analysis.verdict import SUPERLINEAR, ScalingPoint, Verdict, scaling, told_apart, verdict
@@ -574,7 +574,8 @@ def compare_stored(query: str | None = None, *, root: str | Path = "runs") -> Co
     rows, baselines, workloads, notes = [], {}, {}, {}
     problems = list(dict.fromkeys(r.problem_hash for r in found))
     keys = sorted(groups, key=lambda k: problems.index(k[0]))
-    labels = distinct_labels([(groups[k][0].layout, groups[k][0].workload) for k in keys])
+    labels = distinct_labels([(groups[k][0].layout, labelled_by(groups[k][0].summary, groups[k][0].workload))
+                              for k in keys])
     for key, label in zip(keys, labels):
         runs = groups[key]
         label += f" @{runs[0].machine}" if len(machines) > 1 and runs[0].machine else ""

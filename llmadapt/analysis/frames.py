@@ -89,18 +89,23 @@ class _Run:
         first = self.headers.get(0) or next(iter(self.headers.values()), {})
         self.adapter = first.get("adapter") or launch.adapter
         self.run_id = first.get("run_id") or launch.run_id or folder.name
+        self.told_by: Workload | None = self.workload
         self.label = label or self._measured_by(rundir) or layout_label(self.adapter, self.workload)
         self.problem_hash = first.get("problem_hash", "")
 
     def _measured_by(self, rundir: RunDir) -> str | None:
-        """A run imported from another tool's result file is labelled with the tool (cells.run_label)."""
-        from llmadapt.analysis.cells import run_label
+        """A run imported from another tool's result file is labelled with the tool (cells.run_label); what tells
+        it apart from the other runs is ``told_by``, its workload unless the file came without one."""
+        from llmadapt.analysis.cells import labelled_by, run_label
 
         try:
             summary = json.loads(rundir.summary_file.read_text())
         except (OSError, ValueError):
             return None
-        return run_label(summary, self.workload) if isinstance(summary, dict) and summary.get("measured_by") else None
+        if not isinstance(summary, dict) or not summary.get("measured_by"):
+            return None
+        self.told_by = labelled_by(summary, self.workload)
+        return run_label(summary, self.workload)
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [r for r in self.records if r["type"] == kind]
@@ -131,7 +136,7 @@ def _frame(runs: Any, what: str, rows_of: Callable[[_Run], list[dict[str, Any]]]
 
     built = [(_Run(folder, label), label) for folder, label in sources]
     own = [run for run, label in built if label is None]  # labelled here: by what sets each apart from the others
-    for run, text in zip(own, distinct_labels([(r.label, r.workload) for r in own])):
+    for run, text in zip(own, distinct_labels([(r.label, r.told_by) for r in own])):
         run.label = text
     for run, _ in built:
         found = rows_of(run)

@@ -107,7 +107,7 @@ def build(folders: list[Path], *, title: str = "llmadapt report", keep_figures: 
     """The report: (HTML text, the figures by name as (title, figure), the comparison its tables show). The
     figures are closed once drawn into the page unless ``keep_figures`` (then close them with figures.close).
     ``baseline``: the row (a label) each problem's others are set against; default each problem's first."""
-    from llmadapt.analysis.cells import distinct_labels, run_label
+    from llmadapt.analysis.cells import distinct_labels, labelled_by, run_label
 
     loaded = [(folder, *_load(folder)) for folder in folders]
     cells: dict[tuple[str, str, str], list[tuple[Path, dict, Workload, list]]] = {}
@@ -117,7 +117,7 @@ def build(folders: list[Path], *, title: str = "llmadapt report", keep_figures: 
     problems = list(dict.fromkeys(k[0] for k in cells))
     rows, runs, baselines = [], [], {}
     keys = sorted(cells, key=lambda k: problems.index(k[0]))
-    for key, title in zip(keys, distinct_labels([(k[1], cells[k][0][2]) for k in keys])):
+    for key, title in zip(keys, distinct_labels([(k[1], labelled_by(cells[k][0][1], cells[k][0][2])) for k in keys])):
         group = cells[key]
         rows.append(row_of_runs(title, group[0][1]["adapter"], group[0][2].name, key[1],
                                 [(str(f), s) for f, s, _, _ in group], baselines, layout=key[1]))
