@@ -216,7 +216,8 @@ def test_labels_name_every_field_that_differs_between_the_rows():
         assert p.title == (f"torch dp1 experts_per_token={p.workload.model.experts_per_token} "
                            f"global_batch={p.workload.train.global_batch}")
     lora = Workload.from_file(ROOT / "examples" / "finetune-lora.yaml")
-    assert layout_label("torch", lora.with_overrides(["optimizations.quantization=nf4"])) == "torch dp1 quantization=nf4"
+    nf4 = lora.with_overrides(["optimizations.quantization=nf4"])
+    assert layout_label("torch", nf4) == "torch dp1 quantization=nf4"
     # another model is named once, by its preset; two fields ending alike are told apart by their section
     llama = Workload.from_file(EXAMPLE).with_overrides([f"train.steps={mixtral.train.steps}",
                                                         f"train.warmup_steps={mixtral.train.warmup_steps}"])

@@ -212,7 +212,8 @@ _NOT_OF_KIND = {"serve": ("data", "train", "lora", "eval", "save", "profile", "p
                 "train": ("serve",)}
 
 
-def distinct_labels(labelled: list[tuple[str, Workload | dict[str, Any] | None]], ignore: Iterable[str] = ()) -> list[str]:
+def distinct_labels(labelled: list[tuple[str, Workload | dict[str, Any] | None]],
+                    ignore: Iterable[str] = ()) -> list[str]:
     """Each (label, workload) pair's label followed by every workload field that differs among the pairs and the
     label does not name yet, as name=value in its shortest unambiguous form: the path's last component
     ('global_batch=4', 'experts_per_token=2'), or as many components as tell it from the other fields named; a
