@@ -58,8 +58,9 @@ __all__ = [
     # the user's API
     "SCHEMA_VERSION", "AdapterInfo", "Comm", "Comparison", "ContractError", "EnvironmentNotReadyError", "EnvironmentSpec",
     "Failure", "FineTuner", "Header", "LlmadaptError", "MODEL_PRESETS", "Metric", "ParityReport", "Patch", "Phase",
-    "RunResult", "Server", "Span", "Step", "StepResult", "Summary", "Supports", "TraceMismatchError", "Trainer",
-    "UnknownAdapterError", "UnsupportedError", "Workload", "WorkloadError", "adapters", "compare", "hookimpl",
+    "RunResult", "ScalingPoint", "Server", "Span", "Step", "StepResult", "Summary", "Supports", "TraceMismatchError",
+    "Trainer", "UnknownAdapterError", "UnsupportedError", "Verdict", "Workload", "WorkloadError", "adapters", "compare",
+    "hookimpl",
     "json_schema", "parity", "run", "show",
 ]
 
@@ -80,7 +81,7 @@ _HOME = {
     # the orchestrator API
     **dict.fromkeys(["run", "RunResult"], "llmadapt.launch"),
     **dict.fromkeys(["compare", "parity"], "llmadapt.experiments"),
-    **dict.fromkeys(["show", "Comparison", "ParityReport"], "llmadapt.analysis"),
+    **dict.fromkeys(["show", "Comparison", "ParityReport", "ScalingPoint", "Verdict"], "llmadapt.analysis"),
     "adapters": "llmadapt.adapter.plugins",
 }
 _ORCHESTRATOR = {"llmadapt.launch", "llmadapt.experiments", "llmadapt.analysis", "llmadapt.adapter.plugins"}

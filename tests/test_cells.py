@@ -133,7 +133,12 @@ def test_a_grid_plans_what_an_adapter_cannot_run_as_unsupported_and_refuses_it_o
         ("colossalai dp1 mb1", None), ("colossalai dp1 zero2 mb1", None)]
     with pytest.raises(UnsupportedError, match=r"^cell torch \[zero_stage=2\]: adapter 'torch' cannot run"):
         plan(small(), cells, {"optimizations.zero_stage": [0, 2]}, refuse_unsupported=True)
-    # asked for by itself, a cell its adapter cannot run is an error, not a row
+    # an explicit cell its adapter cannot run is skipped as a matrix cell is, and refused alike on request
+    explicit = [Cell("colossalai"), Cell("torch", ("optimizations.zero_stage=2",))]
+    assert [p.unsupported is not None for p in plan(small(), explicit)] == [False, True]
+    with pytest.raises(UnsupportedError, match=r"^cell torch:optimizations.zero_stage=2: adapter 'torch' cannot run"):
+        plan(small(), explicit, refuse_unsupported=True)
+    # where no cell can run, nothing would: an error naming the first reason
     with pytest.raises(UnsupportedError, match=r"^cell torch:optimizations.zero_stage=2: adapter 'torch' cannot run"):
         plan(small(), [Cell("torch", ("optimizations.zero_stage=2",))])
 
@@ -196,6 +201,35 @@ def test_parity_of_finished_runs_of_different_problems_names_the_fields(tmp_path
         parity_of_runs(*folders)
 
 
+def test_labels_name_every_field_that_differs_between_the_rows():
+    """A grid over batch and sparsity on an MoE model: six rows, six labels, each naming its batch and its experts
+    per token in their shortest form; a quantized row says so; sweep titles follow the same labels."""
+    from llmadapt.analysis.cells import distinct_labels
+    from llmadapt.analysis.comparison import parse_matrix
+
+    mixtral = Workload.from_file(ROOT / "examples" / "tiny-mixtral.toml")
+    matrix = parse_matrix(["train.global_batch=2,4,8", "model.experts_per_token=2,4"])
+    planned, _ = same_threads(plan(mixtral, [Cell("torch")], matrix))
+    titles = [p.title for p in planned]
+    assert len(set(titles)) == 6, titles
+    for p in planned:
+        assert p.title == (f"torch dp1 experts_per_token={p.workload.model.experts_per_token} "
+                           f"global_batch={p.workload.train.global_batch}")
+    lora = Workload.from_file(ROOT / "examples" / "finetune-lora.yaml")
+    nf4 = lora.with_overrides(["optimizations.quantization=nf4"])
+    assert layout_label("torch", nf4) == "torch dp1 quantization=nf4"
+    # another model is named once, by its preset; two fields ending alike are told apart by their section
+    llama = Workload.from_file(EXAMPLE).with_overrides([f"train.steps={mixtral.train.steps}",
+                                                        f"train.warmup_steps={mixtral.train.warmup_steps}"])
+    assert distinct_labels([("torch", llama), ("torch", mixtral)]) == ["torch model=tiny-llama",
+                                                                      "torch model=tiny-mixtral"]
+    serve = Workload.from_file(ROOT / "examples" / "serve-tiny.toml")
+    longer = serve.with_overrides(["serve.input_len.mean=64", "serve.output_len.mean=64"])
+    assert distinct_labels([("vllm", serve), ("vllm", longer), ("vllm", None)]) == [
+        f"vllm input_len.mean={serve.serve.input_len.mean} output_len.mean={serve.serve.output_len.mean}",
+        "vllm input_len.mean=64 output_len.mean=64", "vllm"]
+
+
 # -- real runs -------------------------------------------------------------------------------------
 def test_a_grid_shows_and_skips_what_an_adapter_cannot_run(tmp_path):
     """torch and plain across recompute none/full: plain declares no recompute, so that cell is shown as not
@@ -215,6 +249,21 @@ def test_a_grid_shows_and_skips_what_an_adapter_cannot_run(tmp_path):
     assert "not supported, not run (1 of 4 cells):" in out.stderr  # said before the first run
     assert out.stderr.index("not supported, not run") < out.stderr.index("[1/3]")
     assert all(r["metrics"]["parity_delta"] <= PARITY_ATOL + PARITY_RTOL * 7 for r in data["rows"][:3])
+
+
+@pytest.mark.skipif(bool(environments_unready("torch")), reason=environments_unready("torch") or "")
+def test_an_explicit_cell_its_adapter_cannot_run_is_skipped_and_counted_as_a_matrix_cell_is(tmp_path):
+    sets = [a for s in SMALL for a in ("--set", s)]
+    out = cli("compare", EXAMPLE, *sets, "--cell", "torch", "--cell", "torch:optimizations.zero_stage=2",
+              "--out", tmp_path / "runs", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert [r["status"] for r in data["rows"]] == ["ok", "unsupported"]
+    assert "1 not supported (not run)" in json.loads(Path(data["saved"]).read_text())["table"]
+    refused = cli("compare", EXAMPLE, *sets, "--cell", "torch", "--cell", "torch:optimizations.zero_stage=2",
+                  "--refuse-unsupported", "--out", tmp_path / "refused")
+    assert refused.returncode == 2 and "cannot run optimizations.zero_stage=2" in refused.stderr
+    assert not (tmp_path / "refused").exists()
 
 
 NOT_READY = environments_unready("torch", "colossalai", "megatron") or ""

@@ -218,10 +218,11 @@ def test_the_report_fits_a_1400_px_window_and_every_figure_shows_in_a_screenshot
 
 
 # -- the figures that answer "which configuration", on made-up runs ---------------------------------------------
-def made_up(label: str, *overrides: str, problem: str = "P1", losses=None, seconds=None, samples_per_s=100.0):
+def made_up(label: str, *overrides: str, problem: str = "P1", losses=None, seconds=None, samples_per_s=100.0,
+            preset: str = "tiny-llama"):
     from llmadapt.analysis.figures import ReportRun
 
-    w = train("tiny-llama", *overrides)
+    w = train(preset, *overrides)
     seconds = seconds or [0.02] * 4
     records = [{"type": "step", "step": i, "seconds": s, "rank": 0, "warmup": i < 1} for i, s in enumerate(seconds)]
     summary = {"adapter": "torch", "status": "ok", "losses": losses or [6.0, 5.9, 5.8, 5.7],
@@ -279,7 +280,24 @@ def test_the_eq2_fit_is_drawn_only_over_runs_that_differ_in_batch_alone():
     try:
         (ax,) = visible(fig)
         labels = ax.get_legend_handles_labels()[1]
-        assert len([x for x in labels if x.startswith("Eq. 2 fit")]) == 1 and "a tiny-llama (3 runs)" in labels
+        assert len([x for x in labels if x.startswith("Eq. 2 fit")]) == 1 and "torch dp1 tiny-llama (3 runs)" in labels
+    finally:
+        close(fig)
+
+
+def test_each_series_over_batch_is_named_by_what_sets_it_apart():
+    """Two sparsities of one MoE model, three batch sizes each: two series, each naming its experts per token."""
+    from llmadapt.analysis.figures import close
+    from llmadapt.analysis.figures_train import throughput_vs_batch
+
+    runs = [made_up("torch dp1", f"train.global_batch={b}", f"model.experts_per_token={k}", preset="tiny-mixtral",
+                    samples_per_s=100.0 * b / k) for k in (2, 4) for b in (4, 8, 16)]
+    fig = throughput_vs_batch(runs)
+    try:
+        (ax,) = visible(fig)
+        series = [x for x in ax.get_legend_handles_labels()[1] if x.endswith("runs)")]
+        assert series == ["torch dp1 tiny-mixtral experts_per_token=2 (3 runs)",
+                          "torch dp1 tiny-mixtral experts_per_token=4 (3 runs)"]
     finally:
         close(fig)
 
@@ -304,3 +322,43 @@ def test_the_headline_sorts_rows_with_their_intervals_and_marks_the_disturbed():
         assert step.collections and tokens.collections  # the 95% intervals, as error bars
     finally:
         close(fig)
+
+
+def test_the_report_holds_the_verdict_scaling_and_topology_as_data_and_draws_the_efficiency():
+    """The page carries the comparison's answers as data (its verdicts, scaling points and each row's topology, as
+    compare --json has them), and a figure of scaling efficiency against the devices, a line per stack."""
+    import html
+    import json
+
+    from llmadapt.analysis.comparison import Comparison, Row
+    from llmadapt.analysis.figures import close
+    from llmadapt.analysis.figures_train import scaling_efficiency
+    from llmadapt.analysis.htmlreport import _answers
+    from llmadapt.analysis.uncertainty import Estimate
+    from llmadapt.contract.records import Topology
+
+    w = train("tiny-llama")
+
+    def row(label, devices, median, disturbed=()):
+        return Row(label=label, adapter=label.split()[0], variant="", run_dir=None, status="ok",
+                   problem_hash=w.problem_hash, metrics={"devices": devices, "step_p50_s": median,
+                                                         "tokens_per_s": 100 / median},
+                   estimates={"step_p50_s": Estimate(median, median * 0.9, median * 1.1, 5, "steps")},
+                   disturbed=list(disturbed), topology=Topology(interconnect="cpu", numa_nodes=1))
+
+    c = Comparison(rows=[row("torch dp1", 1, 1.0), row("torch dp2", 2, 0.6, ["load"]), row("deepspeed dp1", 1, 1.2),
+                         row("deepspeed dp2", 2, 0.7)], workloads={w.problem_hash: w})
+    data = json.loads(html.unescape(_answers(c)))
+    assert data["verdicts"][0]["withheld"].startswith("the machine was disturbed during torch dp2")
+    assert {(p["stack"], p["devices"], p["disturbed"]) for p in data["scaling"]} == {
+        ("torch", 1, False), ("torch", 2, True), ("deepspeed", 1, False), ("deepspeed", 2, False)}
+    assert data["topology"]["torch dp1"]["interconnect"] == "cpu"
+    fig = scaling_efficiency(c.scaling())
+    try:
+        (ax,) = visible(fig)
+        labels = ax.get_legend_handles_labels()[1]
+        assert "torch, strong" in labels and "deepspeed, strong" in labels
+        assert "hollow: measured on a disturbed machine" in labels
+    finally:
+        close(fig)
+    assert scaling_efficiency([]) is None

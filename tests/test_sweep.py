@@ -38,6 +38,17 @@ def test_a_sweep_expands_to_cells_with_stable_ids(tmp_path):
     assert {c.id for c in one.cells} < {c.id for c in repeated.cells}  # the first repeat is the same cell
 
 
+def test_sweep_cells_are_titled_by_what_sets_them_apart(tmp_path):
+    (tmp_path / "grid.toml").write_text(f'''workload = "{EXAMPLES / 'tiny-mixtral.toml'}"
+adapters = ["torch"]
+[matrix]
+"train.global_batch" = [2, 4]
+"model.experts_per_token" = [2, 4]
+''')
+    titles = [c.title for c in sweeps.load(tmp_path / "grid.toml", tmp_path / "runs").cells]
+    assert titles == [f"torch dp1 experts_per_token={e} global_batch={b}" for b in (2, 4) for e in (2, 4)]
+
+
 @pytest.mark.parametrize("text, message", [
     ('adapters = ["torch"]\n', "'workload' must name a workload file"),
     ('colour = "red"\n' + GRID, "unknown key 'colour'"),

@@ -176,3 +176,72 @@ def test_a_narrow_terminal_gets_the_columns_read_most_and_is_told_what_was_left_
     assert chosen[0].split() == ["problem", "run", "status", "tokens/s", "step", "p50", "s"]
     with pytest.raises(LlmadaptError, match=r"^unknown column 'tok/s': choose from step_p50_s, step_p90_s"):
         column_keys(["tok/s"])
+
+
+def test_the_runs_listing_labels_each_run_by_what_sets_it_apart():
+    """`runs` lists two runs of one layout on two sparsities: each layout names its experts per token."""
+    from pathlib import Path
+
+    from llmadapt import Workload
+    from llmadapt.analysis.store import StoredRun
+    from llmadapt.cli.runs import _runs_table
+
+    w = Workload.from_file(Path(__file__).resolve().parents[1] / "examples" / "tiny-mixtral.toml")
+
+    def stored(run_id, workload):
+        return StoredRun(run_id=run_id, folder=Path(run_id), status="ok", adapter="torch", layout="torch dp1",
+                         workload_hash=workload.content_hash, problem_hash=workload.problem_hash, machine="m",
+                         created="2026-01-01T00:00", workload=workload.to_dict(), summary={}, metrics={}, row={})
+
+    text = _runs_table([stored(f"r{k}", w.with_overrides([f"model.experts_per_token={k}"])) for k in (2, 4)])
+    assert "torch dp1 experts_per_token=2" in text and "torch dp1 experts_per_token=4" in text
+
+
+def test_the_verdict_and_the_scaling_are_data_that_the_lines_render(tmp_path):
+    """The verdict (fastest, within noise, slower by how much with an interval, or withheld and why) and the scaling
+    (per stack and technique, disturbed rows marked) are typed results: in Comparison.verdicts() and .scaling(), in
+    to_dict (compare --json) and in the saved compare file; the printed lines are rendered from them."""
+    import json
+    from pathlib import Path
+
+    import attrs
+
+    from llmadapt import Workload
+    from llmadapt.analysis.comparison import Comparison, Row
+    from llmadapt.analysis.uncertainty import Estimate
+    from llmadapt.analysis.verdict import ScalingPoint, Slower, Verdict
+    from llmadapt.experiments.compare import ComparisonFile
+
+    w = Workload.from_file(Path(__file__).resolve().parents[1] / "examples" / "tiny-llama.toml")
+
+    def row(label, devices, median, low, high, disturbed=()):
+        e = Estimate(median, low, high, 5, "steps")
+        return Row(label=label, adapter="torch", variant="", run_dir=None, status="ok", problem_hash=w.problem_hash,
+                   metrics={"devices": devices, "step_p50_s": median, "tokens_per_s": 100 / median},
+                   estimates={"step_p50_s": e}, disturbed=list(disturbed), layout=label.split(" (")[0])
+
+    rows = [row("torch dp1", 1, 1.0, 0.9, 1.1), row("torch dp2", 2, 0.6, 0.55, 0.65),
+            row("torch dp4", 4, 0.58, 0.5, 0.7)]
+    c = Comparison(rows=rows, workloads={w.problem_hash: w})
+    (v,) = c.verdicts()
+    # the change's interval: the far ends of the two 95% intervals (0.9/0.65 - 1 and 1.1/0.55 - 1)
+    assert v == Verdict(problem="P1", problem_hash=w.problem_hash, metric="step_p50_s", fastest="torch dp4",
+                        ties=["torch dp2"], slower=[Slower("torch dp1", 1.0 / 0.58 - 1, 0.9 / 0.7 - 1, 1.1 / 0.5 - 1)],
+                        over="steps", rows=3)
+    assert c.verdict_lines({w.problem_hash: "P1"}, "step_p50_s") == [v.text()] and v.text() in c.table()
+    assert [(p.label, p.devices, p.scaling, round(p.efficiency, 6)) for p in c.scaling()] == [
+        ("torch dp1", 1, "strong", 1.0), ("torch dp2", 2, "strong", round(1 / 0.6 / 2, 6)),
+        ("torch dp4", 4, "strong", round(1 / 0.58 / 4, 6))]
+    assert all(isinstance(p, ScalingPoint) and p.stack == "torch" and not p.disturbed for p in c.scaling())
+    data = json.loads(json.dumps(c.to_dict(), default=str))
+    assert data["verdicts"][0]["fastest"] == "torch dp4" and data["verdicts"][0]["slower"][0]["label"] == "torch dp1"
+    assert [p["efficiency"] for p in data["scaling"]] == [p.efficiency for p in c.scaling()]
+    saved = json.loads(Path(ComparisonFile(tmp_path, w, print).write(c).saved).read_text())
+    assert saved["verdicts"] == data["verdicts"] and saved["scaling"] == data["scaling"]
+    # a disturbed row: the verdict withheld, with its reason as data; the scaling row marked as in the headline
+    noisy = Comparison(rows=[rows[0], attrs.evolve(rows[1], disturbed=["other processes kept 1.2 of 2 cores busy"])],
+                       workloads={w.problem_hash: w})
+    (held,) = noisy.verdicts()
+    assert held.fastest is None and held.withheld.startswith("the machine was disturbed during torch dp2")
+    assert [p.disturbed for p in noisy.scaling()] == [False, True]
+    assert "torch dp2 (disturbed)" in noisy.table() and "ran on a disturbed machine" in noisy.table()

@@ -78,6 +78,15 @@ def test_a_cpu_rank_records_numa_nodes_cores_and_settings():
     assert t.settings == {"GLOO_SOCKET_IFNAME": "lo"}
 
 
+def test_the_topology_line_says_links_cores_and_threads():
+    from llmadapt.analysis.topology import topology_line
+
+    t = {"interconnect": "pcie", "numa_nodes": 2, "cpus": list(range(16)), "threads": {"intra_op": 8},
+         "nvlinks_active": 0, "gpu_links": [{"peer": 1, "path": "one PCIe switch", "nvlink": False, "p2p": "ok"}]}
+    assert topology_line(t) == ("topology   pcie; 2 NUMA node(s); rank 0 on 16 core(s); threads intra_op=8; 0 NVLink "
+                                "link(s) up; GPU 1 over one PCIe switch (no NVLink)")
+
+
 def test_p2p_off_is_refused_where_nothing_would_honour_it(monkeypatch):
     from llmadapt.launch.settings import resolve
 
@@ -100,6 +109,21 @@ def test_every_rank_header_carries_its_topology(tmp_path):
         t = header["topology"]
         assert t["interconnect"] == "cpu" and t["cpus"] and t["gpu_links"] == []
         assert "MASTER_ADDR" in t["settings"]  # torchrun's rendezvous: how the ranks found each other
+    # the run's topology as data: in its summary (rank 0's), show, the store's index and a comparison's row
+    from llmadapt.analysis.comparison import compare_stored
+    from llmadapt.analysis.report import render_summary, show
+    from llmadapt.analysis.store import RunStore
+
+    rank0 = read_jsonl(result.run_dir / "rank-00000.jsonl")[0]["topology"]
+    summary = show(result.run_dir)
+    assert summary["topology"] == rank0
+    assert "topology   cpu; " in render_summary(summary) and f"rank 0 on {len(rank0['cpus'])} core(s)" in \
+        render_summary(summary)
+    with RunStore(tmp_path) as store:
+        (stored,) = store.runs("interconnect=cpu")
+    assert stored.row["interconnect"] == "cpu"
+    (row,) = compare_stored(root=tmp_path).rows
+    assert row.topology is not None and row.topology.interconnect == "cpu" and row.topology.cpus == rank0["cpus"]
 
 
 @pytest.mark.skipif(bool(environments_unready("torch")), reason=environments_unready("torch") or "")

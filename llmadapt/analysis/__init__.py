@@ -20,9 +20,11 @@ from llmadapt.analysis.paritycheck import (
     parity_of_runs,
 )
 from llmadapt.analysis.report import EXPORT_FORMATS, chrome_trace, export, read_summary, render_summary, show
+from llmadapt.analysis.verdict import ScalingPoint, Slower, Verdict
 
 __all__ = [
     "EXPORT_FORMATS", "PARITY_ATOL", "PARITY_RTOL", "Comparison", "ExpertLoadReport", "ParityReport", "Row",
+    "ScalingPoint", "Slower", "Verdict",
     "chrome_trace", "expert_load_parity", "export", "loss_parity", "matrix_variants", "parity_of_runs",
     "parse_matrix", "read_summary", "render_summary", "show",
 ]

@@ -18,7 +18,8 @@ import attrs
 from llmadapt.adapter.plugins import check_supported, get_adapter
 from llmadapt.errors import LlmadaptError, UnsupportedError, WorkloadError
 from llmadapt.launch.settings import check_adapter_settings
-from llmadapt.spec import Workload
+from llmadapt.spec import Workload, varied_fields
+from llmadapt.spec.loading import flatten
 
 # a comma starts a new setting only where "path=" follows: list values keep theirs ("lora.target_modules=[a,b]")
 _NEXT_SETTING = re.compile(r",(?=\s*[A-Za-z_][\w.]*\s*=)")
@@ -58,10 +59,21 @@ class PlannedCell:
     """A compact label of the layout: 'megatron tp2', 'deepspeed dp2 zero3 offload=optimizer'."""
     unsupported: str | None = None
     """Why the adapter declares it cannot run this cell; None when it can."""
+    distinct: str = ""
+    """The fields that set this cell apart from the others of its plan and its layout does not name
+    ('global_batch=4 experts_per_token=2'; ``distinct_labels``)."""
 
     @property
     def title(self) -> str:
-        return self.layout if not self.variant or self.workload.kind != "serve" else f"{self.layout} [{self.variant}]"
+        base = self.layout if not self.variant or self.workload.kind != "serve" else f"{self.layout} [{self.variant}]"
+        return f"{base} {self.distinct}" if self.distinct else base
+
+
+def _distinguished(planned: list[PlannedCell]) -> list[PlannedCell]:
+    """The cells with ``distinct`` set anew: what tells each apart from the others (``distinct_labels``)."""
+    bare = [attrs.evolve(p, distinct="") for p in planned]
+    titles = distinct_labels([(p.title, p.workload) for p in bare])
+    return [attrs.evolve(p, distinct=t[len(p.title):].strip()) for p, t in zip(bare, titles)]
 
 
 def as_cells(adapters: Iterable[str] | None, cells: Iterable[Cell | str] | None) -> list[Cell]:
@@ -79,8 +91,9 @@ def plan(workload: Workload, cells: list[Cell], matrix: dict[str, list[Any]] | N
     """Every cell on every matrix variant, resolved and checked; nothing is run.
 
     Bad input (an unknown adapter or field, a layout its workload cannot have) is an error naming the cell. A
-    cell its adapter declares it cannot run is an error where it was asked for by itself (no matrix) or with
-    ``refuse_unsupported``; in a grid it is planned as unsupported, with the reason, and not run. Two cells
+    cell its adapter declares it cannot run, given explicitly or made by the matrix alike, is planned as
+    unsupported, with the reason, and not run; it is an error with ``refuse_unsupported``, or where no cell of the
+    plan can run. Two cells
     that run the same workload on the same adapter are an error unless ``distinct`` is off (parity of a run
     with itself checks determinism).
     """
@@ -104,10 +117,16 @@ def plan(workload: Workload, cells: list[Cell], matrix: dict[str, list[Any]] | N
                 check_supported(get_adapter(cell.adapter), w)
                 reason = None
             except UnsupportedError as exc:
-                if not matrix or refuse_unsupported:
+                if refuse_unsupported:
                     raise UnsupportedError(f"{where}: {exc}") from None
                 reason = str(exc)
             planned.append(PlannedCell(cell, label, w, layout_label(cell.adapter, w), reason))
+    if all(p.unsupported for p in planned):  # nothing would run: the first reason is the answer
+        first = planned[0]
+        more = f" (nor can the other {len(planned) - 1} cell(s) run)" if len(planned) > 1 else ""
+        raise UnsupportedError(f"cell {first.cell}{f' [{first.variant}]' if first.variant else ''}: "
+                               f"{first.unsupported}{more}")
+    planned = _distinguished(planned)
     seen: dict[tuple[str, str], PlannedCell] = {}
     for p in planned if distinct else ():
         first = seen.setdefault((p.cell.adapter, p.workload.content_hash), p)
@@ -141,6 +160,7 @@ def same_threads(planned: list[PlannedCell], ranks_per_node=None) -> tuple[list[
     if len(counts) > 1:
         out = [attrs.evolve(p, layout=f"{p.layout} thr{p.workload.parallelism.threads_per_rank}")
                if p.workload.kind != "serve" else p for p in out]
+    out = _distinguished(out)
     if unset:
         line = (f"threads per rank: {chosen} for the {len(unset)} cell(s) that leave it unset, the fewest any of "
                 "them gets by default (set parallelism.threads_per_rank to choose)")
@@ -160,6 +180,8 @@ def layout_label(adapter: str, w: Workload) -> str:
         parts.append(f"offload={o.offload}")
     if o.recompute != "none":
         parts.append(f"recompute={o.recompute}")
+    if o.quantization != "none":
+        parts.append(f"quantization={o.quantization}")
     if o.flash_attention:
         parts.append("flash")
     if t.micro_batch and t.micro_batch != w.per_rank_batch:
@@ -176,6 +198,88 @@ def run_label(summary: dict[str, Any], w: Workload) -> str:
         only = ((summary.get("serving") or {}).get("validity") or "").startswith("summary only")
         return summary["measured_by"] + (" (summary only)" if only else "")
     return layout_label(summary["adapter"], w)
+
+
+# The fields a training row's layout label names in a form of its own ('dp2', 'zero3', 'mb4'; ``layout_label``)
+_LAYOUT_NAMED = frozenset({
+    "parallelism.tp", "parallelism.pp", "parallelism.dp", "parallelism.ep", "optimizations.zero_stage",
+    "optimizations.offload", "optimizations.recompute", "optimizations.flash_attention", "optimizations.quantization",
+    "train.micro_batch", "train.optimizer_impl"})
+
+
+# Sections that do not describe a row of the kind: a serving run takes no training settings, a training run no serving
+_NOT_OF_KIND = {"serve": ("data", "train", "lora", "eval", "save", "profile", "parallelism", "optimizations"),
+                "train": ("serve",)}
+
+
+def distinct_labels(labelled: list[tuple[str, Workload | dict[str, Any] | None]],
+                    ignore: Iterable[str] = ()) -> list[str]:
+    """Each (label, workload) pair's label followed by every workload field that differs among the pairs and the
+    label does not name yet, as name=value in its shortest unambiguous form: the path's last component
+    ('global_batch=4', 'experts_per_token=2'), or as many components as tell it from the other fields named; a
+    model that differs in its preset is named once ('model=tiny-mixtral'). Serving and training rows sit in tables
+    of their own, so each is told apart from those of its own kind, by the sections that kind uses. The one place a
+    label that tells rows apart is made: compare's rows, a sweep's cells, the report's rows and series, ``runs``.
+    ``ignore``: paths the rows are meant to differ in (a series over batch sizes). A workload may be given as its
+    dict (a stored run's); a pair without one, or whose dict does not read as one, keeps its label."""
+    labelled = [(label, _as_workload(w)) for label, w in labelled]
+    out = [label for label, _ in labelled]
+    for kind in ("train", "serve"):
+        mine = [i for i, (_, w) in enumerate(labelled) if w is not None and (w.kind == "serve") == (kind == "serve")]
+        workloads = [labelled[i][1] for i in mine]
+        paths = [p for p in varied_fields(workloads) if p not in set(ignore)
+                 and p.split(".")[0] not in _NOT_OF_KIND[kind]] if len(mine) > 1 else []
+        if "model.name" in paths:  # another model: its name says it, not each of its fields
+            paths = [p for p in paths if not p.startswith("model.") or p == "model.name"]
+        names = _short_names(paths)
+        for i, w in zip(mine, workloads):
+            out[i] = " ".join([out[i], *(f"{names[p]}={v}" for p, v in _unnamed(out[i], w, paths))])
+    return out
+
+
+def _unnamed(label: str, w: Workload, paths: list[str]) -> list[tuple[str, str]]:
+    """(path, value) of the PATHS whose value the label does not say yet (in its layout's words, or as name=value)."""
+    tokens = set(re.split(r"[\s,\[\]]+", label))
+    flat = flatten(w.to_dict())
+    out = []
+    for path in paths:
+        value = _yaml_scalar(flat.get(path))
+        if not ((w.kind != "serve" and path in _LAYOUT_NAMED) or f"{path.split('.')[-1]}={value}" in tokens
+                or (path == "parallelism.threads_per_rank" and f"thr{value}" in tokens)
+                or (path == "model.name" and value in tokens)):
+            out.append((path, value))
+    return out
+
+
+def labelled_by(summary: dict[str, Any], w: Workload | dict[str, Any] | None) -> Workload | None:
+    """The workload a run is told apart from others by (``distinct_labels``): its own; None for a result another
+    tool measured, imported without the workload it ran (its workload then states nothing of what ran)."""
+    w = _as_workload(w)
+    if w is not None and summary.get("measured_by") and w.problem_hash != summary.get("problem_hash"):
+        return None
+    return w
+
+
+def _as_workload(w: Workload | dict[str, Any] | None) -> Workload | None:
+    if w is None or isinstance(w, Workload):
+        return w
+    try:
+        return Workload.from_dict(w)
+    except (LlmadaptError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _short_names(paths: list[str]) -> dict[str, str]:
+    """Each path's shortest tail of components that no other path of PATHS ends with ('model.name': 'model')."""
+    out = {}
+    for path in paths:
+        parts = path.split(".")[:-1] if path == "model.name" else path.split(".")
+        for n in range(1, len(parts) + 1):
+            tail = ".".join(parts[-n:])
+            if not any(q != path and (q == tail or q.endswith("." + tail)) for q in paths):
+                break
+        out[path] = tail
+    return out
 
 
 def matrix_settings(matrix: dict[str, list[Any]]) -> list[tuple[str, list[str]]]:

@@ -7,8 +7,6 @@ intervals) whether its runs were made now or read from the store, and the tables
 
 from __future__ import annotations
 
-import json
-import re
 import statistics
 
 from pathlib import Path
@@ -16,10 +14,12 @@ from typing import Any
 
 import attrs
 
-from llmadapt.analysis.cells import matrix_settings
+from llmadapt.analysis.cells import distinct_labels, labelled_by, matrix_settings
 from llmadapt.analysis.paritycheck import loss_parity
-from llmadapt.analysis.uncertainty import Estimate, bootstrap_median, mann_whitney_greater
+from llmadapt.analysis.uncertainty import Estimate, bootstrap_median
+from llmadapt.analysis.verdict import SUPERLINEAR, ScalingPoint, Verdict, scaling, told_apart, verdict
 from llmadapt.errors import LlmadaptError
+from llmadapt.contract.records import Topology
 from llmadapt.contract.rundir import RunDir
 from llmadapt.spec import Workload, problem_difference
 from llmadapt.texttable import text_table
@@ -52,6 +52,11 @@ class Row:
     interference names; empty when every run was quiet or not judged."""
     judged: bool = True
     """False where a run's interference was not judged (measured steps too short to count other processes' CPU)."""
+    topology: Topology | None = None
+    """Its first run's topology (the summary's, rank 0's): interconnect, NUMA nodes, cores and threads."""
+    layout: str = ""
+    """The row's layout label alone ('torch dp2 recompute=full'), without what ``label`` adds to tell it from the
+    other rows: a scaling group is the rows whose layouts differ in their parallel layout alone."""
 
 
 # (key, heading, format) of the comparison table, per kind
@@ -278,118 +283,52 @@ class Comparison:
             lines.append(f"partial: {len(self.pending)} run(s) not made: {', '.join(dict.fromkeys(self.pending))}")
         return lines
 
+    def verdicts(self) -> list[Verdict]:
+        """Per problem with two or more rows that have the headline figure's interval: the verdict (``Verdict``:
+        the fastest row, those that cannot be told apart from it, how much slower the others are, or why it is
+        withheld), judged on the problem's kind's headline figure (``HEADLINE``)."""
+        problems = {h: f"P{i}" for i, h in enumerate(self.problems(), 1)}
+        serving = {r.problem_hash for r in self.rows if "request_throughput" in r.metrics}
+        return [v for h, name in problems.items()
+                for v in self._verdicts({h: name}, HEADLINE["serve" if h in serving else "train"])]
+
+    def _verdicts(self, problems: dict[str, str], key: str) -> list[Verdict]:
+        out = []
+        for problem, name in problems.items():
+            found = verdict(name, problem, [r for r in self.rows if r.problem_hash == problem and r.status == "ok"],
+                            key)
+            out += [found] if found else []
+        return out
+
     def verdict_lines(self, problems: dict[str, str], key: str) -> list[str]:
         """Per problem with two or more rows: the fastest row (lowest headline median), the rows that cannot be
         told apart from it (95% intervals overlap), and how much slower the others are. No verdict where a
-        row's runs ran on a disturbed machine, or where a row has a single sample (no interval to judge by)."""
-        out = []
-        for problem, name in problems.items():
-            rows = [r for r in self.rows if r.problem_hash == problem and r.status == "ok" and r.estimates.get(key)]
-            if len(rows) < 2:
-                continue
-            disturbed = [r for r in rows if r.disturbed]
-            if disturbed:
-                runs = sum(len(r.disturbed) for r in disturbed)
-                out.append(f"{name} verdict withheld: the machine was disturbed during "
-                           f"{', '.join(r.label for r in disturbed)} ({runs} run(s); {disturbed[0].disturbed[0]}"
-                           f"{', ...' if runs > 1 else ''}); rerun on a quiet machine")
-                continue
-            lone = [r.label for r in rows if r.estimates[key].n < 2]
-            if lone:
-                out.append(f"{name} verdict withheld: a single sample, no interval to judge by: {', '.join(lone)}")
-                continue
-            best = min(rows, key=lambda r: r.estimates[key].median)
-            ties = [r for r in rows if r is not best and not _told_apart(r.estimates[key], best.estimates[key])]
-            slower = [r for r in rows if r is not best and r not in ties]
-            line = f"{name} verdict: fastest {best.label}"
-            if ties:
-                line += f"; cannot be told apart from it: {', '.join(r.label for r in ties)}"
-            if slower:
-                line += "; slower: " + ", ".join(
-                    f"{r.label} {r.estimates[key].median / best.estimates[key].median - 1:+.0%}" for r in slower)
-            over_runs = all(r.estimates[key].what == "runs" and r.estimates[key].samples for r in rows)
-            line += (" (medians and 95% intervals over runs; told apart by a two-sided Mann-Whitney test over the "
-                     f"runs, p < {ALPHA})" if over_runs else
-                     f" (medians and 95% intervals over {best.estimates[key].what})")
-            few = [r.label for r in rows if r.estimates[key].what == "runs" and r.estimates[key].n < RUNS_TO_SEPARATE]
-            if few:
-                line += (f"; {RUNS_TO_SEPARATE} runs a row are needed to tell rows apart over runs, fewer for "
-                         f"{', '.join(few)}")
-            unjudged = [r.label for r in rows if not r.judged]
-            if unjudged:
-                which = "every row" if len(unjudged) == len(rows) else ", ".join(unjudged)
-                line += (f"; the machine's quiet not judged for {which}: measured steps under half a second "
-                         "(more train.steps to judge)")
-            out.append(line)
-        return out
+        row's runs ran on a disturbed machine, or where a row has a single sample (no interval to judge by). The
+        lines of ``verdicts``."""
+        return [v.text() for v in self._verdicts(problems, key)]
+
+    def scaling(self) -> list[ScalingPoint]:
+        """How the step scales with devices, where the rows allow it (``verdict.scaling``): strong scaling within a
+        problem, weak scaling across problems that differ in global batch alone; per stack and technique."""
+        return scaling(self.rows, {h: f"P{i}" for i, h in enumerate(self.problems(), 1)}, self.workloads)
 
     def scaling_lines(self, problems: dict[str, str]) -> list[str]:
-        """How the step scales with devices, where the table has the rows to say it: strong scaling within a
-        problem (the same global batch on more devices: speedup of the step time against the row with the fewest
-        devices, efficiency = speedup over the device ratio); weak scaling across problems that differ
-        in global batch alone, grown with the devices (tokens/s per device against the fewest devices'). Each
-        within rows of one stack and its techniques (the label less its parallel layout)."""
-        ok = [r for r in self.rows if r.status == "ok" and r.metrics.get("devices")
-              and self._median(r, "step_p50_s") and self._median(r, "tokens_per_s")]
-        body = []
-        for h in problems:
-            # one problem, one stack and technique: rows that differ in their parallel layout alone
-            groups: dict[str, list[Row]] = {}
-            for r in ok:
-                if r.problem_hash == h:
-                    groups.setdefault(_without_layout(r.label), []).append(r)
-            for group in groups.values():
-                if len({r.metrics["devices"] for r in group}) < 2:
-                    continue
-                base = min(group, key=lambda r: (r.metrics["devices"], group.index(r)))
-                body += self._strong_rows(problems[h], group, base)
-        for group in self._weak_groups(ok):
-            base = min(group, key=lambda r: r.metrics["devices"])
-            per_device = self._median(base, "tokens_per_s") / base.metrics["devices"]
-            for r in group:
-                mine = self._median(r, "tokens_per_s") / r.metrics["devices"]
-                body.append([problems[r.problem_hash], r.label, str(r.metrics["devices"]), "weak",
-                             f"{self._median(r, 'tokens_per_s') / self._median(base, 'tokens_per_s'):.2f}x",
-                             _efficiency(mine / per_device), base.label])
-        if not body:
+        """The scaling table (``scaling``) and its notes; a row measured on a disturbed machine is marked so."""
+        points = scaling(self.rows, problems, self.workloads)
+        if not points:
             return []
+        body = [[p.problem, p.label + (" (disturbed)" if p.disturbed else ""), str(p.devices), p.scaling,
+                 f"{p.speedup:.2f}x", _efficiency(p.efficiency), p.against] for p in points]
         lines = ["", *text_table(["problem", "run", "devices", "scaling", "speedup", "efficiency", "against"], body),
                  "strong: one problem on more devices, step time against its row with the fewest; weak: the global "
                  "batch grown with the devices, tokens/s per device against the fewest devices' (medians)"]
-        if any(row[5].endswith("!") for row in body):
+        if any(p.superlinear for p in points):
             lines.append("!: above 110%, more than linear, which the same work on more devices cannot be: the rows ran "
                          "under unlike conditions (threads per rank, the machine's load), not a real speedup")
+        if any(p.disturbed for p in points):
+            lines.append("(disturbed): that row or the one it is set against ran on a disturbed machine: its "
+                         "figures are not to be trusted")
         return lines
-
-    def _strong_rows(self, problem: str, group: list[Row], base: Row) -> list[list[str]]:
-        rows = []
-        for r in group:
-            speedup = self._median(base, "step_p50_s") / self._median(r, "step_p50_s")
-            ratio = r.metrics["devices"] / base.metrics["devices"]
-            rows.append([problem, r.label, str(r.metrics["devices"]), "strong", f"{speedup:.2f}x",
-                         _efficiency(speedup / ratio), base.label])
-        return rows
-
-    def _median(self, row: Row, key: str) -> float | None:
-        estimate = row.estimates.get(key)
-        value = estimate.median if estimate else row.metrics.get(key)
-        return float(value) if isinstance(value, (int, float)) and value > 0 else None
-
-    def _weak_groups(self, rows: list[Row]) -> list[list[Row]]:
-        """Rows of problems that differ in global batch alone, with the same batch per device, on two or more
-        device counts."""
-        groups: dict[str, list[Row]] = {}
-        for r in rows:
-            w = self.workloads.get(r.problem_hash)
-            if w is None or w.kind == "serve":
-                continue
-            problem = w.problem_dict()
-            problem["train"] = {k: v for k, v in problem["train"].items() if k != "global_batch"}
-            key = json.dumps([problem, w.train.global_batch / r.metrics["devices"], _without_layout(r.label)],
-                             sort_keys=True, default=str)
-            groups.setdefault(key, []).append(r)
-        return [g for g in groups.values() if len({r.problem_hash for r in g}) > 1
-                and len({r.metrics["devices"] for r in g}) > 1]
 
     def breakdown_table(self) -> str:
         """The profiled rows side by side per module class (then operator class and collective): where each stack's
@@ -425,7 +364,9 @@ class Comparison:
     def to_dict(self) -> dict[str, Any]:
         return {"rows": [attrs.asdict(r) for r in self.rows], "counts": self.counts(), "baseline": self.baseline,
                 "seed": self.seed, "settle": self.settle, "unsettled": self.unsettled, "partial": self.partial,
-                "pending": self.pending, "saved": self.saved}
+                "pending": self.pending, "saved": self.saved,
+                "verdicts": [attrs.asdict(v) for v in self.verdicts()],
+                "scaling": [{**attrs.asdict(p), "superlinear": p.superlinear} for p in self.scaling()]}
 
     def to_frame(self, records: str = "rows"):
         """A pandas DataFrame: a row per row of the table (``rows``), or the ``steps``, ``requests``,
@@ -440,54 +381,20 @@ HEADLINE = {"train": "step_p50_s", "serve": "ttft_p50_ms"}
 ESTIMATED = {"train": ("step_p50_s", "tokens_per_s"), "serve": ("ttft_p50_ms", "tpot_p50_ms", "output_throughput")}
 
 
-def _without_layout(label: str) -> str:
-    """A row's label less its parallel layout (tpN, ppN, dpN, epN) and micro-batch (mbN): the stack and the
-    techniques it ran with, which a scaling group shares."""
-    return " ".join(w for w in label.split() if not re.fullmatch(r"(tp|pp|dp|ep|mb)\d+", w))
-
-
-RUNS_TO_SEPARATE = 4
-"""Runs a row needs before the verdict may name it faster or slower over runs: with three a side, two identical
-configurations' runs fall wholly apart one time in ten (2/C(6,3)); with four, one in 35 (2/C(8,4) < 5%)."""
-
-
-ALPHA = 0.05
-
-
-def _told_apart(a: Estimate, b: Estimate) -> bool:
-    """Whether two rows differ beyond noise. Over runs (both rows repeated): the two-sided Mann-Whitney test on the
-    runs' values at ``ALPHA`` (with four runs a row it needs every run of one below every run of the other; with
-    five, one pair may cross), and never with fewer than ``RUNS_TO_SEPARATE`` runs a row. Over the steps of one run
-    each: the 95% intervals do not overlap."""
-    if a.what == "runs" and b.what == "runs" and a.samples and b.samples:
-        if min(a.n, b.n) < RUNS_TO_SEPARATE:
-            return False
-        low = min(mann_whitney_greater(a.samples, b.samples), mann_whitney_greater(b.samples, a.samples))
-        return 2 * low < ALPHA
-    if "runs" in (a.what, b.what) and min(a.n, b.n) < RUNS_TO_SEPARATE:
-        return False
-    return not a.overlaps(b)
-
-
-def told_apart(a: Estimate, b: Estimate) -> bool:
-    """Whether two figures differ beyond noise, by the verdict's rule (``_told_apart``): for other answers (tune)."""
-    return _told_apart(a, b)
-
-
 def _efficiency(value: float) -> str:
-    return f"{value:.0%}" + ("!" if value > 1.1 else "")
+    return f"{value:.0%}" + ("!" if value > SUPERLINEAR else "")
 
 
 def versus(row: Row, first: Row | None, key: str) -> str:
     """The row's headline figure against the reference row of its problem: '+12%' beyond noise, '≈' within it
-    (not told apart: ``_told_apart``), '?' after a change where either side has one
+    (not told apart: ``verdict.told_apart``), '?' after a change where either side has one
     sample, 'disturbed' (no figure) where either side ran on a disturbed machine, '-' for the reference itself."""
     mine, theirs = row.estimates.get(key), first.estimates.get(key) if first else None
     if first is None or first is row or mine is None or theirs is None or not theirs.median:
         return "-"
     if row.disturbed or first.disturbed:
         return "disturbed"
-    if mine.n >= 2 and theirs.n >= 2 and not _told_apart(mine, theirs):
+    if mine.n >= 2 and theirs.n >= 2 and not told_apart(mine, theirs):
         return "≈"
     change = f"{(mine.median / theirs.median - 1):+.0%}"
     return change if mine.n >= 2 and theirs.n >= 2 else f"{change}?"
@@ -565,7 +472,7 @@ def from_json_summary(data: dict[str, Any]):
 
 
 def row_of_runs(label: str, adapter: str, variant: str, cell: str, results: list[tuple[str, dict[str, Any]]],
-                baselines: dict[str, list[float | None]], machine: str = "") -> Row:
+                baselines: dict[str, list[float | None]], machine: str = "", layout: str = "") -> Row:
     """One row from one or more runs of a cell ((run folder, summary) pairs): the first run's figures, the
     headline figures as medians with their intervals, every failure and warning in the note."""
     summaries = [from_json_summary(s) for _, s in results]
@@ -601,7 +508,8 @@ def row_of_runs(label: str, adapter: str, variant: str, cell: str, results: list
                note="; ".join(dict.fromkeys(notes))[:400], problem_hash=first.problem_hash, cell=cell,
                run_dirs=[d for d, _ in results], estimates=estimates, machine=machine,
                disturbed=list(dict.fromkeys(disturbed)),
-               judged=all(s.interference is None or s.interference.quiet is not None for s in summaries))
+               judged=all(s.interference is None or s.interference.quiet is not None for s in summaries),
+               layout=layout or label, topology=first.topology)
 
 
 def _row_status(statuses: list[str]) -> str:
@@ -665,12 +573,16 @@ def compare_stored(query: str | None = None, *, root: str | Path = "runs") -> Co
         groups.setdefault((r.problem_hash, r.adapter, r.layout, r.workload_hash, r.machine), []).append(r)
     rows, baselines, workloads, notes = [], {}, {}, {}
     problems = list(dict.fromkeys(r.problem_hash for r in found))
-    for key in sorted(groups, key=lambda k: problems.index(k[0])):
+    keys = sorted(groups, key=lambda k: problems.index(k[0]))
+    labels = distinct_labels([(groups[k][0].layout, labelled_by(groups[k][0].summary, groups[k][0].workload))
+                              for k in keys])
+    for key, label in zip(keys, labels):
         runs = groups[key]
-        label = runs[0].layout + (f" @{runs[0].machine}" if len(machines) > 1 and runs[0].machine else "")
+        label += f" @{runs[0].machine}" if len(machines) > 1 and runs[0].machine else ""
         name = runs[0].row.get("name") or ""
         rows.append(row_of_runs(label, runs[0].adapter, name, runs[0].layout,
-                                [(str(r.folder), r.summary) for r in runs], baselines, machine=runs[0].machine))
+                                [(str(r.folder), r.summary) for r in runs], baselines, machine=runs[0].machine,
+                                layout=runs[0].layout))
         workload = workloads.setdefault(runs[0].problem_hash, Workload.from_dict(runs[0].workload))
         if runs[0].summary.get("measured_by") and workload.problem_hash != runs[0].problem_hash:
             from llmadapt.analysis.foreign import AS_FILE_STATES

@@ -239,6 +239,16 @@ def _batch_group(r: ReportRun) -> str:
     return json.dumps([r.summary["adapter"], problem, layout], sort_keys=True, default=str)
 
 
+def _series_names(groups: dict[str, list[tuple[ReportRun, Any]]]) -> list[str]:
+    """Each group's name: its stack and layout less the micro-batch, and whatever else sets it apart from the other
+    groups but the batch it varies ('torch dp1 tiny-mixtral experts_per_token=2'; cells.distinct_labels)."""
+    from llmadapt.analysis.cells import distinct_labels, run_label
+
+    firsts = [members[0][0] for members in groups.values()]
+    return distinct_labels([(re.sub(r" mb\d+", "", f"{run_label(r.summary, r.workload)} {r.workload.model.name}"),
+                             r.workload) for r in firsts], ignore=("train.global_batch", "train.micro_batch"))
+
+
 def throughput_vs_batch(runs: list[ReportRun]):
     """Samples/s against global batch, per group of runs that differ in batch size alone (one stack, one problem
     but for its batch, one layout), with Study B's Eq. 2 fitted over each group of three batch sizes or more.
@@ -258,10 +268,8 @@ def throughput_vs_batch(runs: list[ReportRun]):
         return None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.6), layout="constrained")
-    for i, members in enumerate(groups.values()):
+    for i, (members, name) in enumerate(zip(groups.values(), _series_names(groups))):
         color, points = COLORS[i % 10], [p for _, p in members]
-        first = members[0][0]
-        name = re.sub(r" (mb\d+|#\d+)", "", f"{first.label} {first.workload.model.name}")
         ax.scatter([b for b, _, _ in points], [q for _, _, q in points], color=color, s=18, marker=MARKERS[i % 8],
                    label=f"{name} ({len(points)} runs)")
         try:
@@ -281,4 +289,38 @@ def throughput_vs_batch(runs: list[ReportRun]):
     ax.set_ylabel("samples/s")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
               title="runs that differ in batch alone", title_fontsize=7)
+    return fig
+
+
+def scaling_efficiency(points: list[Any]):
+    """Scaling efficiency against the devices, a line per stack and technique (``verdict.ScalingPoint``s of one
+    problem and kind of scaling); 100% is linear. A point measured on a disturbed machine is hollow. None without
+    points."""
+    if not points:
+        return None
+    series: dict[tuple[str, str, str], list[Any]] = {}
+    for p in points:
+        series.setdefault((p.problem, p.stack, p.scaling), []).append(p)
+    several = len({p.problem for p in points}) > 1
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.4), layout="constrained")
+    for i, ((problem, stack, kind), members) in enumerate(series.items()):
+        members = sorted(members, key=lambda p: p.devices)
+        color = COLORS[i % 10]
+        name = f"{problem} {stack}, {kind}" if several else f"{stack}, {kind}"
+        ax.plot([p.devices for p in members], [p.efficiency * 100 for p in members], color=color,
+                ls=LINESTYLES[i % 4], lw=1.2, label=name)
+        for p in members:
+            ax.scatter([p.devices], [p.efficiency * 100], s=26, marker=MARKERS[i % 8], zorder=3, color=color,
+                       facecolors="none" if p.disturbed else color)
+    if any(p.disturbed for p in points):
+        ax.scatter([], [], s=26, color="#777", facecolors="none", label="hollow: measured on a disturbed machine")
+    ax.axhline(100, color="#999", lw=0.8, ls="--", label="linear (100%)")
+    devices = sorted({p.devices for p in points})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(devices, [str(d) for d in devices])
+    ax.minorticks_off()
+    ax.set_xlabel("devices (ranks)")
+    ax.set_ylabel("scaling efficiency, %")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     return fig

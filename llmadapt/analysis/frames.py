@@ -56,8 +56,8 @@ def _sources(runs: Any) -> list[tuple[Path, str | None]]:
         return [s for row in runs.rows for s in _sources(row)]
     if hasattr(runs, "run_dirs") and hasattr(runs, "label"):  # a comparison's Row (unsupported rows: no runs)
         return [(Path(d), runs.label) for d in runs.run_dirs or ([runs.run_dir] if runs.run_dir else [])]
-    if hasattr(runs, "folder") and hasattr(runs, "layout"):  # a StoredRun
-        return [(Path(runs.folder), runs.layout or None)]
+    if hasattr(runs, "folder") and hasattr(runs, "layout"):  # a StoredRun: labelled among the others (_frame)
+        return [(Path(runs.folder), None)]
     if hasattr(runs, "run_dir") and hasattr(runs, "summary"):  # a RunResult
         return [(Path(runs.run_dir), None)]
     if isinstance(runs, Iterable) and not isinstance(runs, (bytes, dict)):
@@ -89,18 +89,23 @@ class _Run:
         first = self.headers.get(0) or next(iter(self.headers.values()), {})
         self.adapter = first.get("adapter") or launch.adapter
         self.run_id = first.get("run_id") or launch.run_id or folder.name
+        self.told_by: Workload | None = self.workload
         self.label = label or self._measured_by(rundir) or layout_label(self.adapter, self.workload)
         self.problem_hash = first.get("problem_hash", "")
 
     def _measured_by(self, rundir: RunDir) -> str | None:
-        """A run imported from another tool's result file is labelled with the tool (cells.run_label)."""
-        from llmadapt.analysis.cells import run_label
+        """A run imported from another tool's result file is labelled with the tool (cells.run_label); what tells
+        it apart from the other runs is ``told_by``, its workload unless the file came without one."""
+        from llmadapt.analysis.cells import labelled_by, run_label
 
         try:
             summary = json.loads(rundir.summary_file.read_text())
         except (OSError, ValueError):
             return None
-        return run_label(summary, self.workload) if isinstance(summary, dict) and summary.get("measured_by") else None
+        if not isinstance(summary, dict) or not summary.get("measured_by"):
+            return None
+        self.told_by = labelled_by(summary, self.workload)
+        return run_label(summary, self.workload)
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [r for r in self.records if r["type"] == kind]
@@ -127,8 +132,13 @@ def _frame(runs: Any, what: str, rows_of: Callable[[_Run], list[dict[str, Any]]]
         raise LlmadaptError(f"{what}: no runs given")
     rows: list[dict[str, Any]] = []
     lacking = []
-    for folder, label in sources:
-        run = _Run(folder, label)
+    from llmadapt.analysis.cells import distinct_labels
+
+    built = [(_Run(folder, label), label) for folder, label in sources]
+    own = [run for run, label in built if label is None]  # labelled here: by what sets each apart from the others
+    for run, text in zip(own, distinct_labels([(r.label, r.told_by) for r in own])):
+        run.label = text
+    for run, _ in built:
         found = rows_of(run)
         if not found:
             lacking.append(run)

@@ -107,7 +107,7 @@ def build(folders: list[Path], *, title: str = "llmadapt report", keep_figures: 
     """The report: (HTML text, the figures by name as (title, figure), the comparison its tables show). The
     figures are closed once drawn into the page unless ``keep_figures`` (then close them with figures.close).
     ``baseline``: the row (a label) each problem's others are set against; default each problem's first."""
-    from llmadapt.analysis.cells import run_label
+    from llmadapt.analysis.cells import distinct_labels, labelled_by, run_label
 
     loaded = [(folder, *_load(folder)) for folder in folders]
     cells: dict[tuple[str, str, str], list[tuple[Path, dict, Workload, list]]] = {}
@@ -116,12 +116,13 @@ def build(folders: list[Path], *, title: str = "llmadapt report", keep_figures: 
         cells.setdefault(key, []).append((folder, summary, workload, records))
     problems = list(dict.fromkeys(k[0] for k in cells))
     rows, runs, baselines = [], [], {}
-    for key in sorted(cells, key=lambda k: problems.index(k[0])):
+    keys = sorted(cells, key=lambda k: problems.index(k[0]))
+    for key, title in zip(keys, distinct_labels([(k[1], labelled_by(cells[k][0][1], cells[k][0][2])) for k in keys])):
         group = cells[key]
-        rows.append(row_of_runs(key[1], group[0][1]["adapter"], group[0][2].name, key[1],
-                                [(str(f), s) for f, s, _, _ in group], baselines))
+        rows.append(row_of_runs(title, group[0][1]["adapter"], group[0][2].name, key[1],
+                                [(str(f), s) for f, s, _, _ in group], baselines, layout=key[1]))
         for n, (folder, summary, workload, records) in enumerate(group):
-            label = key[1] + (f" #{n + 1}" if len(group) > 1 else "")
+            label = title + (f" #{n + 1}" if len(group) > 1 else "")
             runs.append(F.ReportRun(label, folder, workload, summary, records,
                                     problem=f"P{problems.index(key[0]) + 1}"))
     comparison = Comparison(rows=rows, workloads={k[0]: cells[k][0][2] for k in cells}, baseline=baseline)
@@ -174,6 +175,8 @@ def _figures(runs: list[F.ReportRun], comparison: Comparison, log) -> dict[str, 
         "throughput_vs_batch": ("Throughput against batch size, with Study B's Eq. 2 fitted over runs that differ "
                                 "in batch alone", T.throughput_vs_batch(runs)),
         "estimate_vs_measured": ("Estimated against measured step time", F.estimate_vs_measured(_estimates(runs))),
+        "scaling": ("Scaling efficiency against the devices, per stack and technique (strong: one problem on more "
+                    "devices; weak: the global batch grown with them)", T.scaling_efficiency(comparison.scaling())),
     }
     out = {name: (title, fig) for name, (title, fig) in made.items() if fig is not None}
     if log:
@@ -186,15 +189,16 @@ def _problem_names(comparison: Comparison) -> dict[str, str]:
 
 
 def _verdicts(comparison: Comparison, problems: dict[str, str]) -> list[str]:
-    """Comparison.verdict_lines per kind: the fastest row of each problem, the rows within noise of it, the rest."""
-    from llmadapt.analysis.comparison import HEADLINE
+    """The lines of Comparison.verdicts: the fastest row of each problem, the rows within noise of it, the rest."""
+    return [v.text() for v in comparison.verdicts()]
 
-    serving = {r.problem_hash for r in comparison.rows if "request_throughput" in r.metrics}
-    out = []
-    for kind in ("train", "serve"):
-        mine = {h: p for h, p in problems.items() if (h in serving) == (kind == "serve")}
-        out += comparison.verdict_lines(mine, HEADLINE[kind]) if mine else []
-    return out
+
+def _answers(comparison: Comparison) -> str:
+    """The comparison's answers as data in the page (as ``compare --json`` has them): verdicts, scaling, the
+    topology of each row's runs."""
+    data = comparison.to_dict()
+    return html.escape(json.dumps({"verdicts": data["verdicts"], "scaling": data["scaling"],
+                                   "topology": {r["label"]: r.get("topology") for r in data["rows"]}}, default=str))
 
 
 def _estimates(runs: list[F.ReportRun]) -> list[tuple[str, float, float]]:
@@ -285,6 +289,9 @@ def _html(title: str, comparison: Comparison, runs: list[F.ReportRun], figs: dic
                     + "</ul>") if verdicts else ""
     notes = [f"{problems[h]}: problem {h[:12]}{comparison.difference(h)}" for h in problems]
     notes += [f"{problems[r.problem_hash]} {r.label}: {r.note}" for r in comparison.rows if r.note]
+    scaling = comparison.scaling_lines(problems)
+    if scaling:  # the scaling table as the terminal shows it
+        tables.append('<pre class="scaling" id="scaling-table">' + html.escape("\n".join(scaling).strip()) + "</pre>")
     if any(r.estimates for r in comparison.rows):
         against = "the baseline row" if comparison.baseline else "the first row of its problem that ran ok"
         notes.append("Medians with 95% percentile-bootstrap intervals (2000 resamples; the interval under each "
@@ -315,6 +322,7 @@ def _html(title: str, comparison: Comparison, runs: list[F.ReportRun], figs: dic
 {''.join(f'<p class="note">{html.escape(n)}</p>' for n in notes)}
 {chr(10).join(sections)}
 <script type="application/json" id="runs">{runs_json}</script>
+<script type="application/json" id="answers">{_answers(comparison)}</script>
 <script>{_SCRIPT}</script>
 </body></html>
 """

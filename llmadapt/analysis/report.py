@@ -1,5 +1,7 @@
 """Reading one run folder: its summary (rebuilt from the records when it is missing or damaged), the
 text ``show`` prints, and ``export`` (JSON, CSV of requests, Chrome trace for Perfetto).
+
+It is over 400 lines because ``show``'s text renders every part of a summary, and the exports read the same records.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from llmadapt.analysis.breakdown_text import weights_lines
+from llmadapt.analysis.topology import topology_line
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json, upgrade, validate
 from llmadapt.errors import ContractError, LlmadaptError
@@ -124,6 +127,7 @@ def render_summary(s: dict[str, Any]) -> str:
             if v.get("bunched_share") is not None:
                 line += f"; bunched chunks {v['bunched_share']:.0%} (engine ITL {v['engine_itl_ms']:.2f} ms)"
             lines.append(line)
+    lines += [topology_line(s["topology"])] if s.get("topology") else []
     if s.get("interference"):
         lines.append(machine_line(s["interference"], "requests" if s.get("serving") else "steps"))
     if s.get("mfu") is not None:

@@ -53,9 +53,9 @@ from llmadapt.errors import LlmadaptError, StorageError, os_error_line
 __all__ = ["Query", "RunStore", "StoredRun"]
 
 DB_NAME = "llmadapt-runs.sqlite"
-STORE_VERSION = "4"
+STORE_VERSION = "5"
 """The index's own layout: a store of another version is rebuilt from the folders (3: running, incomplete and
-damaged runs told apart; 4: which runs are settled, and indexes for refreshing and paging)."""
+damaged runs told apart; 4: which runs are settled, and indexes for refreshing and paging; 5: the interconnect)."""
 
 BATCH = 500
 """Runs written per transaction while indexing (a commit per run was a write to disk per run)."""
@@ -69,7 +69,8 @@ CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY, folder TEXT NOT NULL, fingerprint TEXT NOT NULL, status TEXT NOT NULL,
     kind TEXT, name TEXT, workload_hash TEXT, problem_hash TEXT, adapter TEXT, adapter_version TEXT,
     framework TEXT, framework_version TEXT, launcher TEXT, world_size INTEGER, layout TEXT, machine TEXT,
-    device_kind TEXT, device_name TEXT, created TEXT, fault TEXT, workload TEXT NOT NULL, summary TEXT NOT NULL,
+    device_kind TEXT, device_name TEXT, interconnect TEXT, created TEXT, fault TEXT, workload TEXT NOT NULL,
+    summary TEXT NOT NULL,
     settled INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS metrics (
@@ -85,7 +86,7 @@ CREATE INDEX IF NOT EXISTS runs_created ON runs(created, run_id);
 
 RUN_COLUMNS = ("run_id", "folder", "status", "kind", "name", "workload_hash", "problem_hash", "adapter",
                "adapter_version", "framework", "framework_version", "launcher", "world_size", "layout", "machine",
-               "device_kind", "device_name", "created", "fault")
+               "device_kind", "device_name", "interconnect", "created", "fault")
 
 # (metric, what it is, better): the figures a run is compared by; lower or higher is better
 METRICS: dict[str, tuple[str, str]] = {
@@ -168,12 +169,14 @@ class StoredRun:
 
 
 # -- queries ----------------------------------------------------------------------------------------
-_KEYS = ("adapter", "status", "machine", "workload", "problem", "run", "since", "until", "kind", "layout", "device")
+_KEYS = ("adapter", "status", "machine", "workload", "problem", "run", "since", "until", "kind", "layout", "device",
+         "interconnect")
 
 
 @attrs.frozen
 class Query:
-    """Runs selected by ``key=value`` terms (all must hold): adapter, status, machine, device, kind, layout
+    """Runs selected by ``key=value`` terms (all must hold): adapter, status, machine, device, kind, interconnect
+    (the summary's topology: nvlink, pcie, single gpu, cpu), layout
     (substring), workload (hash prefix or workload name), problem (hash prefix), run (id prefix), since and until
     (ISO dates, by when the run was made), or a workload field by its dotted path (``train.seq_len=128``)."""
 
@@ -213,7 +216,7 @@ class Query:
         params: list[Any] = []
         rest = []
         for key, value in self.terms:
-            if key in ("adapter", "status", "machine", "kind"):
+            if key in ("adapter", "status", "machine", "kind", "interconnect"):
                 where.append(f"{key} = ?")
                 params.append(value)
             elif key == "layout":
@@ -237,7 +240,7 @@ def _holds(key: str, value: str, row: dict[str, Any], workload: dict[str, Any] |
     def text(column: str) -> str:
         return row.get(column) or ""
 
-    if key in ("adapter", "status", "machine"):
+    if key in ("adapter", "status", "machine", "interconnect"):
         return text(key) == value
     if key == "device":
         return value.lower() in text("device_name").lower()
@@ -596,6 +599,7 @@ def describe_run(folder: Path, *, running: bool = False) -> tuple[dict[str, Any]
         "launcher": summary["launcher"], "world_size": summary["world_size"],
         "layout": run_label(summary, workload), "machine": _machine(folder),
         "device_kind": device.get("kind"), "device_name": device.get("name"),
+        "interconnect": (summary.get("topology") or {}).get("interconnect"),
         "created": (dt.datetime.fromtimestamp(created, dt.timezone.utc).isoformat(timespec="seconds")
                     if isinstance(created, (int, float)) else ""),
         "fault": json.dumps(launch.fault) if launch.fault else None,

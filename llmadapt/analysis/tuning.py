@@ -14,9 +14,10 @@ from typing import Any
 
 import attrs
 
-from llmadapt.analysis.comparison import Row, told_apart
+from llmadapt.analysis.comparison import Row
 from llmadapt.analysis.paritycheck import loss_parity
 from llmadapt.analysis.uncertainty import Estimate
+from llmadapt.analysis.verdict import told_apart
 
 OBJECTIVES = {
     "tokens_per_s": "tokens/s (highest)",

@@ -136,7 +136,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                    help="option variants, e.g. optimizations.recompute=none,full (repeat for a grid); a cell "
                         "the adapter cannot run is shown as not supported and not run")
     p.add_argument("--refuse-unsupported", action="store_true",
-                   help="refuse a grid that has a cell its adapter cannot run, instead of skipping that cell")
+                   help="refuse a comparison that has a cell its adapter cannot run (a --cell or a matrix "
+                        "variant), instead of skipping that cell")
     p.add_argument("--breakdown", action="store_true",
                    help="also set the runs' step breakdowns side by side per class (needs profile.steps)")
     p.add_argument("--repeat", type=int, default=1, metavar="N",

@@ -366,13 +366,16 @@ def _runs_table(found) -> str:
     def f(value, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
+    from llmadapt.analysis.cells import distinct_labels, labelled_by
+
     head = ["run", "made", "status", "layout", "workload", "machine", "step p50 s", "tokens/s", "TTFT p50 ms",
             "last loss"]
+    labels = distinct_labels([(r.layout, labelled_by(r.summary, r.workload)) for r in found])  # what sets each apart
     body = [[printable(cell) for cell in (  # names from workload files and other machines, escaped
-        r.run_id, r.created[:16].replace("T", " "), r.status, r.layout,
+        r.run_id, r.created[:16].replace("T", " "), r.status, label,
         f"{r.row.get('name') or ''} {r.workload_hash[:8]}", r.machine, f(r.metrics.get("step_p50_s"), ".4f"),
         f(r.metrics.get("tokens_per_s"), ",.0f"), f(r.metrics.get("ttft_p50_ms"), ".1f"),
-        f(r.metrics.get("last_loss"), ".4f"))] for r in found]
+        f(r.metrics.get("last_loss"), ".4f"))] for r, label in zip(found, labels)]
     return "\n".join(text_table(head, body))
 
 

@@ -21,7 +21,7 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.14"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.15"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
@@ -34,7 +34,7 @@ SCHEMA_VERSION = "1.14"  # 1.1: end records, summary warnings; 1.2: client_load 
 # client load's prefix_cache_metrics and stream_prefix_share, the serving stats' stream_prefix_share and
 # engine_prefix_cache_hit_share; 1.12: the step's sample_length_squares (the attention term's context); 1.13: the
 # header's model_source (a GGUF model's file hash, tensor types, dequantized); 1.14: the header's and the summary's
-# weights (per module class: stored format, count and bytes)
+# weights (per module class: stored format, count and bytes); 1.15: the summary's topology (rank 0's)
 
 
 @attrs.frozen
@@ -828,5 +828,8 @@ class Summary:
     """Every rank header's notes, once each (e.g. a model's slow path)."""
     weights: list[WeightClass] = attrs.field(factory=list)
     """Rank 0's header's weights: per module class, the format the model held them in (quantized or not)."""
+    topology: Topology | None = None
+    """Rank 0's topology (its header's): the interconnect, NUMA nodes, cores and threads, communication settings;
+    each rank's own is in its header. None before schema 1.15, or where no header recorded one."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["summary"] = "summary"

@@ -32,6 +32,7 @@ from llmadapt.contract.records import (
     Stats,
     Summary,
     WeightClass,
+    Topology,
 )
 from llmadapt.spec import Workload
 
@@ -191,6 +192,7 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest,
         interference=interference_summary([r for r in records if r["type"] == "interference"], step_waits),
         notes=_notes(headers.values()),
         weights=[WeightClass(**w) for w in head.get("weights", [])] if head else [],
+        topology=_topology(headers),
     )
 
 
@@ -208,6 +210,14 @@ def _peak(memory: dict[str, Any]) -> int | None:
 def _notes(headers: Iterable[dict[str, Any]]) -> list[str]:
     """Every header's notes, once each, in order."""
     return list(dict.fromkeys(note for h in headers for note in h.get("notes", [])))
+
+
+def _topology(headers: dict[int, dict[str, Any]]) -> Topology | None:
+    """Rank 0's topology (the lowest rank's where rank 0 wrote no header), as its header recorded it."""
+    from llmadapt.contract.jsonl import from_json  # contract.jsonl imports this module
+
+    found = [headers[r].get("topology") for r in sorted(headers) if headers[r].get("topology")]
+    return from_json(Topology, found[0]) if found else None
 
 
 def _patches(headers: Iterable[dict[str, Any]]) -> list[Patch]:
@@ -247,6 +257,7 @@ def _aggregate_serve(run_id, records, launch, workload, headers, failures) -> Su
         interference=interference_summary([r for r in records if r["type"] == "interference"]),
         breakdown=breakdown_summary([r for r in records if r["type"] == "breakdown"], 1),  # the engine's own steps
         notes=_notes(headers.values()),  # e.g. the reference server run under the profiler launcher
+        topology=_topology(headers),
     )
 
 

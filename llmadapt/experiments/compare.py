@@ -33,8 +33,8 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     ``adapters``: one cell per adapter, with the workload's settings (and each adapter's own: ``[adapters.NAME]``,
     ``NAME:path=value``); ``cells``: more, each an adapter with settings of its own ("megatron:parallelism.tp=2",
     or `Cell`). Every cell is resolved and checked before the first run starts (`cells.plan`): a cell an adapter
-    declares it cannot run is an error by itself, and in a grid (with ``matrix``) a row marked unsupported,
-    not run, unless ``refuse_unsupported``.
+    declares it cannot run, explicit or from the ``matrix``, is a row marked unsupported, not run (counted under
+    the table), unless ``refuse_unsupported``; where no cell can run, that is an error.
 
     ``baseline``: the row the others of its problem are set against (a cell as given, e.g. 'torch' or
     'megatron:parallelism.tp=2', or a row's label); default each problem's first row.
@@ -142,11 +142,13 @@ def _assemble(planned, to_run, results, baseline, seed, settle, pending: list[st
     baselines: dict[str, list[float | None]] = {}
     for i, p in to_run:  # in the cells' order: a problem's first row is its parity reference
         if results[i]:
-            rows[i] = row_of_runs(p.title, p.cell.adapter, p.variant, str(p.cell), results[i], baselines)
+            rows[i] = row_of_runs(p.title, p.cell.adapter, p.variant, str(p.cell), results[i], baselines,
+                                  layout=p.layout)
     for i, p in enumerate(planned):
         if p.unsupported:
             rows[i] = Row(label=p.title, adapter=p.cell.adapter, variant=p.variant, run_dir=None, status="unsupported",
-                          metrics={}, note=p.unsupported, problem_hash=p.workload.problem_hash, cell=str(p.cell))
+                          metrics={}, note=p.unsupported, problem_hash=p.workload.problem_hash, cell=str(p.cell),
+                          layout=p.layout)
     problems = list(dict.fromkeys(p.workload.problem_hash for p in planned))
     order = sorted(rows, key=lambda i: (problems.index(planned[i].workload.problem_hash), i))
     return Comparison(rows=[rows[i] for i in order], baseline=baseline, seed=seed, settle=settle,

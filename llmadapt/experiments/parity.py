@@ -27,7 +27,7 @@ def parity(workload: Workload | str | Path, adapters: list[str] | None = None, *
     """
     if not isinstance(workload, Workload):
         workload = Workload.from_file(workload)
-    planned = plan(workload, as_cells(adapters, cells), distinct=False)
+    planned = plan(workload, as_cells(adapters, cells), distinct=False, refuse_unsupported=True)
     if len(planned) != 2:
         raise LlmadaptError(f"parity compares exactly two cells, got {len(planned)}: "
                             f"{', '.join(str(p.cell) for p in planned)}")

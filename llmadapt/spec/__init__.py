@@ -40,10 +40,10 @@ from llmadapt.spec.training import (
     TelemetrySpec,
     TrainSpec,
 )
-from llmadapt.spec.workload import KINDS, PRECISIONS, Workload, problem_difference
+from llmadapt.spec.workload import KINDS, PRECISIONS, Workload, problem_difference, varied_fields
 
 __all__ = [
-    "Workload", "problem_difference", "read_document", "load_yaml",
+    "Workload", "problem_difference", "varied_fields", "read_document", "load_yaml",
     "ModelSpec", "MODEL_PRESETS", "CHECKPOINT_RECIPE", "FAMILIES",
     "DataSpec", "DATA_SOURCES",
     "TrainSpec", "LoraSpec", "EvalSpec", "SaveSpec", "ProfileSpec", "TelemetrySpec",

@@ -260,6 +260,14 @@ def problem_difference(a: Workload, b: Workload) -> list[str]:
     return [f"{k} ({fa.get(k)!r} vs {fb.get(k)!r})" for k in sorted(keys) if fa.get(k) != fb.get(k)]
 
 
+def varied_fields(workloads: list[Workload]) -> list[str]:
+    """The dotted paths whose values differ among WORKLOADS, in the workload's field order; labels (the workload's
+    name), per-adapter settings and sources left out, as the content hash leaves them."""
+    flat = [flatten(w.to_dict()) for w in workloads]
+    paths = dict.fromkeys(k for f in flat for k in f if k.split(".")[0] not in ("name", "adapters", "sources"))
+    return [k for k in paths if len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flat}) > 1]
+
+
 def _hash(data: dict[str, Any]) -> str:
     text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()
