@@ -148,7 +148,7 @@ def run_offline(workload: Workload, info, out, run_id, timeout, progress) -> Run
         try:
             code = proc.wait(timeout=timeout)
             if code:
-                failures.append(Failure(cause=exit_cause(code), exit_code=code,
+                failures.append(Failure(cause="killed" if code < 0 else "error", exit_code=code,
                                         message=f"the offline engine {exit_text(code)}; see "
                                                 f"{RunDir(point.run_dir).engine_log}"))
         except subprocess.TimeoutExpired:
