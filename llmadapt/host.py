@@ -1,5 +1,5 @@
 """Facts about this process and machine that every layer needs: the release, the state folder, the clock,
-the node's name, a free port. Imports nothing of llmadapt but errors."""
+the node's name, a free port, how a process ended. Imports nothing of llmadapt but errors."""
 
 from __future__ import annotations
 
@@ -100,3 +100,23 @@ def gpu_visible() -> bool:
     if os.environ.get("LLMADAPT_DEVICE", "auto") == "cpu" or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
         return False
     return Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") is not None
+
+
+def exit_text(code: int) -> str:
+    """How a process ended, from its exit status as ``subprocess`` gives it (negative: the signal that killed it):
+    'was killed by SIGSEGV (signal 11)', 'exited with code 3' (after a subject: 'the engine ...'). The one wording
+    of how a process ended in every failure record."""
+    if code >= 0:
+        return f"exited with code {code}"
+    import signal
+
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"was killed by signal {-code}"
+    return f"was killed by {name} (signal {-code})"
+
+
+def exit_cause(code: int) -> str:
+    """The failure cause of a process that ended with ``code``: ``killed`` by a signal, else ``crash``."""
+    return "killed" if code < 0 else "crash"

@@ -208,12 +208,12 @@ def test_a_killed_rank_is_the_first_failure_told_then_its_peers(tmp_path):
     assert not result.ok and result.summary.steps_completed == 5
     lines = [f"rank {r['rank']}: {r['message']}" for r in told if r.get("type") == "failure"]
     assert len(lines) >= 2, lines
-    assert re.match(r"rank 1: rank 1 \(pid \d+\) was killed by SIGKILL at step 5\b", lines[0]), lines
+    assert re.match(r"rank 1: rank 1 \(pid \d+\) was killed by SIGKILL \(signal 9\) at step 5\b", lines[0]), lines
     assert lines[1].startswith("rank 0: "), lines
     first, second = result.summary.failures[:2]
     assert (first.rank, first.cause, first.step) == (1, "killed", 5) and second.rank == 0
     shown = [x for x in render_summary(attrs.asdict(result.summary)).splitlines() if x.startswith("failure")]
-    assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL at step 5", shown[0]), shown
+    assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL \(signal 9\) at step 5", shown[0]), shown
     assert leftovers(result.run_dir) == []
 
 

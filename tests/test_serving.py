@@ -708,3 +708,33 @@ def test_an_attached_serving_run_records_its_window_but_cannot_judge_other_proce
     assert i.quiet is None and i.other_cpu_cores is None
     summary = json.loads((result.run_dir / "summary.json").read_text())
     assert "machine    not judged: the engine's CPU is not known (attached by URL)" in render_summary(summary)
+
+
+def test_a_run_whose_every_request_failed_is_never_valid():
+    """The client kept its schedule, but no measured request completed: nothing measured the engine, so the run is
+    not valid (its validity says so), its table row reads NO, and a share of failures allowed by
+    serve.max_failed_share cannot make it ok."""
+    import attrs as _attrs
+
+    from llmadapt.analysis.comparison import row_metrics
+    from llmadapt.contract.records import Summary
+    from llmadapt.contract.stats import failed_requests_verdict, serving_stats
+
+    w = serve_workload("http://127.0.0.1:1", arrival={"process": "closed", "concurrency": 1})
+    client = {"type": "client_load", "interval_ms": 10.0, "loop_lag_ms": None, "stalls": [], "cpu_s": 0.1,
+              "wall_s": 1.0, "requests_sent": 8, "engine_itl_metric": None}
+    dead = [{**request(i, i, [i + 1]), "status": "error", "error_cause": "engine_dead", "first_token_ns": None,
+             "chunk_ns": [], "chunk_tokens": [], "output_tokens": None} for i in range(8)]
+    s = serving_stats([*dead, client], w)
+    assert (s.completed, s.failed) == (0, 8)
+    assert not s.valid and s.validity == "no measured request completed (8 of 8 failed)", s.validity
+    assert failed_requests_verdict(s, 1.0)[0] == "failed"
+    # a summary written before valid required a completed request: its row still reads NO
+    summary = Summary(run_id="r", status="failed", role="serve", adapter="llamacpp", framework="llama.cpp",
+                      framework_version="", launcher="subprocess", workload_hash="w", problem_hash="p", world_size=1,
+                      device=None, patches=[], steps_completed=0, measured_steps=0, losses=[], step_time_s=None,
+                      tokens_per_s=None, samples_per_s=None, tokens_per_step=None, peak_memory_bytes=None,
+                      peak_memory_per_rank=[], memory_kind=None, model_flops_per_token=None,
+                      achieved_flops_per_s=None, mfu=None, phase_means_s={}, failures=[],
+                      serving=_attrs.evolve(s, valid=True, validity="closed loop"))
+    assert row_metrics(summary, None)["valid"] == "NO"

@@ -83,7 +83,38 @@ def test_engine_killed_mid_run_is_reported(tmp_path):
     assert groups == [(True, True)]
     assert "engine_dead" in s.failures_by_cause
     assert result.summary.status == "failed"
-    assert any(f.cause == "crash" for f in result.summary.failures)
+    # how the engine ended, once: its exit status, the signal named
+    (ended,) = [f for f in result.summary.failures if "engine" in f.message]
+    assert (ended.cause, ended.exit_code) == ("killed", -signal.SIGKILL), ended
+    assert "the engine was killed by SIGKILL (signal 9) during this load point" in ended.message
+
+
+def test_an_engine_dead_before_any_request_completed_is_failed_not_valid(tmp_path):
+    """The engine crashes (SIGSEGV) once warmed up: every measured request fails. The failure records the signal,
+    the run is failed, and nothing reads valid: its serving figures, its compare row."""
+    from llmadapt.analysis.comparison import row_metrics
+
+    run_dirs, killed = [], []
+
+    def progress(record):
+        if record.get("type") == "start":
+            run_dirs.append(Path(record["run_dir"]))
+        if record.get("type") == "request" and record["warmup"] and not killed:
+            pid = int((run_dirs[0] / "engine.pid").read_text())
+            os.kill(pid, signal.SIGSEGV)  # as a crash in native code ends it
+            killed.append(pid)
+
+    # one request at a time: the warm-up's record comes before the first measured request is sent
+    w = workload(requests=4, arrival={"process": "closed", "concurrency": 1})
+    result = run(w, "hf", out=tmp_path, timeout=600, progress=progress)
+    s = result.summary.serving
+    assert killed and (s.completed, s.failed) == (0, 4), s
+    assert not s.valid and "no measured request completed (4 of 4 failed)" in s.validity, s.validity
+    assert result.summary.status == "failed"
+    (ended,) = [f for f in result.summary.failures if "engine" in f.message]
+    assert (ended.cause, ended.exit_code) == ("killed", -signal.SIGSEGV), ended
+    assert "was killed by SIGSEGV (signal 11)" in ended.message
+    assert row_metrics(result.summary, None)["valid"] == "NO"
 
 
 SLOW_TO_DIE = """

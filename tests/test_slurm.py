@@ -296,3 +296,14 @@ def test_a_sweep_runs_as_a_job_array_and_resumes_after_the_job_is_killed(slurm, 
         if c.id in first_done:
             assert st["attempts"][-1]["run_dir"] == first_done[c.id] and len(st["attempts"]) == 1
         assert st["machine"] == "slurm:llmadapt-test" and st["node"] in ("n1", "n2")
+
+
+def test_a_job_killed_by_a_signal_records_the_signal():
+    """Slurm's ExitCode is 'status:signal': a job killed by SIGKILL reads '0:9', its failure's exit_code is -9 (as a
+    process killed by a signal reads everywhere else), not 0."""
+    from llmadapt.launch.slurm import final_failures
+
+    (killed,) = final_failures("7", {"state": "FAILED", "reason": "", "exit_code": "0:9"}, None)
+    assert killed.exit_code == -9
+    (exited,) = final_failures("8", {"state": "FAILED", "reason": "NonZeroExitCode", "exit_code": "3:0"}, None)
+    assert exited.exit_code == 3

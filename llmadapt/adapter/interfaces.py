@@ -197,6 +197,11 @@ class Server(abc.ABC):
         """False once a started engine has exited (its in-flight and remaining requests then fail fast)."""
         return True
 
+    def exit_code(self) -> int | None:
+        """A started engine's exit status once it has exited, as ``subprocess`` gives it (negative: killed by that
+        signal), for the failure record; None while it runs, when attached, or when not known."""
+        return None
+
     @abc.abstractmethod
     def stop(self) -> None:
         """Stop the engine and leave no process behind (a no-op when attached)."""

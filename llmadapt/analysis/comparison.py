@@ -85,7 +85,9 @@ def row_metrics(summary, baseline_losses: list[float | None] | None) -> dict[str
         out: dict[str, float | int | str | None] = {
             "request_throughput": v.request_throughput, "output_throughput": v.output_throughput,
             "goodput": v.request_goodput, "failed": v.failed,
-            "valid": "not judged" if s.measured_by else "yes" if v.valid else "NO",  # another tool's client
+            # valid: measured correctly and some request completed (a summary written before valid said the
+            # latter may not); another tool's client is not judged
+            "valid": "NO" if not v.completed else "not judged" if s.measured_by else "yes" if v.valid else "NO",
             "failures_by_cause": ", ".join(f"{k}={n}" for k, n in sorted(v.failures_by_cause.items())) or None,
         }
         for metric in ("ttft", "tpot", "itl", "e2el"):

@@ -637,7 +637,8 @@ def _summary(m: Measured, folder: Path, launch: LaunchRequest, workload: Workloa
         from llmadapt.launch.summary import summarise
 
         summary = summarise(folder, write=False)
-        serving = attrs.evolve(summary.serving, send_lag_ms=None, valid=True, validity=validity,
+        serving = attrs.evolve(summary.serving, send_lag_ms=None, valid=summary.serving.completed > 0,
+                               validity=validity,
                                tokens_per_chunk=summary.serving.tokens_per_chunk if m.per_chunk else None,
                                itl_ms=summary.serving.itl_ms if m.per_chunk else None)
         if not m.per_chunk:
@@ -691,7 +692,7 @@ def _serving_from_figures(m: Measured, workload: Workload, validity: str) -> Ser
         duration_s=duration, request_throughput=r.get("request_throughput", m.completed / duration if duration else 0.0),
         output_throughput=r.get("output_throughput", 0.0), total_token_throughput=r.get("total_token_throughput", 0.0),
         request_goodput=r.get("request_goodput"), ttft_ms=stats("ttft"), tpot_ms=stats("tpot"), itl_ms=stats("itl"),
-        e2el_ms=stats("e2el"), send_lag_ms=None, valid=True, validity=validity,
+        e2el_ms=stats("e2el"), send_lag_ms=None, valid=m.completed > 0, validity=validity,
         output_length_forced=workload.serve.ignore_eos, total_input_tokens=int(r.get("total_input_tokens", 0)),
         total_output_tokens=int(r.get("total_output_tokens", 0)))
 

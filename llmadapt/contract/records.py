@@ -676,7 +676,8 @@ class ServingStats:
     e2el_ms: Stats | None
     send_lag_ms: Stats | None
     valid: bool
-    """False when the generator fell behind its schedule (see validity)."""
+    """True when the client measured correctly and at least one measured request completed; False when the
+    generator fell behind its schedule, or every request failed (see validity)."""
     validity: str
     output_length_forced: bool
     total_input_tokens: int

@@ -236,7 +236,8 @@ def _aggregate_serve(run_id, records, launch, workload, headers, failures) -> Su
 
     serving = serving_stats(records, workload)
     head = headers.get(0)
-    if serving.failures_by_cause.get("engine_dead"):
+    # the orchestrator's record of the engine's end (its exit status) says it already; this one when it could not
+    if serving.failures_by_cause.get("engine_dead") and not any(f.exit_code is not None for f in failures):
         failures.append(Failure(cause="crash", message="the engine died during the run: "
                                 f"{serving.failures_by_cause['engine_dead']} requests failed because of it"))
     status = "ok" if not failures and serving.completed else "failed"
@@ -270,9 +271,12 @@ def failed_requests(serving) -> str:
 
 
 def failed_requests_verdict(serving, max_share: float) -> tuple[str, str]:
-    """('ok' or 'degraded', the warning that says why): a serving run whose share of failed or truncated requests
-    is above serve.max_failed_share is degraded (default 0: any failed request)."""
+    """('ok', 'degraded' or 'failed', the warning that says why): a serving run whose share of failed or truncated
+    requests is above serve.max_failed_share is degraded (default 0: any failed request); one where none completed
+    is failed, whatever the share allowed."""
     share = serving.failed / (serving.completed + serving.failed)
+    if not serving.completed:
+        return "failed", f"{failed_requests(serving)}: none completed (the run failed)"
     degraded = share > max_share
     return ("degraded" if degraded else "ok"), (
         f"{failed_requests(serving)}: {share:.0%} {'>' if degraded else '<='} serve.max_failed_share {max_share:g}"
@@ -363,6 +367,8 @@ def serving_stats(records: list[dict[str, Any]], workload: Workload):
         valid, why = True, "the generator met its schedule (p99 send lag within %.0f ms)" % LAG_P99_LIMIT_MS
     if not reqs:
         valid, why = False, "no measured request was sent"
+    elif not ok:  # nothing measured the engine: every figure is of failures
+        valid, why = False, f"no measured request completed ({len(failed)} of {len(reqs)} failed)"
     return ServingStats(
         completed=len(ok), failed=len(failed), failures_by_cause=causes, duration_s=duration,
         request_throughput=len(ok) / duration if duration else 0.0,

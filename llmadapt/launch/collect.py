@@ -37,7 +37,7 @@ from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json
 from llmadapt.contract.stream import connect, read_lines, send_line
 from llmadapt.errors import LlmadaptError
-from llmadapt.host import utc_now
+from llmadapt.host import exit_cause, exit_text, utc_now
 
 
 # -- orchestrator side ------------------------------------------------------------------------
@@ -164,8 +164,9 @@ class Collector:
                for i, reason in enumerate(self.refused)}
         for agent in list(self.agents.values()):
             if agent.exit_code not in (None, 0):
-                why = "; ".join(f["message"] for f in agent.failures) or f"exit code {agent.exit_code}"
-                out[agent.node_rank] = Failure(cause="crash", time=utc_now(), exit_code=agent.exit_code,
+                why = "; ".join(f["message"] for f in agent.failures) or f"its workers {exit_text(agent.exit_code)}"
+                out[agent.node_rank] = Failure(cause=exit_cause(agent.exit_code), time=utc_now(),
+                                               exit_code=agent.exit_code,
                                                message=f"node {agent.node_rank} ({agent.node}) failed: {why}")
             elif not agent.open and agent.exit_code is None:
                 out[agent.node_rank] = Failure(cause="killed", time=utc_now(), message=(

@@ -23,7 +23,7 @@ from llmadapt.contract.launch import LaunchRequest, run_header
 from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, Terminated
-from llmadapt.host import node_name, software_versions
+from llmadapt.host import exit_cause, exit_text, node_name, software_versions
 from llmadapt.launch.environments import process_env, python_for
 from llmadapt.launch.settings import launch_request
 from llmadapt.launch.summary import RunResult, summarise
@@ -148,8 +148,8 @@ def run_offline(workload: Workload, info, out, run_id, timeout, progress) -> Run
         try:
             code = proc.wait(timeout=timeout)
             if code:
-                failures.append(Failure(cause="crash" if code < 0 else "error", exit_code=code,
-                                        message=f"the offline engine exited with {code}; see "
+                failures.append(Failure(cause="killed" if code < 0 else "error", exit_code=code,
+                                        message=f"the offline engine {exit_text(code)}; see "
                                                 f"{RunDir(point.run_dir).engine_log}"))
         except subprocess.TimeoutExpired:
             proc.kill()
@@ -272,6 +272,13 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
     def fail(cause: str, message: str) -> None:
         failures.append(Failure(cause=cause, message=redact(message, secrets)))  # messages may quote the server
 
+    def engine_ended(when: str) -> None:
+        """The engine's process is gone: how it ended (its exit status, the signal that killed it), and when."""
+        code = server.exit_code()
+        how = "exited" if code is None else exit_text(code)
+        failures.append(Failure(cause="crash" if code is None else exit_cause(code), exit_code=code,
+                                message=f"the engine {how} {when}; see {RunDir(engine_dir).engine_log}"))
+
     async def main() -> None:
         import aiohttp
 
@@ -292,6 +299,8 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
             while True:
                 p = current[0]
                 await _one_point(p, session, started)
+                if not server.alive():
+                    engine_ended("during this load point")
                 finish(p)
                 started = time.monotonic()
                 following = next_point(results)
@@ -299,7 +308,7 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
                     return
                 current[0] = following
                 if not server.alive():  # the engine died: the points left would only fail
-                    fail("crash", f"the engine exited before this load point; see {RunDir(engine_dir).engine_log}")
+                    engine_ended("before this load point")
                     finish(following)
                     return
 
@@ -316,7 +325,7 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
             if ready and server.alive():
                 return True
             if not server.alive():
-                fail("crash", f"the engine exited during start-up; see {RunDir(engine_dir).engine_log}")
+                engine_ended("during start-up")
                 return False
             # Attached, a refused connection means nothing listens there: waiting would only hide that. A
             # managed engine refuses until it listens, so it gets the whole start-up time while it lives.

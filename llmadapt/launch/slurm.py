@@ -207,7 +207,9 @@ def final_failures(job_id: str, info: dict[str, str], output: Path | None) -> li
     detail = info.get("detail") or state
     code = info["exit_code"]
     message = f"Slurm job {job_id} ended {detail} (reason: {info['reason'] or 'none'}, exit code {code or '?'}){tail}"
-    exit_code = int(code.split(":")[0]) if code.split(":")[0].isdigit() else None
+    # Slurm's ExitCode is "status:signal": a job killed by a signal has status 0 and the signal after the colon
+    status, _, sig = code.partition(":")
+    exit_code = -int(sig) if sig.isdigit() and int(sig) else int(status) if status.isdigit() else None
     return [Failure(cause=_CAUSES.get(state, "crash"), message=message, exit_code=exit_code)]
 
 

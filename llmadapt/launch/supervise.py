@@ -19,7 +19,7 @@ from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json
 from llmadapt.errors import LlmadaptError, Terminated
-from llmadapt.host import free_port, node_name
+from llmadapt.host import exit_cause, exit_text, free_port, node_name
 from llmadapt.launch.environments import process_env
 from llmadapt.launch.settings import NodeSettings
 from llmadapt.runtime import lifecycle
@@ -160,7 +160,7 @@ def _release(held: list[dict], failures: list[Failure], progress, tailer: LogTai
     held.clear()
 
 
-EXIT_PREFIXES = ("worker killed by", "worker exited with code")
+EXIT_PREFIXES = ("worker was killed by", "worker exited with code", "worker killed by")  # the last: older runs
 
 
 # torchrun's report of each failed rank (torch.distributed.elastic's ChildFailedError, the same since 1.9).
@@ -178,22 +178,16 @@ def _exit_failures(code: int, log: Path) -> list[Failure]:
         if rank in ranks:
             continue
         step, where = _where(RunDir(log.parent).rank_file(rank))
-        if exit_code < 0:
-            ranks[rank] = Failure(cause="killed", rank=rank, exit_code=exit_code, step=step,
-                                  message=f"rank {rank} (pid {pid}) was killed by {_signal_name(-exit_code)}{where}"
-                                          f"{_kill_hint(-exit_code)}, without a failure record")
-        else:
-            ranks[rank] = Failure(cause="crash", rank=rank, exit_code=exit_code, step=step,
-                                  message=f"rank {rank} (pid {pid}) exited with code {exit_code}{where} without a "
-                                          "failure record")
+        ranks[rank] = Failure(cause=exit_cause(exit_code), rank=rank, exit_code=exit_code, step=step,
+                              message=f"rank {rank} (pid {pid}) {exit_text(exit_code)}{where}{_kill_hint(exit_code)}, "
+                                      "without a failure record")
     if ranks:
         return [ranks[r] for r in sorted(ranks)]
     if code < 0:
-        return [Failure(cause="killed", message=f"worker killed by {_signal_name(-code)}{_kill_hint(-code)}",
-                        exit_code=code)]
+        return [Failure(cause="killed", message=f"worker {exit_text(code)}{_kill_hint(code)}", exit_code=code)]
     lines = [line for line in text.splitlines() if line.strip()]
     last = lines[-1][:300] if lines else "no output"
-    return [Failure(cause="crash", message=f"worker exited with code {code} without a failure record; "
+    return [Failure(cause="crash", message=f"worker {exit_text(code)} without a failure record; "
                                            f"last output: {last}", exit_code=code)]
 
 
@@ -231,15 +225,8 @@ def _where(rank_file: Path) -> tuple[int | None, str]:
     return max(steps) + 1, f" at step {max(steps) + 1}"
 
 
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def _kill_hint(number: int) -> str:
-    return " (the kernel's out-of-memory killer or an external kill)" if number == signal.SIGKILL else ""
+def _kill_hint(code: int) -> str:
+    return " (the kernel's out-of-memory killer or an external kill)" if code == -signal.SIGKILL else ""
 
 
 def _stop_group(proc: subprocess.Popen) -> None:

@@ -69,6 +69,9 @@ class HFServer(OpenAICompatibleServer):
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
 
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
     def model_name(self) -> str:
         """A `transformers serve` started on a model answers only requests that name it as it was started: the
         checkpoint it was given. Attached, that is model.path if the workload has one, else where this machine

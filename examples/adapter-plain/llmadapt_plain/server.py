@@ -30,6 +30,9 @@ class PlainServer(OpenAICompatibleServer):
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
 
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
     def stop(self) -> None:
         if getattr(self, "proc", None) is None:
             return

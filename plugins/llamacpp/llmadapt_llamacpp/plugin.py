@@ -14,6 +14,9 @@ LLAMA_CPP_PYTHON = "0.3.36"
 """llama-cpp-python's release. PyPI has only its source release for Linux: pip compiles the llama.cpp it vendors
 (cmake and a C++ compiler, about 10 minutes on 2 cores), for this machine's CPU (GGML_NATIVE)."""
 
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+"""Compiler flags that leave AMX out of a native build (README, "The environment", says why)."""
+
 # Exact pins: llama-cpp-python with its server's dependencies, and the gguf writer (numpy, no torch).
 REQUIREMENTS = (
     f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
@@ -31,8 +34,10 @@ ENVIRONMENT = EnvironmentSpec(
     name="llamacpp",
     requirements=REQUIREMENTS,
     local_packages=(str(Path(__file__).resolve().parents[1]),),
-    # No llava/mtmd library: text models only. GGML_NATIVE: kernels for the CPU that builds (and runs) them.
-    install_env=(("CMAKE_ARGS", "-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON"),),
+    # No llava/mtmd library: text models only. GGML_NATIVE: kernels for the CPU that builds (and runs) them, but
+    # not AMX: built by GCC 12, ggml's AMX matmul loads an empty tile configuration and every quantized prompt
+    # batch crashed the engine (SIGILL, SIGSEGV); quantized weights use the AVX-512 VNNI kernels instead.
+    install_env=(("CMAKE_ARGS", "-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON"), ("CFLAGS", NO_AMX), ("CXXFLAGS", NO_AMX)),
     builds_checkpoint=False,  # no torch or transformers here: the core's tools environment builds the checkpoint
 )
 

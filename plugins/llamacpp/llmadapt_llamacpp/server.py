@@ -165,6 +165,9 @@ class LlamaCppServer(OpenAICompatibleServer):
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
 
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
     def stop(self) -> None:
         if self.proc is None:
             return

@@ -260,6 +260,9 @@ class VLLMServer(OpenAICompatibleServer):
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
 
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
     def stop(self) -> None:
         proc = self.proc
         if proc is None:
