@@ -23,6 +23,7 @@ import attrs
 
 from llmadapt.adapter.breakdown import (LOSS_OPS, MODULE_CLASSES, collective_kind, layer_index, operator_class,
                                         split_module)
+from llmadapt.adapter.structure import module_classes
 from llmadapt.contract.records import Breakdown, ClassTime, LayerTime
 from llmadapt.contract.rundir import RunDir
 from llmadapt.runtime.interference import thread_run_delay
@@ -162,13 +163,14 @@ class _Wrapped:
 
 
 def _install_hooks(trainer, record_function) -> list[Any]:
-    """A profiler range around every module the trainer classifies, around every transformer block, and around
-    the calls it names (``Trainer.profiled_calls``)."""
+    """A profiler range around every module the trainer classifies (or its structure does: adapter.structure),
+    around every transformer block, and around the calls it names (``Trainer.profiled_calls``)."""
     hooks: list[Any] = [_Wrapped(owner, name, f"{CALL_RANGE}{cls}", record_function)
                         for owner, name, cls in trainer.profiled_calls()]
     for root in trainer.profiled_modules():
+        classes = module_classes(root, trainer.module_class)
         for name, module in root.named_modules():
-            cls = trainer.module_class(name, type(module).__name__)
+            cls = classes.get(name)
             layer = layer_index(name)
             labels = ([f"{_LAYER}{layer}"] if layer is not None else []) + ([f"{_MODULE}{cls}"] if cls else [])
             if labels:
@@ -227,8 +229,8 @@ def _backward_node(e) -> str:
 
 def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float, str]] | None = None):
     """Each profiled event with where its own time goes: (event, class or None, layer or None, phase, seconds,
-    operator class or None); phase is 'forward', 'backward' or 'step' (outside both: the optimizer, the adapter's
-    own code). Own time while a collective ran (``comm_spans``: the backend threads' spans and their kinds) in
+    operator class or None); phase is 'forward' (the model's modules, and a loss the adapter computes on their
+    output), 'backward' or 'step' (outside both: the optimizer, waits for collectives, the adapter's own code). Own time while a collective ran (``comm_spans``: the backend threads' spans and their kinds) in
     the step, a framework call or a framework's autograd Function is waiting for it: yielded once more for that
     event, as 'communication', with the collective's kind as its operator class."""
     def own_time(e) -> float:
@@ -337,7 +339,8 @@ def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float, s
             layer = layer if layer is not None else made_layer
             phase = "backward"
         else:
-            phase = "forward" if forward else "step"
+            # a loss the adapter computes on the model's output is the forward's last part, not the step's own code
+            phase = "forward" if forward or cls == "loss" else "step"
         yield e, cls, layer, phase, own_time(e) + lead_in.get(id(e), 0.0), None
         for kind, seconds in (waited.get(id(e)) or {}).items():
             yield e, "communication", None, "step", seconds, kind
