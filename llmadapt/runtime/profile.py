@@ -163,14 +163,12 @@ class _Wrapped:
 
 
 def _install_hooks(trainer, record_function) -> list[Any]:
-    """A profiler range around every module the trainer classifies (or its structure does: adapter.structure),
-    around every transformer block, and around the calls it names (``Trainer.profiled_calls``)."""
+    """A profiler range around every module the trainer or its structure classifies (adapter.structure), around
+    every transformer block, and around the calls it names (``Trainer.profiled_calls``)."""
     hooks: list[Any] = [_Wrapped(owner, name, f"{CALL_RANGE}{cls}", record_function)
                         for owner, name, cls in trainer.profiled_calls()]
     for root in trainer.profiled_modules():
-        classes = module_classes(root, trainer.module_class)
-        for name, module in root.named_modules():
-            cls = classes.get(name)
+        for (name, module), cls in zip(root.named_modules(), module_classes(root, trainer.module_class).values()):
             layer = layer_index(name)
             labels = ([f"{_LAYER}{layer}"] if layer is not None else []) + ([f"{_MODULE}{cls}"] if cls else [])
             if labels:
@@ -229,10 +227,10 @@ def _backward_node(e) -> str:
 
 def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float, str]] | None = None):
     """Each profiled event with where its own time goes: (event, class or None, layer or None, phase, seconds,
-    operator class or None); phase is 'forward' (the model's modules, and a loss the adapter computes on their
-    output), 'backward' or 'step' (outside both: the optimizer, waits for collectives, the adapter's own code). Own time while a collective ran (``comm_spans``: the backend threads' spans and their kinds) in
-    the step, a framework call or a framework's autograd Function is waiting for it: yielded once more for that
-    event, as 'communication', with the collective's kind as its operator class."""
+    operator class or None); phase is 'forward' (the modules, a loss on their output), 'backward' or 'step'
+    (outside both: the optimizer, waits, the adapter's own code). Own time while a collective ran (``comm_spans``:
+    the backend threads' spans and their kinds) in the step, a framework call or a framework's autograd Function
+    is waiting for it: yielded once more for that event, as 'communication', with the collective's kind."""
     def own_time(e) -> float:
         if basis == "device":
             return (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / 1e6
@@ -339,8 +337,7 @@ def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float, s
             layer = layer if layer is not None else made_layer
             phase = "backward"
         else:
-            # a loss the adapter computes on the model's output is the forward's last part, not the step's own code
-            phase = "forward" if forward or cls == "loss" else "step"
+            phase = "forward" if forward or cls == "loss" else "step"  # a loss on the logits: the forward's end
         yield e, cls, layer, phase, own_time(e) + lead_in.get(id(e), 0.0), None
         for kind, seconds in (waited.get(id(e)) or {}).items():
             yield e, "communication", None, "step", seconds, kind
