@@ -1,7 +1,7 @@
 """One taxonomy for where a step's time goes, the same names on every stack (docs/breakdown.md).
 
-An adapter's ``Trainer.module_class`` maps each module of its framework to a module class (or None: its time
-goes to the enclosing module's class); the default here knows transformers' Llama and Mixtral modules, which the
+An adapter's ``Trainer.module_class`` maps each module of its framework to a module class (or None: its structure
+decides, llmadapt.adapter.structure, else its time goes to the enclosing module's class); the default here knows transformers' Llama and Mixtral modules, which the
 torch, DeepSpeed and ColossalAI adapters all run. ``operator_class`` maps a profiled operator to its class.
 Nothing here imports torch.
 """
