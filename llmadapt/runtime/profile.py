@@ -23,6 +23,7 @@ import attrs
 
 from llmadapt.adapter.breakdown import (LOSS_OPS, MODULE_CLASSES, collective_kind, layer_index, operator_class,
                                         split_module)
+from llmadapt.adapter.context import MicroBatch
 from llmadapt.adapter.structure import module_classes
 from llmadapt.contract.records import Breakdown, ClassTime, LayerTime
 from llmadapt.contract.rundir import RunDir
@@ -32,6 +33,8 @@ from llmadapt.runtime.timeline import STEP_MARK, analyse, intersect, length, sub
 _MODULE, CALL_RANGE, _LAYER = "llmadapt::module::", "llmadapt::call::", "llmadapt::layer::"
 _BACKWARD = "autograd::engine::evaluate_function"
 _STEP_EVENT = "ProfilerStep"  # the profiler's events name every ProfilerStep#N range 'ProfilerStep*'
+# The inputs the core builds for a model (a packed row's mask and position ids): the model's own code, as its masks
+_MODEL_INPUTS = ((MicroBatch, "model_inputs", "model"), (MicroBatch, "attention_allowed", "model"))
 
 
 class StepProfiler:
@@ -156,17 +159,14 @@ class _Wrapped:
         setattr(owner, name, timed)
 
     def remove(self) -> None:
-        if self.own:
-            setattr(self.owner, self.name, self.original)
-        else:
-            delattr(self.owner, self.name)
+        setattr(self.owner, self.name, self.original) if self.own else delattr(self.owner, self.name)
 
 
 def _install_hooks(trainer, record_function) -> list[Any]:
     """A profiler range around every module the trainer or its structure classifies (adapter.structure), around
     every transformer block, and around the calls it names (``Trainer.profiled_calls``)."""
     hooks: list[Any] = [_Wrapped(owner, name, f"{CALL_RANGE}{cls}", record_function)
-                        for owner, name, cls in trainer.profiled_calls()]
+                        for owner, name, cls in [*trainer.profiled_calls(), *_MODEL_INPUTS]]
     for root in trainer.profiled_modules():
         for (name, module), cls in zip(root.named_modules(), module_classes(root, trainer.module_class).values()):
             layer = layer_index(name)
