@@ -277,8 +277,9 @@ class Breakdown:
     layers: list[LayerTime] = attrs.Factory(list)
     operators: list[ClassTime] = attrs.Factory(list)
     other: list[ClassTime] = attrs.Factory(list)
-    """What 'other' holds: the profiled events with most time no class claims (at most 8; 'ProfilerStep#N' is
-    the adapter's own code and the gaps between operators)."""
+    """What 'other' holds: the profiled events with most time no class claims (at most 8; "the step's own code
+    between operators (ProfilerStep*)" is the own time of the core's range around the step: the adapter's Python
+    between operators, the profiler's own cost there, and waits for a core, which ``descheduled_seconds`` bounds)."""
     other_operators: list[ClassTime] = attrs.Factory(list)
     """What the operator class 'other' holds: the events with most time no operator class claims (at most 8)."""
     module_operators: list[ClassTime] = attrs.Factory(list)

@@ -1,14 +1,12 @@
 """Profiling one training step (workload.profile): torch.profiler around the adapter's step, a range per module
 the adapter classifies, and the timeline folded into one ``Breakdown`` record (docs/breakdown.md).
 
-Attribution: every profiled event's self time goes to the innermost module range around it. A backward
-operator runs outside any forward range: it goes, through the autograd node's sequence number, to the range
-of the forward operator that made the node. Collectives go to 'communication', the optimizer's step and
-zero_grad (torch.optim's own ranges) to 'optimizer', the rest to 'other'. On CUDA the basis is the kernel
-time of what each operator launched, and the operator classes are the kernels' own (runtime.timeline's
-device_breakdown, the code that reads traces llmadapt did not record); on CPU, self CPU time. Hooks exist only
-during profiled steps.
-"""
+Attribution: every profiled event's self time goes to the innermost module range around it. A backward operator
+runs outside any forward range: it goes, through the autograd node's sequence number, to the range of the forward
+operator that made the node. Collectives go to 'communication', the optimizer's step and zero_grad (torch.optim's
+own ranges) to 'optimizer', the rest to 'other'. On CUDA the basis is the kernel time of what each operator
+launched, and the operator classes are the kernels' own (runtime.timeline's device_breakdown, which reads others'
+traces too); on CPU, self CPU time. Hooks exist only during profiled steps."""
 
 from __future__ import annotations
 
@@ -33,7 +31,7 @@ from llmadapt.runtime.timeline import STEP_MARK, analyse, intersect, length, sub
 _MODULE, CALL_RANGE, _LAYER = "llmadapt::module::", "llmadapt::call::", "llmadapt::layer::"
 _BACKWARD = "autograd::engine::evaluate_function"
 _STEP_EVENT = "ProfilerStep"  # the profiler's events name every ProfilerStep#N range 'ProfilerStep*'
-# The inputs the core builds for a model (a packed row's mask and position ids): the model's own code, as its masks
+_STEP_CODE = "the step's own code between operators (ProfilerStep*)"  # its own time: Python, the profiler's, waits
 _MODEL_INPUTS = ((MicroBatch, "model_inputs", "model"), (MicroBatch, "attention_allowed", "model"))
 
 
@@ -163,8 +161,9 @@ class _Wrapped:
 
 
 def _install_hooks(trainer, record_function) -> list[Any]:
-    """A profiler range around every module the trainer or its structure classifies (adapter.structure), around
-    every transformer block, and around the calls it names (``Trainer.profiled_calls``)."""
+    """A profiler range around every module the trainer or its structure classifies (adapter.structure), every
+    transformer block, the calls it names (``Trainer.profiled_calls``), and the inputs the core builds for the
+    model (a packed row's mask and position ids: the model's own code, 'model')."""
     hooks: list[Any] = [_Wrapped(owner, name, f"{CALL_RANGE}{cls}", record_function)
                         for owner, name, cls in [*trainer.profiled_calls(), *_MODEL_INPUTS]]
     for root in trainer.profiled_modules():
@@ -374,7 +373,8 @@ def fold(events, *, rank: int, step: int, level: str, basis: str) -> Breakdown:
         modules[cls or "other"][slot[phase]] += seconds
         if cls is None:
             node = _backward_node(e)
-            other[f"{e.name} (in {node[len(_BACKWARD) + 2:]})" if node and node != e.name else e.name] += seconds
+            name = _STEP_CODE if e.name.startswith(_STEP_EVENT) else e.name  # the core's step range, not the model's
+            other[f"{name} (in {node[len(_BACKWARD) + 2:]})" if node and node != e.name else name] += seconds
         if layer is not None and cls not in ("communication", "optimizer") and phase != "step":
             layers[layer][slot[phase]] += seconds
         if level != "module" and not e.name.startswith(("llmadapt::", _BACKWARD, _STEP_EVENT)):
