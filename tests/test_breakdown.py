@@ -202,6 +202,11 @@ def test_a_new_family_is_classified_by_its_structure_or_shown_unclassified():
         "layers.0.mix.conv1d": None, "layers.0.mix.in_proj": None, "layers.0.ffn": "moe.dispatch",
         "layers.0.ffn.route": "moe.router", "layers.0.ffn.bank.2": "moe.experts", "layers.0.ffn.bank.2.fc1": None,
         "layers.1.scale": "norm", "layers.1.novel": "unclassified", "layers.1.novel.fc1": None, "out": "lm_head"}
+    # DeepSpeed ZeRO-3 leaves each rank an empty shard of every weight (its shape in ds_shape): the same classes
+    net = Net()
+    for p in net.parameters():
+        p.ds_shape, p.data = tuple(p.shape), torch.empty(0)
+    assert module_classes(net, hf_module_class) == classes
     # the model's own code (a root the stack names 'model') leaves its known parts as they were
     named = module_classes(Net(), lambda n, t: "model" if n == "" else hf_module_class(n, t))
     assert named[""] == "model" and named["layers.1.novel"] == "unclassified"

@@ -57,16 +57,26 @@ def structural_class(name: str, module: Any, modules: dict[str, Any], vocab: int
         holder = modules.get(name.rpartition(".")[0].rpartition(".")[0])
         if holder is not None and _experts_in(holder) and _routed(holder):
             return "moe.experts"
-    if parent is not None and _experts_in(parent):
-        weight = own.get("weight")
-        if weight is not None and weight.dim() == 2 and weight.shape[0] == _experts_in(parent):
-            return "moe.router"
+    if parent is not None and _experts_in(parent) and _rows(own.get("weight")) == _experts_in(parent):
+        return "moe.router"
     if _experts_in(module) and _routed(module):
         return "moe.dispatch"
     if "Norm" in type(module).__name__ or (own and not children and set(own) <= {"weight", "bias"}
-                                           and all(p.dim() == 1 for p in own.values())):
+                                           and not hasattr(module, "out_features")
+                                           and all(len(_shape(p)) == 1 for p in own.values())):
         return "norm"
     return None
+
+
+def _shape(p: Any) -> tuple[int, ...]:
+    """A parameter's full shape: DeepSpeed ZeRO-3 leaves each rank an empty shard and keeps the shape in ds_shape."""
+    return tuple(getattr(p, "ds_shape", None) or p.shape)
+
+
+def _rows(weight: Any) -> int | None:
+    """The rows of a 2-D weight (a router has one per expert); None for anything else."""
+    shape = _shape(weight) if weight is not None else ()
+    return shape[0] if len(shape) == 2 else None
 
 
 def _enclosing(name: str, classes: dict[str, str | None]) -> str | None:
@@ -88,8 +98,9 @@ def _conv(module: Any) -> bool:
 
 def _stacked(own: dict[str, Any]) -> int:
     """N where every own weight is stacked over N >= 2 experts (3-D or more, one leading size); else 0."""
-    leading = {p.shape[0] for p in own.values() if p.dim() >= 3}
-    if own and len(leading) == 1 and all(p.dim() >= 3 for p in own.values()) and min(leading) >= 2:
+    shapes = [_shape(p) for p in own.values()]
+    leading = {shape[0] for shape in shapes if len(shape) >= 3}
+    if shapes and len(leading) == 1 and all(len(shape) >= 3 for shape in shapes) and min(leading) >= 2:
         return int(min(leading))
     return 0
 
@@ -113,8 +124,4 @@ def _routed(module: Any) -> bool:
     """A module holds a router for its experts: a child whose own weight has one row per expert (a list of
     identical blocks without one is a stack of layers, not experts)."""
     n = _experts_in(module)
-    for child in module.children():
-        weight = dict(child.named_parameters(recurse=False)).get("weight")
-        if weight is not None and weight.dim() == 2 and weight.shape[0] == n:
-            return True
-    return False
+    return any(_rows(dict(child.named_parameters(recurse=False)).get("weight")) == n for child in module.children())
