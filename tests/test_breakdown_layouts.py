@@ -50,3 +50,25 @@ def test_every_layout_of_a_stack_names_where_its_step_goes(stack, tmp_path):
         world = int(row.metrics["devices"])
         for rank in range(world):
             assert_attributed(records_of(row.run_dir, rank), (row.cell, rank))
+
+
+def test_a_packed_qlora_fine_tune_names_where_its_step_goes(tmp_path):
+    """The same bound on torch's packed QLoRA (4-bit base, LoRA on attention and the MLP, packed rows of the
+    instruction data): dequantising the base has its class, and the rows' block-diagonal mask and position ids,
+    which the core builds for the model (MicroBatch.model_inputs), are the model's own code: they were 'other'."""
+    from llmadapt import run
+
+    reason = environments_unready("torch")
+    if reason:
+        pytest.skip(reason)
+    data = Path(__file__).resolve().parents[1] / "examples" / "data" / "tiny-instructions.jsonl"
+    result = run(workload("tiny-llama", *THREE).with_overrides([
+        "kind=finetune", "data.source=jsonl", f"data.path={data}", "data.packing=true", "train.seq_len=48",
+        "train.global_batch=4", "train.micro_batch=2", "lora.rank=4", "lora.target_modules=[q_proj,v_proj,down_proj]",
+        "optimizations.quantization=nf4"]), "torch", out=tmp_path)
+    assert result.ok, result.summary.failures
+    records = records_of(result.run_dir)
+    assert_attributed(records, "torch packed qlora")
+    assert all(any(c["name"] == "model" and c["seconds"] > 0 for c in b["modules"])
+               and not any(o["name"].startswith("aten::tril") for o in b["other"])
+               for b in records if b["type"] == "breakdown")

@@ -26,11 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = Workload.from_file(ROOT / "examples" / "tiny-llama.toml")
 
 
-def record(rank=0, node="a", window=2.0, busy=2.2, own=2.0, delay=0.01, threads=1, cores=2, steal=0.0, **gpu):
+def record(rank=0, node="a", window=2.0, busy=2.2, own=2.0, delay=0.01, threads=1, cores=2, steal=0.0,
+           delay_threads=None, **gpu):
     return {"rank": rank, "node": node, "window_s": window, "cores": cores, "threads": threads, "load_start": 0.5,
             "load_end": 0.6, "machine_busy_cpu_s": busy, "own_cpu_s": own, "run_delay_s": delay, "steal_s": steal,
             "gpu_other_processes": gpu.get("others"), "gpu_throttle_reasons": gpu.get("throttle"),
-            "type": "interference"}
+            "run_delay_threads": delay_threads, "type": "interference"}
 
 
 def test_quiet_and_each_cause_of_disturbance_with_its_measure():
@@ -150,3 +151,21 @@ def test_step_waits_are_summarised_beside_the_windows_not_judged():
     assert (s.step_wait_share_median, s.step_wait_share_max) == (0.02, 0.5)
     assert s.quiet and s.causes == []
     assert interference_summary([record()]).step_wait_share_max is None  # older runs: no step figures
+
+
+def test_a_wait_for_a_core_is_a_share_of_thread_time_never_above_its_whole():
+    """Several threads together can wait for a core longer than the window's wall time: four threads waiting
+    1.25 s each of a 2 s window are 5 s, 62.5% of their thread-time (not 250% of one intra-op thread's). The record
+    counts the threads its wait sums, each thread's wait taken over the window alone; a record before schema 1.13
+    does not say how many it summed, and its share is capped at the whole."""
+    base = {"time": 0.0, "load": 0.5, "own_cpu_s": 0.0, "busy_s": 0.0, "steal_s": 0.0}
+    start = {**base, "run_delay_s": {"1": 0.5, "2": 1.0, "9": 3.0}}  # thread 9 ends during the window
+    end = {**base, "time": 2.0, "run_delay_s": {"1": 1.75, "2": 2.25, "3": 1.25, "4": 1.25}}  # 3 and 4 start in it
+    r = interference(0, start, end, "here")
+    assert (r.run_delay_s, r.run_delay_threads) == (pytest.approx(5.0), 4)
+    import attrs
+
+    s = interference_summary([attrs.asdict(r)])
+    assert s.run_delay_share == pytest.approx(5.0 / (2.0 * 4))  # exact: float sums of quarters
+    assert "waits for a core 62.5% of the threads' time" in machine_line(_as_dict(s))
+    assert interference_summary([record(delay=5.0, threads=1)]).run_delay_share == 1.0  # before 1.13: capped

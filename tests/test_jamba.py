@@ -237,3 +237,34 @@ def test_the_trace_names_the_slow_path(runs):
         assert note.startswith("slow path: transformers' JambaMambaMixer runs its PyTorch reference for "
                                "mamba_selective_scan, causal_conv1d_fn (causal_conv1d, mamba_ssm not installed)")
     assert f"note       {note}" in render_summary(show(runs["zero3"].run_dir)).splitlines()
+
+
+@pytest.mark.parametrize("adapter, sets", [
+    ("torch", []), ("deepspeed", ["optimizations.zero_stage=2", "parallelism.dp=2", "train.micro_batch=1"])])
+def test_the_breakdown_names_the_mamba_mixer_and_adds_up(adapter, sets, tmp_path):
+    """Jamba's Mamba mixers have a class of their own ('mixer', by their structure: A_log, D, a causal conv1d),
+    with forward and backward time; the router is 'moe.router'; nothing is 'unclassified'; and every rank's step
+    meets the bound of every other stack's (test_breakdown.assert_attributed: named classes at least 95%, each
+    class's forward, backward and outside adding up to it). Before, the mixers' 93% of the step sat in 'model'."""
+    from test_breakdown import assert_attributed
+
+    from llmadapt.launch.run import run
+    from llmadapt.testing import environments_unready
+
+    reason = environments_unready(adapter) or (None if adapter in adapters() else f"{adapter} is not registered")
+    if reason:
+        pytest.skip(reason)
+    result = run(JAMBA.with_overrides([*sets, "train.steps=4", "profile.steps=[2,3,4]", "profile.level=operator"]),
+                 adapter, out=tmp_path, timeout=900)
+    assert result.ok, result.summary.failures
+    for rank in range(result.summary.world_size):
+        records = _records(result, rank)
+        assert_attributed(records, (adapter, rank))
+        for b in (r for r in records if r["type"] == "breakdown"):
+            classes = {c["name"]: c for c in b["modules"]}
+            assert "unclassified" not in classes, classes["unclassified"]
+            mixer = classes["mixer"]
+            assert mixer["forward_seconds"] > 0 and mixer["backward_seconds"] > 0, mixer
+            assert classes["moe.router"]["seconds"] > 0 and classes["moe.experts"]["seconds"] > 0
+            # the mixers run three of four layers: they, not the blocks' glue, hold the larger share
+            assert mixer["seconds"] > classes["model"]["seconds"], (mixer, classes["model"])

@@ -1,7 +1,7 @@
 """One taxonomy for where a step's time goes, the same names on every stack (docs/breakdown.md).
 
-An adapter's ``Trainer.module_class`` maps each module of its framework to a module class (or None: its time
-goes to the enclosing module's class); the default here knows transformers' Llama and Mixtral modules, which the
+An adapter's ``Trainer.module_class`` maps each module of its framework to a module class (or None: its structure
+decides, llmadapt.adapter.structure, else its time goes to the enclosing module's class); the default here knows transformers' Llama and Mixtral modules, which the
 torch, DeepSpeed and ColossalAI adapters all run. ``operator_class`` maps a profiled operator to its class.
 Nothing here imports torch.
 """
@@ -12,9 +12,9 @@ import re
 
 MODULE_CLASSES = (
     "embedding", "norm", "attention.qkv", "attention.rotary", "attention.qk", "attention.softmax", "attention.av",
-    "attention.fused", "attention.core", "attention.out", "mlp.gate", "mlp.up", "mlp.gate_up", "mlp.activation",
+    "attention.fused", "attention.core", "attention.out", "mixer", "mlp.gate", "mlp.up", "mlp.gate_up", "mlp.activation",
     "mlp.down", "mlp", "moe.router", "moe.dispatch", "moe.experts", "moe.combine", "model", "lm_head", "loss",
-    "gradient", "optimizer", "communication", "other",
+    "gradient", "optimizer", "communication", "unclassified", "other",
 )
 """Module classes: study A's list of a step's parts (docs/breakdown.md says what each holds on each stack).
 Attention splits into its scores (``attention.qk``: Q times K transposed), ``attention.softmax`` and its weighted
@@ -23,11 +23,14 @@ is one class that says so, ``attention.fused``; ``attention.core`` keeps the res
 mask, the layout of q, k and v). The MLP splits into its projections and its activation (with the gating
 product); ``mlp.gate_up`` is one fused projection of both, ``mlp`` what no part claims. A MoE layer splits into
 its router, the dispatch of tokens to experts, the experts' own work and the combine (weighting and summing the
-experts' outputs). 'model' is the model's own code outside its named parts: residual adds, masks and position
+experts' outputs). 'mixer' is a token mixer that is not attention: a state-space block (Mamba's selective scan with
+its projections and causal convolution) or an RWKV-style time mix. 'model' is the model's own code outside its named parts: residual adds, masks and position
 ids, the layout between blocks. 'gradient' is the accumulation of each parameter's gradient and what a stack
 hooks there (DDP's bucketing, ZeRO's partitioning, Megatron-core's main_grad). 'optimizer' and 'communication'
 are also found by the core (the optimizer's step and zero_grad, collectives, waiting for a collective);
-'communication' holds a data-parallel wrapper's own code too (gradient-reduction bookkeeping). 'other' is
+'communication' holds a data-parallel wrapper's own code too (gradient-reduction bookkeeping). 'unclassified' is a
+module with weights that neither the stack's classifier nor the structure (``module_classes``) names, sitting in
+the model's own code: a part of a new model family, shown with its share instead of hidden in 'model'. 'other' is
 whatever no class claims: the adapter's own code between operators (reported, never hidden)."""
 
 DATA_PARALLEL_WRAPPERS = ("DistributedDataParallel", "DeepSpeedEngine", "FullyShardedDataParallel", "FSDPModule",

@@ -128,7 +128,8 @@ class Trainer(abc.ABC):
 
     def module_class(self, name: str, type_name: str) -> str | None:
         """The breakdown class (llmadapt.adapter.breakdown.MODULE_CLASSES) of one module, by its qualified name
-        and type name; None leaves its time to the enclosing module. Default: transformers' Llama and Mixtral."""
+        and type name; None leaves it to its structure (llmadapt.adapter.structure: a state-space mixer, experts,
+        a norm ...), else its time to the enclosing module's. Default: transformers' Llama and Mixtral."""
         return hf_module_class(name, type_name)
 
     def profiled_calls(self) -> list[tuple[Any, str, str]]:

@@ -35,10 +35,7 @@ def render_breakdown(b: dict[str, Any], engine: bool = False) -> list[str]:
                  + f"idle {ms(b['idle_seconds'])}; communication {ms(b['comm_seconds'])} "
                  f"ms, " + (f"{b['overlapped_comm_seconds'] / b['comm_seconds']:.0%} of it overlapped with compute"
                             if b["comm_seconds"] else "none"))
-    total = sum(c["seconds"] for c in b["modules"]) or 1.0
-    lines += text_table(["module class", "ms", "share", "forward ms", "backward ms"],
-                        [[c["name"], ms(c["seconds"]), f"{c['seconds'] / total:.1%}", ms(c["forward_seconds"]),
-                          ms(c["backward_seconds"])] for c in b["modules"]])
+    lines += module_lines(b)
     if b["operators"]:
         total = sum(c["seconds"] for c in b["operators"]) or 1.0
         lines += [""] + text_table(["operator class", "ms", "share", "count", "GFLOP"],
@@ -59,6 +56,33 @@ def render_breakdown(b: dict[str, Any], engine: bool = False) -> list[str]:
               "-" if c["busbw_gbytes_per_s"] is None else f"{c['busbw_gbytes_per_s']:.3f}", c["backend"],
               c["algorithm"] or "-"] for c in b["collectives"]])
     return lines
+
+
+def module_lines(b: dict[str, Any]) -> list[str]:
+    """The module classes: each one's time, its share of all classes' time, and where it ran: the model's forward,
+    its backward, or outside both (the optimizer, waits for collectives, the adapter's own code), so the three
+    add up to the class's time. A breakdown whose classes carry no phase (read from a foreign trace's
+    annotations) shows '-' there."""
+    from llmadapt.texttable import text_table
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.2f}"
+
+    modules = b["modules"]
+    total = sum(c["seconds"] for c in modules) or 1.0
+    phased = any(c["forward_seconds"] or c["backward_seconds"] for c in modules)
+
+    def phases(c: dict[str, Any]) -> list[str]:
+        if not phased:
+            return ["-"] * 3
+        return [ms(c["forward_seconds"]), ms(c["backward_seconds"]),
+                ms(c["seconds"] - c["forward_seconds"] - c["backward_seconds"])]
+
+    basis = "the step" if b.get("basis") == "cpu" else "all classes"
+    return text_table(["module class", "ms", f"share of {basis}", "forward ms", "backward ms", "outside ms"],
+                      [[c["name"], ms(c["seconds"]), f"{c['seconds'] / total:.1%}", *phases(c)] for c in modules]) + (
+        ["outside: neither the model's forward nor its backward (the optimizer, waits for collectives, the "
+         "adapter's own code)"] if phased else [])
 
 
 def module_operator_lines(b: dict[str, Any], width: int = 6) -> list[str]:

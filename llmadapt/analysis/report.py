@@ -164,11 +164,11 @@ def machine_line(i: dict[str, Any], what: str = "steps") -> str:
     """'machine    quiet ...' or 'machine    DISTURBED: <cause>; ...', with what was measured."""
     def num(value, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
-
+    steps = (f" (the training thread's, of a step: median {i['step_wait_share_median']:.1%}, worst "
+             f"{i['step_wait_share_max']:.1%})" if i.get("step_wait_share_max") is not None else "")
     measured = (f"load {num(i['load_start'], '.2f')} -> {num(i['load_end'], '.2f')}, other processes "
-                f"{num(i['other_cpu_cores'], '.2f')} cores, waits for a core {num(i['run_delay_share'], '.1%')}"
-                + (f" (of a step: median {i['step_wait_share_median']:.1%}, worst {i['step_wait_share_max']:.1%})"
-                   if i.get("step_wait_share_max") is not None else ""))
+                f"{num(i['other_cpu_cores'], '.2f')} cores, waits for a core {num(i['run_delay_share'], '.1%')} of "
+                f"the threads' time{steps}")
     if i["quiet"] is None and i["other_cpu_cores"] is None and what == "requests":
         return ("machine    not judged: the engine's CPU is not known (attached by URL), so other processes' CPU "
                 f"cannot be told from it ({measured})")

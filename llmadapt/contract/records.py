@@ -21,7 +21,7 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.15"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.16"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
@@ -34,7 +34,8 @@ SCHEMA_VERSION = "1.15"  # 1.1: end records, summary warnings; 1.2: client_load 
 # client load's prefix_cache_metrics and stream_prefix_share, the serving stats' stream_prefix_share and
 # engine_prefix_cache_hit_share; 1.12: the step's sample_length_squares (the attention term's context); 1.13: the
 # header's model_source (a GGUF model's file hash, tensor types, dequantized); 1.14: the header's and the summary's
-# weights (per module class: stored format, count and bytes); 1.15: the summary's topology (rank 0's)
+# weights (per module class: stored format, count and bytes); 1.15: the summary's topology (rank 0's); 1.16: the interference
+# record's run_delay_threads
 
 
 @attrs.frozen
@@ -323,8 +324,9 @@ class Breakdown:
     layers: list[LayerTime] = attrs.Factory(list)
     operators: list[ClassTime] = attrs.Factory(list)
     other: list[ClassTime] = attrs.Factory(list)
-    """What 'other' holds: the profiled events with most time no class claims (at most 8; 'ProfilerStep#N' is
-    the adapter's own code and the gaps between operators)."""
+    """What 'other' holds: the profiled events with most time no class claims (at most 8; "the step's own code
+    between operators (ProfilerStep*)" is the own time of the core's range around the step: the adapter's Python
+    between operators, the profiler's own cost there, and waits for a core, which ``descheduled_seconds`` bounds)."""
     other_operators: list[ClassTime] = attrs.Factory(list)
     """What the operator class 'other' holds: the events with most time no operator class claims (at most 8)."""
     module_operators: list[ClassTime] = attrs.Factory(list)
@@ -408,7 +410,8 @@ class Interference:
     own_cpu_s: float | None
     """This rank's process's CPU time over the window."""
     run_delay_s: float | None
-    """Time this rank's threads were runnable but waiting for a core, summed over its threads (schedstat)."""
+    """Time this rank's threads were runnable but waiting for a core, summed over its threads (schedstat): over
+    several threads it can exceed the window."""
     steal_s: float | None
     """CPU time a hypervisor gave to other guests (a VM's steal)."""
     gpu_other_processes: int | None = None
@@ -418,6 +421,9 @@ class Interference:
     gpu_temperature_c: float | None = None
     gpu_power_limit_w: float | None = None
     gpu_sm_clock_mhz: float | None = None
+    run_delay_threads: int | None = None
+    """How many threads ``run_delay_s`` sums (those alive at the window's end), each waiting at most the window:
+    the share of thread-time spent waiting is run_delay_s over window_s times this. None in records before 1.13."""
     type: Literal["interference"] = "interference"
 
 
@@ -433,8 +439,9 @@ class InterferenceSummary:
     """Cores other processes kept busy on average over the window (the machine's busy CPU time less the ranks'),
     the largest over nodes."""
     run_delay_share: float | None
-    """The largest share of a rank's thread-time spent waiting for a core: run delay over window x threads.
-    Reported, not judged: other processes raise it, and so does a run with more threads than cores."""
+    """The largest share of a rank's thread-time spent waiting for a core: run delay over window x the threads it
+    sums (at most 1). Reported, not judged: other processes raise it, and so does a run with more threads than
+    cores."""
     steal_share: float | None
     load_start: float | None
     load_end: float | None
@@ -442,7 +449,9 @@ class InterferenceSummary:
     gpu_throttle_reasons: list[str] = attrs.Factory(list)
     step_wait_share_median: float | None = None
     """Per measured step, the share of it the rank's training thread waited for a core (the step's run_delay_s over
-    its seconds): the median and the largest over every rank's steps. Reported, not judged."""
+    its seconds, at most 1: the delay is read just outside the step's clock, which keeps the reads out of the
+    step's time, so a wait between a read and the clock counts in the delay, not in the step): the median and the
+    largest over every rank's steps. Reported, not judged."""
     step_wait_share_max: float | None = None
 
 

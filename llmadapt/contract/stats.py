@@ -96,7 +96,8 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest,
         expert_loads.append(by_rank[min(by_rank)].get("expert_load"))
         if any(s.get("profiled") for s in by_rank.values()) and not workload.profile.in_statistics:
             continue  # profiled steps are slower by the profiler's cost: not measured unless asked
-        step_waits += [s["run_delay_s"] / s["seconds"] for s in by_rank.values()
+        # a share of the step, capped: the delay is read just outside the step's clock (InterferenceSummary)
+        step_waits += [min(1.0, s["run_delay_s"] / s["seconds"]) for s in by_rank.values()
                        if s.get("run_delay_s") is not None and s["seconds"] > 0]
         seconds = max(s["seconds"] for s in by_rank.values())
         samples = sum(s["samples"] for s in by_rank.values()) // model_parallel
@@ -390,15 +391,20 @@ def _stall_cause(client: dict[str, Any]) -> str:
     lagged = sum(s[1] for s in stalls)
     queued = sum(s[3] for s in stalls if len(s) > 3 and s[3] is not None)
     busy = sum(s[2] for s in stalls)
+    # the thread's wait and the process's CPU are read over each stalled sleep (its interval and its lag), not over
+    # the lag alone: their share is of that wall time, and the process's CPU counts all its threads
+    slept = lagged + len(stalls) * float(client.get("interval_ms") or 0.0)
     if not lagged:
         return ""
     if queued > lagged / 2:
         hint = (" (Linux autogroup is on: an engine started in another session, e.g. another terminal, has a CPU "
                 "share equal to this whole session's; start it from this one, see docs/serving.md)"
                 if client.get("sched_autogroup") else "")
-        return f"; it waited runnable for a CPU {queued:.0f} of those {lagged:.0f} ms: starved by other processes{hint}"
+        return (f"; its thread waited runnable for a CPU {queued:.0f} of the {slept:.0f} ms those late wake-ups "
+                f"took: starved by other processes{hint}")
     if busy > lagged / 2:
-        return f"; it was busy {busy:.0f} of those {lagged:.0f} ms: work on the event loop"
+        return (f"; the client used {busy:.0f} ms of CPU (all its threads) over the {slept:.0f} ms those late "
+                "wake-ups took: work on the event loop")
     return f"; it neither ran nor waited for a CPU most of those {lagged:.0f} ms: blocked in a system call"
 
 

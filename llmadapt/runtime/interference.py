@@ -33,7 +33,7 @@ def snapshot(gpu_index: int | None = None, nvml=None) -> dict[str, Any]:
     """What one rank reads at either end of its measured steps (fields None where not readable here)."""
     snap: dict[str, Any] = {"time": time.monotonic(), "load": _loadavg(), "own_cpu_s": _own_cpu()}
     snap["busy_s"], snap["steal_s"] = _machine_cpu()
-    snap["run_delay_s"] = _run_delay()
+    snap["run_delay_s"] = _run_delay()  # {thread id: seconds}
     if gpu_index is not None:
         snap["gpu"] = _gpu(gpu_index, nvml)
     return snap
@@ -45,12 +45,14 @@ def interference(rank: int, start: dict[str, Any], end: dict[str, Any], node: st
         a, b = start.get(key), end.get(key)
         return None if a is None or b is None else b - a
 
+    delays = _delay_over(start.get("run_delay_s"), end.get("run_delay_s"))
     gpu_start, gpu_end = start.get("gpu") or {}, end.get("gpu") or {}
     reasons = sorted(set(gpu_start.get("throttle", [])) | set(gpu_end.get("throttle", [])))
     return Interference(
         rank=rank, node=node, window_s=end["time"] - start["time"], cores=_cores(),
         threads=_threads(), load_start=start["load"], load_end=end["load"], machine_busy_cpu_s=delta("busy_s"),
-        own_cpu_s=delta("own_cpu_s"), run_delay_s=delta("run_delay_s"), steal_s=delta("steal_s"),
+        own_cpu_s=delta("own_cpu_s"), run_delay_s=None if delays is None else sum(delays.values()),
+        run_delay_threads=None if delays is None else len(delays), steal_s=delta("steal_s"),
         gpu_other_processes=max(gpu_start.get("others", 0), gpu_end.get("others", 0)) if gpu_end else None,
         gpu_throttle_reasons=reasons if gpu_end else None,
         gpu_temperature_c=gpu_end.get("temperature_c"), gpu_power_limit_w=gpu_end.get("power_limit_w"),
@@ -80,20 +82,28 @@ def _machine_cpu() -> tuple[float | None, float | None]:
     return (user + nice + system + irq + softirq) / _TICK, steal / _TICK
 
 
-def _run_delay() -> float | None:
-    """The time this process's threads spent runnable but waiting for a core, summed (schedstat's run delay)."""
-    total, found = 0, False
+def _run_delay() -> dict[str, float] | None:
+    """How long each of this process's threads has spent runnable but waiting for a core (schedstat's run delay)."""
+    found: dict[str, float] = {}
     try:
         tasks = list(Path("/proc/self/task").iterdir())
     except OSError:
         return None
     for task in tasks:
         try:
-            total += int((task / "schedstat").read_text().split()[1])
-            found = True
+            found[task.name] = int((task / "schedstat").read_text().split()[1]) / 1e9
         except (OSError, ValueError, IndexError):
             continue  # a thread that ended between listing and reading
-    return total / 1e9 if found else None
+    return found or None
+
+
+def _delay_over(start: dict[str, float] | None, end: dict[str, float] | None) -> dict[str, float] | None:
+    """Each thread alive at the window's end with its wait for a core within the window (a thread started
+    meanwhile: all of its wait). Each is at most the window, so their sum is at most the window times their
+    count: the denominator of its share (a thread that ended meanwhile is in neither)."""
+    if start is None or end is None:
+        return None
+    return {tid: max(0.0, seconds - start.get(tid, 0.0)) for tid, seconds in end.items()}
 
 
 def group_cpu_s(pgid: int | None) -> float | None:

@@ -1,14 +1,12 @@
 """Profiling one training step (workload.profile): torch.profiler around the adapter's step, a range per module
 the adapter classifies, and the timeline folded into one ``Breakdown`` record (docs/breakdown.md).
 
-Attribution: every profiled event's self time goes to the innermost module range around it. A backward
-operator runs outside any forward range: it goes, through the autograd node's sequence number, to the range
-of the forward operator that made the node. Collectives go to 'communication', the optimizer's step and
-zero_grad (torch.optim's own ranges) to 'optimizer', the rest to 'other'. On CUDA the basis is the kernel
-time of what each operator launched, and the operator classes are the kernels' own (runtime.timeline's
-device_breakdown, the code that reads traces llmadapt did not record); on CPU, self CPU time. Hooks exist only
-during profiled steps.
-"""
+Attribution: every profiled event's self time goes to the innermost module range around it. A backward operator
+runs outside any forward range: it goes, through the autograd node's sequence number, to the range of the forward
+operator that made the node. Collectives go to 'communication', the optimizer's step and zero_grad (torch.optim's
+own ranges) to 'optimizer', the rest to 'other'. On CUDA the basis is the kernel time of what each operator
+launched, and the operator classes are the kernels' own (runtime.timeline's device_breakdown, which reads others'
+traces too); on CPU, self CPU time. Hooks exist only during profiled steps."""
 
 from __future__ import annotations
 
@@ -23,6 +21,8 @@ import attrs
 
 from llmadapt.adapter.breakdown import (LOSS_OPS, MODULE_CLASSES, collective_kind, layer_index, operator_class,
                                         split_module)
+from llmadapt.adapter.context import MicroBatch
+from llmadapt.adapter.structure import module_classes
 from llmadapt.contract.records import Breakdown, ClassTime, LayerTime
 from llmadapt.contract.rundir import RunDir
 from llmadapt.runtime.interference import thread_run_delay
@@ -31,6 +31,8 @@ from llmadapt.runtime.timeline import STEP_MARK, analyse, intersect, length, sub
 _MODULE, CALL_RANGE, _LAYER = "llmadapt::module::", "llmadapt::call::", "llmadapt::layer::"
 _BACKWARD = "autograd::engine::evaluate_function"
 _STEP_EVENT = "ProfilerStep"  # the profiler's events name every ProfilerStep#N range 'ProfilerStep*'
+_STEP_CODE = "the step's own code between operators (ProfilerStep*)"  # its own time: Python, the profiler's, waits
+_MODEL_INPUTS = ((MicroBatch, "model_inputs", "model"), (MicroBatch, "attention_allowed", "model"))
 
 
 class StepProfiler:
@@ -155,20 +157,17 @@ class _Wrapped:
         setattr(owner, name, timed)
 
     def remove(self) -> None:
-        if self.own:
-            setattr(self.owner, self.name, self.original)
-        else:
-            delattr(self.owner, self.name)
+        setattr(self.owner, self.name, self.original) if self.own else delattr(self.owner, self.name)
 
 
 def _install_hooks(trainer, record_function) -> list[Any]:
-    """A profiler range around every module the trainer classifies, around every transformer block, and around
-    the calls it names (``Trainer.profiled_calls``)."""
+    """A profiler range around every module the trainer or its structure classifies (adapter.structure), every
+    transformer block, the calls it names (``Trainer.profiled_calls``), and the inputs the core builds for the
+    model (a packed row's mask and position ids: the model's own code, 'model')."""
     hooks: list[Any] = [_Wrapped(owner, name, f"{CALL_RANGE}{cls}", record_function)
-                        for owner, name, cls in trainer.profiled_calls()]
+                        for owner, name, cls in [*trainer.profiled_calls(), *_MODEL_INPUTS]]
     for root in trainer.profiled_modules():
-        for name, module in root.named_modules():
-            cls = trainer.module_class(name, type(module).__name__)
+        for (name, module), cls in zip(root.named_modules(), module_classes(root, trainer.module_class).values()):
             layer = layer_index(name)
             labels = ([f"{_LAYER}{layer}"] if layer is not None else []) + ([f"{_MODULE}{cls}"] if cls else [])
             if labels:
@@ -227,10 +226,10 @@ def _backward_node(e) -> str:
 
 def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float, str]] | None = None):
     """Each profiled event with where its own time goes: (event, class or None, layer or None, phase, seconds,
-    operator class or None); phase is 'forward', 'backward' or 'step' (outside both: the optimizer, the adapter's
-    own code). Own time while a collective ran (``comm_spans``: the backend threads' spans and their kinds) in
-    the step, a framework call or a framework's autograd Function is waiting for it: yielded once more for that
-    event, as 'communication', with the collective's kind as its operator class."""
+    operator class or None); phase is 'forward' (the modules, a loss on their output), 'backward' or 'step'
+    (outside both: the optimizer, waits, the adapter's own code). Own time while a collective ran (``comm_spans``:
+    the backend threads' spans and their kinds) in the step, a framework call or a framework's autograd Function
+    is waiting for it: yielded once more for that event, as 'communication', with the collective's kind."""
     def own_time(e) -> float:
         if basis == "device":
             return (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / 1e6
@@ -337,7 +336,7 @@ def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float, s
             layer = layer if layer is not None else made_layer
             phase = "backward"
         else:
-            phase = "forward" if forward else "step"
+            phase = "forward" if forward or cls == "loss" else "step"  # a loss on the logits: the forward's end
         yield e, cls, layer, phase, own_time(e) + lead_in.get(id(e), 0.0), None
         for kind, seconds in (waited.get(id(e)) or {}).items():
             yield e, "communication", None, "step", seconds, kind
@@ -374,7 +373,8 @@ def fold(events, *, rank: int, step: int, level: str, basis: str) -> Breakdown:
         modules[cls or "other"][slot[phase]] += seconds
         if cls is None:
             node = _backward_node(e)
-            other[f"{e.name} (in {node[len(_BACKWARD) + 2:]})" if node and node != e.name else e.name] += seconds
+            name = _STEP_CODE if e.name.startswith(_STEP_EVENT) else e.name  # the core's step range, not the model's
+            other[f"{name} (in {node[len(_BACKWARD) + 2:]})" if node and node != e.name else name] += seconds
         if layer is not None and cls not in ("communication", "optimizer") and phase != "step":
             layers[layer][slot[phase]] += seconds
         if level != "module" and not e.name.startswith(("llmadapt::", _BACKWARD, _STEP_EVENT)):
