@@ -182,7 +182,7 @@ def interference_summary(found: list[dict[str, Any]], step_waits: list[float] = 
         judged = judged or window >= SHORTEST_JUDGED_S
         if window >= SHORTEST_JUDGED_S and other >= OTHER_CORES_LIMIT:
             causes.append(f"other processes kept {other:.2f} of {rs[0]['cores']} cores busy")
-    # each thread waits at most the window: a share of thread-time. Before 1.13 the record did not say how many
+    # each thread waits at most the window: a share of thread-time. Before 1.16 the record did not say how many
     # threads it summed (its 'threads' counts torch's intra-op pool only): capped at 1 there
     delays = [min(1.0, r["run_delay_s"] / (r["window_s"] * max(1, r.get("run_delay_threads") or r["threads"] or 1)))
               for r in found if r["run_delay_s"] is not None and r["window_s"] > 0]

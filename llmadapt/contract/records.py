@@ -423,7 +423,7 @@ class Interference:
     gpu_sm_clock_mhz: float | None = None
     run_delay_threads: int | None = None
     """How many threads ``run_delay_s`` sums (those alive at the window's end), each waiting at most the window:
-    the share of thread-time spent waiting is run_delay_s over window_s times this. None in records before 1.13."""
+    the share of thread-time spent waiting is run_delay_s over window_s times this. None in records before 1.16."""
     type: Literal["interference"] = "interference"
 
 
