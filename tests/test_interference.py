@@ -141,7 +141,7 @@ def test_a_competing_process_started_beside_a_run_shows_in_its_record(tmp_path):
     assert any(r["run_delay_s"] > 0 for r in steps)
     shares = sorted(r["run_delay_s"] / r["seconds"] for r in steps)
     assert i["step_wait_share_max"] == pytest.approx(shares[-1])  # the summary is the records' (one rank)
-    assert "(of a step: median" in render_summary(summary)
+    assert "of a step: median" in render_summary(summary)
 
 
 def test_step_waits_are_summarised_beside_the_windows_not_judged():

@@ -126,7 +126,7 @@ def test_a_comparison_from_the_command_line_puts_its_runs_side_by_side(tmp_path,
     each with its row and parity delta, and the rows as comparison.json."""
     rows = compare_two_cells({"LLMADAPT_TENSORBOARD_DIR": str(tmp_path / "tb")}, STEPS)
     (folder,) = (tmp_path / "tb").iterdir()
-    assert re.fullmatch(r"\d{8}-\d{6}-tiny-llama-pretrain-torch-dp1-mb4-torch-dp1-mb4", folder.name), folder.name
+    assert re.fullmatch(r"\d{8}-\d{6}-tiny-llama-pretrain-torch-dp1-mb4-threads_per_rank-0-torch-dp1-mb4-threads_per_r[\w-]*", folder.name), folder.name
     saved = json.loads((folder / "comparison.json").read_text())
     assert saved["status"] == "FINISHED" and [r["label"] for r in saved["rows"]] == [r["label"] for r in rows]
     assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == sorted(Path(r["run_dir"]).name for r in rows)

@@ -162,7 +162,7 @@ def test_a_serving_tune_answers_under_an_slo(tmp_path):
     w = Workload.from_file(SERVE).with_overrides(["serve.requests=4", "serve.warmup_requests=1",
                                                   "serve.output_len.mean=4"])
     result = tune_serving(w, ["hf"], ["e2el_p99_ms<=60000"], over="concurrency", start=1, maximum=1, repeats=1,
-                          max_probes=1, ladders={"max_batched_tokens": (64,)}, budget_s=1800, out=tmp_path,
+                          max_probes=2, ladders={"max_batched_tokens": (64,)}, budget_s=1800, out=tmp_path,
                           log=lambda m: None)
     assert [s["label"] for s in result.searched] == ["hf", "hf max_batched_tokens=64"]
     assert result.ranking and result.ranking[0].capacity is not None, result.text()

@@ -117,12 +117,13 @@ def build(folders: list[Path], *, title: str = "llmadapt report", keep_figures: 
     problems = list(dict.fromkeys(k[0] for k in cells))
     rows, runs, baselines = [], [], {}
     keys = sorted(cells, key=lambda k: problems.index(k[0]))
-    for key, title in zip(keys, distinct_labels([(k[1], labelled_by(cells[k][0][1], cells[k][0][2])) for k in keys])):
+    labels = distinct_labels([(k[1], labelled_by(cells[k][0][1], cells[k][0][2])) for k in keys])
+    for key, row_title in zip(keys, labels):
         group = cells[key]
-        rows.append(row_of_runs(title, group[0][1]["adapter"], group[0][2].name, key[1],
+        rows.append(row_of_runs(row_title, group[0][1]["adapter"], group[0][2].name, key[1],
                                 [(str(f), s) for f, s, _, _ in group], baselines, layout=key[1]))
         for n, (folder, summary, workload, records) in enumerate(group):
-            label = title + (f" #{n + 1}" if len(group) > 1 else "")
+            label = row_title + (f" #{n + 1}" if len(group) > 1 else "")
             runs.append(F.ReportRun(label, folder, workload, summary, records,
                                     problem=f"P{problems.index(key[0]) + 1}"))
     comparison = Comparison(rows=rows, workloads={k[0]: cells[k][0][2] for k in cells}, baseline=baseline)
