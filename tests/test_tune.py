@@ -167,5 +167,5 @@ def test_a_serving_tune_answers_under_an_slo(tmp_path):
     assert [s["label"] for s in result.searched] == ["hf", "hf max_batched_tokens=64"]
     assert result.ranking and result.ranking[0].capacity is not None, result.text()
     best = Workload.from_file(result.ranking[0].workload_file)
-    assert best.kind == "serve" and best.serve.requests == 6
+    assert best.kind == "serve" and best.serve.requests == 4
     assert (Path(result.folder) / "answer.json").is_file()
