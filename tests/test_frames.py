@@ -47,7 +47,7 @@ def records(run_dir, kind: str) -> list[dict]:
 def runs(tmp_path_factory):
     """The runs of this file, all under one store root: (root, dp2 run dir, comparison, serving run dir)."""
     out = tmp_path_factory.mktemp("runs")
-    dp2 = run(tiny("parallelism.dp=2", "profile.steps=[2]", "profile.level=operator", "telemetry.interval_s=0.05",
+    dp2 = run(tiny("parallelism.dp=2", "profile.steps=[2]", "profile.level=operator", "telemetry.interval_s=0.01",
                    "name=frames-dp2"), "torch", out=out)
     assert dp2.ok, dp2.summary.failures
     comparison = compare(tiny("telemetry.interval_s=0", "name=frames-mb"), ["torch"],
