@@ -109,8 +109,8 @@ DOCUMENTED_LOSSES = [
     ("docs/breakdown.md", "llmadapt compare examples/breakdown.toml", "examples/breakdown.toml", "torch dp1 mb8", []),
     ("docs/comparisons.md", "llmadapt compare examples/tiny-llama.toml", "examples/tiny-llama.toml", "torch dp2",
      ["parallelism.dp=2"]),
-    ("docs/comparisons.md", "llmadapt compare examples/tiny-mixtral.toml", "examples/tiny-mixtral.toml", "torch dp2",
-     ["parallelism.dp=2"]),
+    ("docs/comparisons.md", "llmadapt compare examples/tiny-mixtral.toml", "examples/tiny-mixtral.toml",
+     "torch dp2 precision=fp32", ["parallelism.dp=2"]),
 ]
 
 
