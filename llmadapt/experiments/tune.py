@@ -157,6 +157,13 @@ def _state(workload: Workload, adapters: list[str], out: str | Path, resume: str
     return folder, state
 
 
+def write_state(folder: Path, data: dict[str, Any]) -> None:
+    """FOLDER/tune.json, replaced whole (an interruption leaves the previous one)."""
+    tmp = folder / f".{STATE}.{os.getpid()}"
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    os.replace(tmp, folder / STATE)
+
+
 class _Search:
     """The probes made so far (the state's), the budget, and the two ways to spend it."""
 
@@ -183,6 +190,10 @@ class _Search:
         expected = statistics.median(walls) if walls else MIN_PROBE_S
         return self.spent() + expected <= self.budget_s * share
 
+    def _has_finished_run(self, c: Candidate) -> bool:
+        """Whether ``c``'s next probe is a finished one from the state (resuming): it costs no budget."""
+        return self.used.get(c.key, 0) < len(self.results.get(c.key, []))
+
     def probe(self, c: Candidate) -> None:
         """One more run of ``c``: a finished one from the state where there is one, else a new run."""
         from llmadapt.launch.run import run
@@ -202,15 +213,13 @@ class _Search:
         self.results.setdefault(c.key, []).append((str(result.run_dir), summary, wall))
         self.state["probes"].append({"key": c.key, "run_dir": str(result.run_dir), "summary": summary,
                                      "wall_s": wall})
-        tmp = self.folder / f".{STATE}.{os.getpid()}"
-        tmp.write_text(json.dumps(self.state, indent=1, default=str) + "\n")
-        os.replace(tmp, self.folder / STATE)
+        write_state(self.folder, self.state)
 
     # -- strategies ----------------------------------------------------------------------------------
     def race(self, order: list[Candidate], max_runs: int, rng: random.Random, model: bool = False) -> None:
         alive = []
         for c in order:  # round 1: every candidate once, while the first half of the budget lasts
-            if not (self.used.get(c.key, 0) < len(self.results.get(c.key, [])) or self.affordable(0.5)):
+            if not (self._has_finished_run(c) or self.affordable(0.5)):
                 self.unprobed.add(c.key)
                 continue
             skip = self._predicted_slower(c, alive) if model else None
@@ -226,7 +235,7 @@ class _Search:
                 break
             rng.shuffle(alive)
             for c in alive:
-                if not (self.used.get(c.key, 0) < len(self.results.get(c.key, [])) or self.affordable()):
+                if not (self._has_finished_run(c) or self.affordable()):
                     return
                 self.probe(c)
             alive = [c for c in alive if self._failed(c, round_index) is None]
@@ -255,7 +264,7 @@ class _Search:
             if round_index > 1:
                 rng.shuffle(todo)
             for c in todo:
-                if self.used.get(c.key, 0) < len(self.results.get(c.key, [])) or self.affordable():
+                if self._has_finished_run(c) or self.affordable():
                     self.probe(c)
                 elif c.key not in self.results:
                     self.unprobed.add(c.key)

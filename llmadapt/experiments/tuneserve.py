@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from llmadapt.adapter.plugins import get_adapter
 from llmadapt.analysis.tuning import ServeCandidate, ServeTuneResult, serve_answer
 from llmadapt.errors import LlmadaptError
 from llmadapt.experiments.loadsweep import Objective, prepared, sla_search
+from llmadapt.experiments.tune import write_state
 from llmadapt.spec import Workload
 
 LADDERS: dict[str, tuple[Any, ...]] = {
@@ -128,8 +128,5 @@ def _latency_at(result, objective: Objective) -> float | None:
 
 
 def _save(folder: Path, workload: Workload, done: list[ServeCandidate]) -> None:
-    data = {"workload_hash": workload.content_hash,
-            "searched": [attrs.asdict(c, filter=lambda a, _: a.name != "workload") for c in done]}
-    tmp = folder / f".tune.json.{os.getpid()}"
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    os.replace(tmp, folder / "tune.json")
+    write_state(folder, {"workload_hash": workload.content_hash,
+                         "searched": [attrs.asdict(c, filter=lambda a, _: a.name != "workload") for c in done]})
