@@ -17,7 +17,7 @@ import json
 import math
 from pathlib import Path
 
-from llmadapt.analysis.hta import hta_of_traces
+from llmadapt.experiments.hta import hta_of_traces
 from llmadapt.analysis.traces import read_trace, trace_breakdown
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "kineto-gpu"

@@ -314,7 +314,7 @@ def bare_spec(w, threads: int) -> dict:
 
 def run_llmadapt(w, out: Path) -> dict:
     import llmadapt
-    from llmadapt.launch.summary import load_records
+    from llmadapt.contract.readback import load_records
 
     t0 = time.perf_counter()
     result = llmadapt.run(w, "torch", out=out)

@@ -499,7 +499,7 @@ def test_data_parallel_collectives_overlap_and_traces_hta_reads(dp2_full):
 def test_hta_loads_the_traces_of_every_rank(dp2_full):
     """Holistic Trace Analysis 0.5.0, in its own environment, loads the level-full traces unchanged: both ranks
     (from distributedInfo), the profiled step as its iteration; on a CPU it says its analyses have no kernels."""
-    from llmadapt.analysis.hta import NO_KERNELS, hta_analysis, render
+    from llmadapt.experiments.hta import NO_KERNELS, hta_analysis, render
     from llmadapt.errors import EnvironmentNotReadyError
     from llmadapt.launch.environments import HTA_ENVIRONMENT, python_for
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from llmadapt import Workload
-from llmadapt.analysis.cells import Cell, layout_label, plan, same_threads
+from llmadapt.analysis.labels import layout_label
+from llmadapt.experiments.cells import Cell, plan, same_threads
 from llmadapt.analysis.paritycheck import PARITY_ATOL, PARITY_RTOL, parity_of_runs
 from llmadapt.experiments.parity import parity
 from llmadapt.contract.jsonl import read_jsonl
@@ -204,7 +205,7 @@ def test_parity_of_finished_runs_of_different_problems_names_the_fields(tmp_path
 def test_labels_name_every_field_that_differs_between_the_rows():
     """A grid over batch and sparsity on an MoE model: six rows, six labels, each naming its batch and its experts
     per token in their shortest form; a quantized row says so; sweep titles follow the same labels."""
-    from llmadapt.analysis.cells import distinct_labels
+    from llmadapt.analysis.labels import distinct_labels
     from llmadapt.analysis.comparison import parse_matrix
 
     mixtral = Workload.from_file(ROOT / "examples" / "tiny-mixtral.toml")

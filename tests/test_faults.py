@@ -283,7 +283,7 @@ def test_a_full_disk_is_one_line_and_keeps_what_was_written(tmp_path):
 def test_a_summary_the_disk_refuses_is_an_io_error_not_bad_input(tmp_path):
     """No room for summary.json (/dev/full answers every write with ENOSPC): the machine's failure, exit code 4."""
     from llmadapt.errors import exit_code_of
-    from llmadapt.launch.summary import summarise
+    from llmadapt.contract.readback import summarise
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")

@@ -228,7 +228,7 @@ def _run_folder_read(name: str, doc: Any) -> None:
     from llmadapt.analysis.report import read_summary, summary_text
     from llmadapt.analysis import frames
     from llmadapt.analysis.store import describe_run
-    from llmadapt.launch.summary import summarise
+    from llmadapt.contract.readback import summarise
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / RUN.name

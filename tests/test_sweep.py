@@ -195,7 +195,7 @@ def test_each_cell_can_find_its_maximum_batch(tmp_path):
 @pytest.mark.parametrize("suffix", [".toml", ".yaml", ".json"])
 def test_compare_saves_its_grid_as_a_sweep_file(suffix, tmp_path):
     """compare --save-sweep: the same cells, with the same workloads, as the comparison would run; not run."""
-    from llmadapt.analysis.cells import as_cells, plan
+    from llmadapt.experiments.cells import as_cells, plan
     from llmadapt.analysis.comparison import parse_matrix
     from llmadapt.spec import Workload
 

@@ -83,7 +83,7 @@ def hta_figures(h: dict, comm_us: float) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def hta_results():
-    from llmadapt.analysis.hta import hta_of_traces
+    from llmadapt.experiments.hta import hta_of_traces
 
     return dict(zip(TRACES, hta_of_traces(TRACES)))
 

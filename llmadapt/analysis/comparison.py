@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from llmadapt.analysis.cells import distinct_labels, labelled_by, matrix_settings
+from llmadapt.analysis.labels import distinct_labels, labelled_by, matrix_settings
 from llmadapt.analysis.paritycheck import loss_parity
 from llmadapt.analysis.uncertainty import Estimate, bootstrap_median
 from llmadapt.analysis.verdict import SUPERLINEAR, ScalingPoint, Verdict, scaling, told_apart, verdict
@@ -542,7 +542,7 @@ def estimates_of(ok: list[tuple[str, Any]], kind: str) -> dict[str, Estimate]:
 
 def step_samples(run_dir: Path) -> tuple[list[float], list[int]]:
     """Per measured step: the slowest rank's seconds and the step's tokens (as the summary counts them)."""
-    from llmadapt.launch.summary import load_records
+    from llmadapt.contract.readback import load_records
 
     try:
         records = load_records(run_dir)

@@ -242,7 +242,7 @@ def _batch_group(r: ReportRun) -> str:
 def _series_names(groups: dict[str, list[tuple[ReportRun, Any]]]) -> list[str]:
     """Each group's name: its stack and layout less the micro-batch, and whatever else sets it apart from the other
     groups but the batch it varies ('torch dp1 tiny-mixtral experts_per_token=2'; cells.distinct_labels)."""
-    from llmadapt.analysis.cells import distinct_labels, run_label
+    from llmadapt.analysis.labels import distinct_labels, run_label
 
     firsts = [members[0][0] for members in groups.values()]
     return distinct_labels([(re.sub(r" mb\d+", "", f"{run_label(r.summary, r.workload)} {r.workload.model.name}"),

@@ -634,7 +634,7 @@ def _summary(m: Measured, folder: Path, launch: LaunchRequest, workload: Workloa
     warnings = [f"imported: measured by {m.measured_by}, not llmadapt's load generator"
                 + (f" (problem {AS_FILE_STATES}: {_facts_line(m)})" if marked else "")]
     if m.sent is not None:
-        from llmadapt.launch.summary import summarise
+        from llmadapt.contract.readback import summarise
 
         summary = summarise(folder, write=False)
         serving = attrs.evolve(summary.serving, send_lag_ms=None, valid=summary.serving.completed > 0,

@@ -70,7 +70,7 @@ class _Run:
     """One run folder's records by rank, with what identifies its rows."""
 
     def __init__(self, folder: Path, label: str | None) -> None:
-        from llmadapt.analysis.cells import layout_label
+        from llmadapt.analysis.labels import layout_label
         from llmadapt.spec import Workload
 
         rundir = RunDir(folder)
@@ -96,7 +96,7 @@ class _Run:
     def _measured_by(self, rundir: RunDir) -> str | None:
         """A run imported from another tool's result file is labelled with the tool (cells.run_label); what tells
         it apart from the other runs is ``told_by``, its workload unless the file came without one."""
-        from llmadapt.analysis.cells import labelled_by, run_label
+        from llmadapt.analysis.labels import labelled_by, run_label
 
         try:
             summary = json.loads(rundir.summary_file.read_text())
@@ -132,7 +132,7 @@ def _frame(runs: Any, what: str, rows_of: Callable[[_Run], list[dict[str, Any]]]
         raise LlmadaptError(f"{what}: no runs given")
     rows: list[dict[str, Any]] = []
     lacking = []
-    from llmadapt.analysis.cells import distinct_labels
+    from llmadapt.analysis.labels import distinct_labels
 
     built = [(_Run(folder, label), label) for folder, label in sources]
     own = [run for run, label in built if label is None]  # labelled here: by what sets each apart from the others

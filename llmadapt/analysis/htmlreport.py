@@ -88,7 +88,7 @@ def collect(sources: Iterable[str | Path], *, query: str | None = None, root: st
 
 def _load(folder: Path) -> tuple[dict[str, Any], Workload, list[dict[str, Any]]]:
     from llmadapt.analysis.report import read_summary
-    from llmadapt.launch.summary import load_records
+    from llmadapt.contract.readback import load_records
 
     try:
         summary = read_summary(folder)
@@ -107,7 +107,7 @@ def build(folders: list[Path], *, title: str = "llmadapt report", keep_figures: 
     """The report: (HTML text, the figures by name as (title, figure), the comparison its tables show). The
     figures are closed once drawn into the page unless ``keep_figures`` (then close them with figures.close).
     ``baseline``: the row (a label) each problem's others are set against; default each problem's first."""
-    from llmadapt.analysis.cells import distinct_labels, labelled_by, run_label
+    from llmadapt.analysis.labels import distinct_labels, labelled_by, run_label
 
     loaded = [(folder, *_load(folder)) for folder in folders]
     cells: dict[tuple[str, str, str], list[tuple[Path, dict, Workload, list]]] = {}

@@ -17,7 +17,7 @@ from llmadapt.analysis.topology import topology_line
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json, upgrade, validate
 from llmadapt.errors import ContractError, LlmadaptError
-from llmadapt.launch.summary import load_records
+from llmadapt.contract.readback import load_records
 
 
 def read_summary(run_dir: str | Path, needs: tuple[str, ...] | None = None, *, running=None) -> dict[str, Any]:
@@ -40,7 +40,7 @@ def read_summary(run_dir: str | Path, needs: tuple[str, ...] | None = None, *, r
                             (f" ({problem}, and no launch.json to rebuild it from)" if path.is_file() else
                              " (no summary.json, no launch.json)"))
     from llmadapt.analysis.runstatus import settle_status
-    from llmadapt.launch.summary import summarise
+    from llmadapt.contract.readback import summarise
 
     try:
         summary = to_json(summarise(run_dir, write=False, over=path.is_file()))

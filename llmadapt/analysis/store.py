@@ -573,7 +573,7 @@ def describe_run(folder: Path, *, running: bool = False) -> tuple[dict[str, Any]
     """The index row and metrics of one run folder; a folder that cannot be read is one clear error.
     ``running``: a process works in the folder (``live_processes``); a run without a summary is then
     ``running``, else ``incomplete``. A run whose summary cannot be read is ``damaged``."""
-    from llmadapt.analysis.cells import run_label
+    from llmadapt.analysis.labels import run_label
     from llmadapt.analysis.report import read_summary
     from llmadapt.spec import Workload
 

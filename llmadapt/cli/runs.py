@@ -188,7 +188,7 @@ def _save_sweep(args, names: list[str]) -> int:
 def cmd_parity(args) -> int:
     import attrs
 
-    from llmadapt.analysis.cells import as_cells
+    from llmadapt.experiments.cells import as_cells
     from llmadapt.experiments.parity import parity
 
     if args.runs is not None:
@@ -239,7 +239,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_hta(args) -> int:
-    from llmadapt.analysis.hta import hta_analysis, render
+    from llmadapt.experiments.hta import hta_analysis, render
 
     result = hta_analysis(args.run, args.step)
     emit(args, result, render(result))
@@ -366,7 +366,7 @@ def _runs_table(found) -> str:
     def f(value, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
-    from llmadapt.analysis.cells import distinct_labels, labelled_by
+    from llmadapt.analysis.labels import distinct_labels, labelled_by
 
     head = ["run", "made", "status", "layout", "workload", "machine", "step p50 s", "tokens/s", "TTFT p50 ms",
             "last loss"]

@@ -31,7 +31,7 @@ def _engines(args) -> list[tuple[Any, Any]]:
     """(adapter info, workload) per engine configuration: each adapter on each combination of --engine-matrix,
     every one checked before any engine starts (an engine setting an adapter does not take is one line)."""
     from llmadapt.adapter.plugins import get_adapter
-    from llmadapt.analysis.cells import matrix_settings
+    from llmadapt.analysis.labels import matrix_settings
     from llmadapt.analysis.comparison import parse_matrix
     from llmadapt.experiments.loadsweep import prepared
 

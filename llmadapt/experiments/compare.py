@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import attrs
 
-from llmadapt.analysis.cells import Cell, as_cells, plan, same_threads
+from llmadapt.experiments.cells import Cell, as_cells, plan, same_threads
 from llmadapt.analysis.comparison import HEADLINE, Comparison, Row, estimates_of, from_json_summary, row_of_runs
 from llmadapt.contract.schema import to_json
 from llmadapt.errors import LlmadaptError

@@ -37,7 +37,7 @@ from llmadapt.contract.launch import new_run_id
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
 from llmadapt.launch.serve import LoadPoint, check_reachable, engine_launch, new_point, serve_points
-from llmadapt.launch.summary import RunResult
+from llmadapt.contract.readback import RunResult
 from llmadapt.spec import Workload
 
 METRICS = ("ttft", "tpot", "itl", "e2el")

@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from llmadapt.analysis.cells import Cell, as_cells, plan
+from llmadapt.experiments.cells import Cell, as_cells, plan
 from llmadapt.analysis.paritycheck import PARITY_ATOL, PARITY_RTOL, ParityReport, loss_parity
 from llmadapt.errors import LlmadaptError, TraceMismatchError
 from llmadapt.launch.run import run

@@ -13,7 +13,7 @@ A sweep file names a workload file, the adapters or cells, settings, a matrix an
     memory_limit = "4G"                   # per-worker cap on CPU; on GPUs leave it out (the device's memory)
     max_batch = 256
 
-It expands (`llmadapt.analysis.cells.plan`, as `compare` does) to cells with stable ids: a hash of the adapter,
+It expands (`llmadapt.experiments.cells.plan`, as `compare` does) to cells with stable ids: a hash of the adapter,
 the cell's resolved workload and the repeat's number, the same wherever and whenever the file is read. A sweep's
 state lives in OUT/sweep-NAME-ID/: sweep.json (the cells) and one file per cell (cells/ID.json: pending, running,
 done or failed, with every attempt's run folder), each written atomically as the cell moves, and results.json (every
@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import attrs
 
-from llmadapt.analysis.cells import PlannedCell, as_cells, plan
+from llmadapt.experiments.cells import PlannedCell, as_cells, plan
 from llmadapt.contract.launch import new_run_id
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, not_a_file

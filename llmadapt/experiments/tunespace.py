@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from llmadapt.adapter.plugins import check_supported, get_adapter
-from llmadapt.analysis.cells import layout_label
+from llmadapt.analysis.labels import layout_label
 from llmadapt.errors import LlmadaptError, UnsupportedError, WorkloadError
 from llmadapt.spec import Workload
 

@@ -6,7 +6,7 @@ torchrun across nodes, Slurm), serves, gathers records and writes the summary. N
 - supervise: worker command lines and environments, process supervision, exit codes read as failures
 - multinode, collect, slurm: several machines
 - serve: a serving run (engine start, load generator, engine metrics)
-- summary: the records of a run folder, read back and summarised
+- summary: the old home of the run-folder read-back (llmadapt.contract.readback), kept until 0.3.0
 - environments, prepare: adapters' virtualenvs and the canonical checkpoint
 
 The names below are imported on first use: `llmadapt adapters` reads environments' status without importing
@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
     from llmadapt.launch.run import run
     from llmadapt.launch.settings import LAUNCHERS, NodeSettings
-    from llmadapt.launch.summary import RunResult, load_records, summarise
+    from llmadapt.contract.readback import RunResult, load_records, summarise
     from llmadapt.launch.supervise import kill_tagged, worker_command
 
 __all__ = ["LAUNCHERS", "NodeSettings", "RunResult", "kill_tagged", "load_records", "run", "summarise", "worker_command"]
 
 _HOME = {"run": "llmadapt.launch.run", **dict.fromkeys(["LAUNCHERS", "NodeSettings"], "llmadapt.launch.settings"),
-         **dict.fromkeys(["RunResult", "load_records", "summarise"], "llmadapt.launch.summary"),
+         **dict.fromkeys(["RunResult", "load_records", "summarise"], "llmadapt.contract.readback"),
          **dict.fromkeys(["kill_tagged", "worker_command"], "llmadapt.launch.supervise")}
 
 

@@ -41,7 +41,7 @@ HTA_ENVIRONMENT = EnvironmentSpec(
     # HTA 0.5.0 declares jupyterlab and pytest, which its analyses never import: its own dependencies above
     no_deps_requirements=("holistictraceanalysis==0.5.0",),
 )
-"""Holistic Trace Analysis, run on a profiled run's Kineto traces (llmadapt.analysis.hta); no adapter's."""
+"""Holistic Trace Analysis, run on a profiled run's Kineto traces (llmadapt.experiments.hta); no adapter's."""
 
 MLFLOW_ENVIRONMENT = EnvironmentSpec(name="mlflow", requirements=("mlflow==3.17.2",))
 """A full MLflow (tracking server and UI) for tests/test_mlflow.py and for trying the MLflow sink

@@ -17,7 +17,7 @@ from llmadapt.errors import LlmadaptError
 from llmadapt.host import local_hostname_is_loopback, node_name
 from llmadapt.launch.collect import AgentLink, Collector
 from llmadapt.launch.settings import NodeSettings, warn
-from llmadapt.launch.summary import RunResult
+from llmadapt.contract.readback import RunResult
 from llmadapt.launch.supervise import interrupt_text, supervise, worker_command, worker_env
 from llmadapt.spec import Workload
 

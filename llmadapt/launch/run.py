@@ -33,7 +33,7 @@ from llmadapt.launch.serve import run_serving
 from llmadapt.launch.settings import LAUNCHERS, NodeSettings, check_run_options, launch_request, resolve
 from llmadapt.launch.sinks import RecordSinks
 from llmadapt.launch.slurm import SlurmSettings, require_slurm, run_slurm_job, slurm_job
-from llmadapt.launch.summary import RunResult, summarise, write_launcher_failures
+from llmadapt.contract.readback import RunResult, summarise, write_launcher_failures
 from llmadapt.launch.supervise import interrupt_text, supervise, worker_command, worker_env
 from llmadapt.spec import Workload
 

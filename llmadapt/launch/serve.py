@@ -26,7 +26,7 @@ from llmadapt.errors import LlmadaptError, Terminated
 from llmadapt.host import exit_cause, exit_text, node_name, software_versions
 from llmadapt.launch.environments import process_env, python_for
 from llmadapt.launch.settings import launch_request
-from llmadapt.launch.summary import RunResult, summarise
+from llmadapt.contract.readback import RunResult, summarise
 from llmadapt.launch.supervise import interrupt_text
 from llmadapt.runtime import interference, lifecycle
 from llmadapt.runtime.loadgen import LoadGenerator, redact, sent_secrets

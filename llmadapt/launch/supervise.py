@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from llmadapt.adapter.declaration import EnvironmentSpec
+from llmadapt.contract.readback import died_unrecorded
 from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json
@@ -160,7 +161,6 @@ def _release(held: list[dict], failures: list[Failure], progress, tailer: LogTai
     held.clear()
 
 
-EXIT_PREFIXES = ("worker was killed by", "worker exited with code", "worker killed by")  # the last: older runs
 
 
 # torchrun's report of each failed rank (torch.distributed.elastic's ChildFailedError, the same since 1.9).
@@ -190,13 +190,6 @@ def _exit_failures(code: int, log: Path) -> list[Failure]:
     return [Failure(cause="crash", message=f"worker {exit_text(code)} without a failure record; "
                                            f"last output: {last}", exit_code=code)]
 
-
-def died_unrecorded(record: dict) -> bool:
-    """A launcher's failure record of a rank that died (killed, exited) without a failure record of its own:
-    where a failed run's story starts, before its peers' errors (a collective that lost it)."""
-    return (record.get("type") == "failure" and record.get("rank") is not None
-            and record.get("cause") in ("killed", "crash") and record.get("message", "").startswith(
-                f"rank {record['rank']} (pid"))
 
 
 def _recorded_failure(rank_file: Path) -> bool:

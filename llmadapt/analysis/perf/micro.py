@@ -107,7 +107,7 @@ def _shape(shape: dict[str, int]) -> str:
 
 def read_micro(run_dir: str | Path) -> MicroResult:
     """Rebuild a micro-benchmark result from its records on disk."""
-    from llmadapt.launch.summary import load_records
+    from llmadapt.contract.readback import load_records
 
     run_dir = Path(run_dir)
     launch_path = RunDir(run_dir).launch_file

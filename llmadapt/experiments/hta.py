@@ -66,7 +66,7 @@ def hta_of_traces(files: list[str | Path], *, timeout: float = 600) -> list[dict
 def _run_hta(folders: list[Path], timeout: float) -> list[dict[str, Any]]:
     from llmadapt.launch.environments import HTA_ENVIRONMENT, process_env, python_for
 
-    done = subprocess.run([str(python_for(HTA_ENVIRONMENT)), "-m", "llmadapt.analysis.hta", *map(str, folders)],
+    done = subprocess.run([str(python_for(HTA_ENVIRONMENT)), "-m", "llmadapt.experiments.hta", *map(str, folders)],
                           capture_output=True, text=True, timeout=timeout, env=process_env(HTA_ENVIRONMENT))
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or len(lines) < len(folders):
