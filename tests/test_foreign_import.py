@@ -1,4 +1,4 @@
-"""Other tools' serving results in the run store (llmadapt.analysis.foreign, `llmadapt runs import FILE...`), on
+"""Other tools' serving results in the run store (llmadapt.contract.foreign, `llmadapt runs import FILE...`), on
 files each tool wrote here against one vLLM server (tests/data/foreign/README.md says how): vllm bench serve's
 detailed result, AIPerf's profile export, guidellm's report, beside the llmadapt run of the same stream (a
 recorded run folder). Nothing is downloaded or run but llmadapt's own commands.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from llmadapt.analysis.comparison import compare_stored
-from llmadapt.analysis.foreign import read_result
+from llmadapt.contract.foreign import read_result
 from llmadapt.analysis.store import RunStore
 from llmadapt.errors import LlmadaptError
 
@@ -159,7 +159,7 @@ def test_a_workload_the_file_disagrees_with_is_refused(tmp_path):
     other.write_text(json.dumps(json.loads((RUN / "launch.json").read_text())["workload"]).replace(
         '"concurrency": 2', '"concurrency": 4'))
     with pytest.raises(LlmadaptError, match="closed loop of 2 in flight, the workload has serve.arrival.concurrency=4"):
-        from llmadapt.analysis.foreign import check_against
+        from llmadapt.contract.foreign import check_against
         from llmadapt.spec import Workload
 
         check_against(read_result(VLLM), Workload.from_dict(json.loads(other.read_text())))

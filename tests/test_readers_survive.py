@@ -186,7 +186,8 @@ FOREIGN_FILES = {"vllm-bench": FOREIGN / "vllm-bench.json", "guidellm": FOREIGN 
 def _import(doc: Any, original: Path) -> Any:
     """read_result on DOC written as ORIGINAL's format (AIPerf's records beside their aggregate file), then the run
     folder it becomes."""
-    from llmadapt.analysis.foreign import read_result, write_run
+    from llmadapt.contract.foreign import read_result
+    from llmadapt.launch.importer import write_run
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

@@ -196,7 +196,7 @@ class Comparison:
     """The file the comparison was written to (``compare``: OUT/compare-....json), rewritten as each run ends."""
     problem_notes: dict[str, str] = attrs.Factory(dict)
     """What to say of a problem instead of how it differs from P1: a problem as an imported file states it
-    (llmadapt.analysis.foreign.AS_FILE_STATES), which no llmadapt run shares."""
+    (llmadapt.contract.foreign.AS_FILE_STATES), which no llmadapt run shares."""
 
     def reference(self, problem: str) -> Row | None:
         """The row of ``problem`` the others are set against: the baseline's where it is in the problem, else
@@ -587,7 +587,7 @@ def compare_stored(query: str | None = None, *, root: str | Path = "runs") -> Co
                                 layout=runs[0].layout))
         workload = workloads.setdefault(runs[0].problem_hash, Workload.from_dict(runs[0].workload))
         if runs[0].summary.get("measured_by") and workload.problem_hash != runs[0].problem_hash:
-            from llmadapt.analysis.foreign import AS_FILE_STATES
+            from llmadapt.contract.foreign import AS_FILE_STATES
 
             notes[runs[0].problem_hash] = (f" {AS_FILE_STATES} ({runs[0].summary['measured_by']}; imported without "
                                            "a workload, so no llmadapt run's problem)")

@@ -41,7 +41,7 @@ def layout_label(adapter: str, w: Workload) -> str:
 
 def run_label(summary: dict[str, Any], w: Workload) -> str:
     """A stored run's row label: its layout (``layout_label``), or for a result another tool measured (imported
-    from its file: llmadapt.analysis.foreign) the tool and its version, 'vllm bench serve 0.32.0'."""
+    from its file: llmadapt.contract.foreign) the tool and its version, 'vllm bench serve 0.32.0'."""
     if summary.get("measured_by"):
         only = ((summary.get("serving") or {}).get("validity") or "").startswith("summary only")
         return summary["measured_by"] + (" (summary only)" if only else "")

@@ -278,7 +278,7 @@ def cmd_runs(args) -> int:
             if not Path(path).exists():
                 raise LlmadaptError(f"{path}: no such file or folder: nothing imported")
         if files and getattr(args, "workload", None):
-            from llmadapt.analysis.foreign import stream_workload
+            from llmadapt.contract.foreign import stream_workload
 
             stream = stream_workload(args.workload)
         else:
@@ -287,7 +287,8 @@ def cmd_runs(args) -> int:
         log = lambda m: print(printable(m), file=sys.stderr)  # noqa: E731
         try:  # a store root that does not exist yet is made; refused imports leave none behind
             if files:  # every file read before the store is touched
-                from llmadapt.analysis.foreign import import_files, read_result
+                from llmadapt.contract.foreign import read_result
+                from llmadapt.experiments.imports import import_files
 
                 for path in files:
                     read_result(path)

@@ -9,6 +9,7 @@ that every process names the run, its adapter and its launcher alike.
 
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Any, Literal
 
@@ -119,29 +120,37 @@ def _nested(cls: type, data: dict[str, Any]) -> Any:
         raise ContractError(f"launch.json: {cls.__name__}: {exc}") from None
 
 
-def new_run_id(*parts: str) -> str:
-    """Every run id and run-like folder name: TIME-PARTS-XXXX (four hex digits against two in one second)."""
+def new_run_id(*parts: str, when: datetime.datetime | None = None, unique: str | None = None) -> str:
+    """Every run id and run-like folder name: TIME-PARTS-XXXX (four hex digits against two in one second).
+    ``when``: a UTC time other than now (an imported result's); ``unique``: the last part instead of random digits
+    (a content hash: the same result imported twice is the same run)."""
     import secrets
 
-    return "-".join([time.strftime("%Y%m%d-%H%M%S"), *parts, secrets.token_hex(2)])
+    stamp = when.strftime("%Y%m%d-%H%M%S") if when is not None else time.strftime("%Y%m%d-%H%M%S")
+    return "-".join([stamp, *parts, unique or secrets.token_hex(2)])
 
 
 def run_header(launch: LaunchRequest, *, framework_version: str, device: Device | None, software: dict[str, str],
                patches: list[Patch], rank: int = 0, local_rank: int = 0, world_size: int = 1,
                workload: Any = None, checkpoint_hash: str | None = None, topology: Topology | None = None,
                notes: list[str] | None = None, model_source: ModelSource | None = None,
-               weights: list[Any] | None = None) -> Header:
+               weights: list[Any] | None = None, started: datetime.datetime | None = None) -> Header:
     """The header of a process that starts measuring now, for the run ``launch`` asked for. ``workload``: the
-    Workload this process resolved (its hashes and form are the header's); without it, the request's."""
+    Workload this process resolved (its hashes and form are the header's); without it, the request's. ``started``:
+    a measurement that began at that (UTC) time elsewhere, on a machine not known (an imported result's)."""
     if workload is not None:
         hashes = {"workload_hash": workload.content_hash, "problem_hash": workload.problem_hash,
                   "workload": workload.to_dict()}
     else:
         hashes = {"workload_hash": launch.workload_hash, "problem_hash": launch.problem_hash,
                   "workload": launch.workload}
-    return Header.starting_now(
+    fields = dict(
         run_id=launch.run_id, rank=rank, local_rank=local_rank, world_size=world_size, role=launch.role,
         adapter=launch.adapter, adapter_version=launch.adapter_version, framework=launch.framework,
         framework_version=framework_version, launcher=launch.launcher, checkpoint_hash=checkpoint_hash,
         device=device, software=software, patches=patches, topology=topology, notes=list(notes or []),
         model_source=model_source, weights=list(weights or []), **hashes)
+    if started is None:
+        return Header.starting_now(**fields)
+    return Header(**fields, node="", start_time=started.isoformat(), wall_anchor_ns=round(started.timestamp() * 1e9),
+                  mono_anchor_ns=0)

@@ -833,7 +833,7 @@ class Summary:
     """Training runs whose adapter reports it: the global gradient norm at every completed step, by step index."""
     measured_by: str | None = None
     """The tool that measured the run where it was not llmadapt ('vllm bench serve 0.32.0', 'AIPerf 0.13.0'): a
-    serving result imported from that tool's file (llmadapt.analysis.foreign); None: measured by llmadapt."""
+    serving result imported from that tool's file (llmadapt.contract.foreign); None: measured by llmadapt."""
     notes: list[str] = attrs.field(factory=list)
     """Every rank header's notes, once each (e.g. a model's slow path)."""
     weights: list[WeightClass] = attrs.field(factory=list)

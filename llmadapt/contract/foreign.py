@@ -1,7 +1,8 @@
-"""Other tools' serving results as llmadapt runs: `vllm bench serve`'s result JSON, AIPerf's profile export
+"""Other tools' serving results, read: `vllm bench serve`'s result JSON, AIPerf's profile export
 (``profile_export.jsonl``, or the aggregate ``profile_export_aiperf.json``) and guidellm's ``benchmarks.json``
-report, each recognised by its content and written as a serving run folder that the run store indexes like any
-other (``llmadapt runs import FILE...``; docs/runs.md).
+report, each recognised by its content. The launcher of kind "import" (llmadapt.launch.importer) writes what is read
+here as a serving run folder that the run store indexes like any other (``llmadapt runs import FILE...``;
+docs/runs.md); analysis reads the marks it leaves (``AS_FILE_STATES``, ``SUMMARY_ONLY``).
 
 A file with per-request times (vllm bench with ``--save-detailed``, AIPerf's JSONL, guidellm's report) becomes
 request records, and the summary is computed from them by llmadapt's own definitions (``contract.stats``); an
@@ -21,34 +22,27 @@ puts it in the same problem as llmadapt's runs of that workload. Without one, it
 file states and its problem hash from those facts alone (``as the file states``): the prompts, seed and client
 settings are not known, so it is never taken for an llmadapt run's problem.
 
-It is over 400 lines because each tool's format (its keys, its units, its percentile conventions) and the one
-run folder they all become belong together: one file to read for what an imported run holds.
+It is over 400 lines because each tool's format (its keys, its units, its percentile conventions) belongs with the
+others: one file to read for what each tool's file says.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import math
-import shutil
 import statistics
-import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 
-from llmadapt.contract.jsonl import JsonlWriter
-from llmadapt.contract.launch import LaunchRequest
-from llmadapt.contract.records import (SCHEMA_VERSION, End, Header, Metric, Request, ServingStats, Stats,
-                                       Summary)
 from llmadapt.contract.rundir import RunDir
-from llmadapt.contract.schema import to_json
 from llmadapt.errors import LlmadaptError
 from llmadapt.spec import Workload
 
-__all__ = ["Measured", "read_result", "write_run", "import_files", "stream_workload", "AS_FILE_STATES"]
+__all__ = ["AS_FILE_STATES", "SUMMARY_ONLY", "TOOLS", "Measured", "Sent", "check_against", "facts_line", "stated_facts",
+           "read_result", "stream_workload", "with_version", "workload_from_file"]
 
 SUMMARY_ONLY = "summary only"
 """How a run imported from an aggregate-only file is marked: its validity starts with it, its label ends with it."""
@@ -511,7 +505,7 @@ def _aiperf_records(records: list[dict[str, Any]], path: Path) -> Measured:
 
 
 # -- the run folder -------------------------------------------------------------------------------------
-def _facts(m: Measured) -> dict[str, Any]:
+def stated_facts(m: Measured) -> dict[str, Any]:
     """What the file states about its stream, the input of a problem built from the file alone."""
     inputs = sorted({s.input_tokens for s in m.sent}) if m.sent else None
     outputs = sorted({s.output_tokens for s in m.sent if s.output_tokens is not None}) if m.sent else None
@@ -519,9 +513,9 @@ def _facts(m: Measured) -> dict[str, Any]:
             "arrival": m.arrival, "input_tokens": inputs, "output_tokens": outputs}
 
 
-def _workload_from_file(m: Measured) -> Workload:
+def workload_from_file(m: Measured) -> Workload:
     """A serve workload of the facts the file states (a label: its problem hash is the facts', not this one's)."""
-    facts = _facts(m)
+    facts = stated_facts(m)
 
     def lengths(values: list[int] | None, default: int) -> dict[str, Any]:
         if not values:
@@ -569,132 +563,13 @@ def check_against(m: Measured, workload: Workload) -> None:
         raise LlmadaptError(f"{m.path}: not the stream of the workload given: {'; '.join(wrong)}: nothing imported")
 
 
-def write_run(m: Measured, parent: Path, workload: Workload | None = None) -> Path:
-    """The measured result as a serving run folder under ``parent``, named by its run id (made here); returns it.
-    The run id is the benchmark's time, the tool and the file's content hash: the same file imports as the same
-    run."""
-    if workload is not None:
-        check_against(m, workload)
-        problem_hash, marked = workload.problem_hash, None
-    else:
-        workload = _workload_from_file(m)
-        facts = json.dumps({AS_FILE_STATES: _facts(m)}, sort_keys=True, default=str)
-        problem_hash, marked = hashlib.sha256(facts.encode()).hexdigest(), AS_FILE_STATES
-    digest = hashlib.sha256(m.path.read_bytes()).hexdigest()[:8]
-    when = dt.datetime.fromtimestamp(m.created or m.path.stat().st_mtime, dt.timezone.utc)
-    run_id = f"{when:%Y%m%d-%H%M%S}-{m.tool}-{digest}"
-    launch = LaunchRequest(run_id=run_id, launcher="import", role="serve", adapter=m.tool,
-                           adapter_version=m.version or "", framework=TOOLS[m.tool], workload=workload.to_dict(),
-                           workload_hash=workload.content_hash, problem_hash=problem_hash, created=when.timestamp())
-    folder = Path(parent) / run_id
-    folder.mkdir(parents=True)
-    rundir = RunDir(folder)
-    rundir.write_launch(launch)
-    header = Header(run_id=run_id, rank=0, local_rank=0, world_size=1, node="", role="serve", adapter=m.tool,
-                    adapter_version=m.version or "", framework=TOOLS[m.tool], framework_version=m.version or "",
-                    launcher="import", workload_hash=workload.content_hash, problem_hash=problem_hash,
-                    workload=workload.to_dict(), checkpoint_hash=None, device=None,
-                    software={m.tool: m.version or "not stated"}, patches=[], start_time=when.isoformat(),
-                    wall_anchor_ns=int(when.timestamp() * 1e9), mono_anchor_ns=0)
-    forced = workload.serve.ignore_eos if marked is None else False
-    with JsonlWriter(rundir.rank_file(0)) as w:
-        w.write(header)
-        origin = min((s.start_s for s in m.sent or []), default=0.0)
-        for i, s in enumerate(m.sent or []):
-            w.write(_request(i, s, forced, workload.serve.output_len.mean, origin))
-        for name, (value, unit) in m.reported.items():
-            w.write(Metric(rank=0, name=name, value=value, unit=unit, source=m.measured_by))
-        w.write(End(rank=0, time=when.isoformat()))
-    summary = _summary(m, folder, launch, workload, problem_hash, marked)
-    rundir.write_summary(to_json(summary))
-    return folder
-
-
-def _ns(seconds: float, origin: float) -> int:
-    """Seconds on the tool's clock as nanoseconds from the first request's start (records hold integers; from the
-    start, so that Unix times keep their microseconds: 1.8e18 ns would not)."""
-    return round((seconds - origin) * 1e9)
-
-
-def _request(index: int, s: Sent, forced: bool, asked: int, origin: float) -> Request:
-    ok = s.error is None
-    return Request(index=index, warmup=False, scheduled_ns=_ns(s.start_s, origin), sent_ns=_ns(s.start_s, origin),
-                   first_token_ns=_ns(s.start_s + s.ttft_s, origin) if ok else None,
-                   end_ns=_ns(s.end_s, origin) if ok else _ns(s.start_s, origin),
-                   chunk_ns=[_ns(c, origin) for c in s.chunk_s] if ok else [],
-                   chunk_tokens=[None] * len(s.chunk_s) if ok else [], input_tokens=s.input_tokens,
-                   output_tokens=s.output_tokens, requested_output_tokens=asked, output_forced=forced,
-                   finish_reason=None, status="ok" if ok else "error", error=s.error[:300] if s.error else None)
-
-
-def _summary(m: Measured, folder: Path, launch: LaunchRequest, workload: Workload, problem_hash: str,
-             marked: str | None) -> Summary:
-    validity = (f"not judged: measured by {m.measured_by}, whose client's send lag and health are not in its file; "
-                f"imported from {m.path.name}")
-    warnings = [f"imported: measured by {m.measured_by}, not llmadapt's load generator"
-                + (f" (problem {AS_FILE_STATES}: {_facts_line(m)})" if marked else "")]
-    if m.sent is not None:
-        from llmadapt.contract.readback import summarise
-
-        summary = summarise(folder, write=False)
-        serving = attrs.evolve(summary.serving, send_lag_ms=None, valid=summary.serving.completed > 0,
-                               validity=validity,
-                               tokens_per_chunk=summary.serving.tokens_per_chunk if m.per_chunk else None,
-                               itl_ms=summary.serving.itl_ms if m.per_chunk else None)
-        if not m.per_chunk:
-            warnings.append(f"{TOOLS[m.tool]} keeps each request's first and last token times, not every chunk's: "
-                            "no ITL")
-    else:
-        serving = _serving_from_figures(m, workload, f"{SUMMARY_ONLY}; {validity}")
-        warnings.append(f"summary only: {m.path.name} holds aggregate figures, no request's times")
-        summary = Summary(
-            run_id=launch.run_id, status="ok", role="serve", adapter=m.tool, framework=TOOLS[m.tool],
-            framework_version=m.version or "", launcher="import", workload_hash=workload.content_hash,
-            problem_hash=problem_hash, world_size=1, device=None, patches=[], steps_completed=0, measured_steps=0,
-            losses=[], step_time_s=None, tokens_per_s=None, samples_per_s=None, tokens_per_step=None,
-            peak_memory_bytes=None, peak_memory_per_rank=[], memory_kind=None, model_flops_per_token=None,
-            achieved_flops_per_s=None, mfu=None, phase_means_s={}, failures=[])
-    status = summary.status
-    if m.failed and status == "ok":
-        from llmadapt.contract.stats import failed_requests_verdict
-
-        status, line = failed_requests_verdict(serving, workload.serve.max_failed_share)
-        warnings.append(line)
-    return attrs.evolve(summary, serving=serving, status=status, problem_hash=problem_hash,
-                        warnings=warnings + [w for w in summary.warnings if w not in warnings],
-                        measured_by=m.measured_by)
-
-
-def _facts_line(m: Measured) -> str:
-    f = _facts(m)
+def facts_line(m: Measured) -> str:
+    f = stated_facts(m)
     arrival = (f"closed loop of {m.arrival['concurrency']}" if m.arrival["process"] == "closed" else
                f"{m.arrival['process']} {m.arrival['rate']:g} req/s")
     lengths = "".join(f", {k.split('_')[0]} {v[0] if len(v) == 1 else f'{v[0]}..{v[-1]}'} tokens"
                       for k, v in (("input_tokens", f["input_tokens"]), ("output_tokens", f["output_tokens"])) if v)
     return f"model {m.model or 'not stated'}, {f['requests']} requests, {arrival}{lengths}"
-
-
-def _serving_from_figures(m: Measured, workload: Workload, validity: str) -> ServingStats:
-    """A summary-only run's serving figures, as the file reports them (a statistic it leaves out stays None)."""
-    r = {k: v for k, (v, _) in m.reported.items()}
-    duration = r.get("duration", 0.0)
-
-    def stats(metric: str) -> Stats | None:
-        p50 = r.get(f"median_{metric}_ms", r.get(f"p50_{metric}_ms"))
-        if p50 is None:
-            return None
-        return Stats(count=int(r.get(f"count_{metric}", m.completed)), mean=r.get(f"mean_{metric}_ms"), std=r.get(f"std_{metric}_ms"),
-                     min=r.get(f"min_{metric}_ms"), p50=p50, p90=r.get(f"p90_{metric}_ms"),
-                     p95=r.get(f"p95_{metric}_ms"), p99=r.get(f"p99_{metric}_ms"), max=r.get(f"max_{metric}_ms"))
-
-    return ServingStats(
-        completed=m.completed, failed=m.failed, failures_by_cause={"error": m.failed} if m.failed else {},
-        duration_s=duration, request_throughput=r.get("request_throughput", m.completed / duration if duration else 0.0),
-        output_throughput=r.get("output_throughput", 0.0), total_token_throughput=r.get("total_token_throughput", 0.0),
-        request_goodput=r.get("request_goodput"), ttft_ms=stats("ttft"), tpot_ms=stats("tpot"), itl_ms=stats("itl"),
-        e2el_ms=stats("e2el"), send_lag_ms=None, valid=m.completed > 0, validity=validity,
-        output_length_forced=workload.serve.ignore_eos, total_input_tokens=int(r.get("total_input_tokens", 0)),
-        total_output_tokens=int(r.get("total_output_tokens", 0)))
 
 
 def with_version(m: Measured, version: str | None) -> Measured:
@@ -717,20 +592,3 @@ def stream_workload(path: str | Path) -> Workload:
     return workload
 
 
-# -- importing ---------------------------------------------------------------------------------------------
-def import_files(store, files: list[str | Path], *, workload: Workload | None = None,
-                 folders: list[str | Path] = (), tool_version: str | None = None,
-                 log: Callable[[str], None] | None = None) -> list[str]:
-    """Each file converted to a run folder and imported into ``store`` (a RunStore), with ``folders`` (run
-    folders, imported as they are); every file is read and converted before anything is imported, and the store's
-    import checks every folder before it copies one, so a file or folder that fails leaves the store as it was."""
-    measured = [with_version(read_result(f), tool_version) for f in files]
-    with tempfile.TemporaryDirectory(prefix="llmadapt-import-") as tmp:
-        made = []
-        for i, m in enumerate(measured):
-            folder = write_run(m, Path(tmp) / str(i), workload)
-            if log:
-                log(f"{m.path}: {m.measured_by}, " + (f"{len(m.sent)} requests" if m.sent is not None else
-                                                       "aggregate figures only (a summary-only run)"))
-            made.append(folder)
-        return store.import_runs([*folders, *made], log=log)
