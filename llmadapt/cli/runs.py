@@ -80,9 +80,20 @@ def _node_options(args) -> dict[str, Any]:
         local_addr=args.local_addr, ifname=args.ifname, collect_port=args.collect_port)}
 
 
+def _repeat(text) -> int | str:
+    """--repeat: a whole number >= 1, or 'auto'."""
+    if text == "auto" or isinstance(text, int):
+        return text
+    if not str(text).isdigit() or int(text) < 1:
+        raise LlmadaptError(f"--repeat {text!r}: a whole number >= 1, or auto")
+    return int(text)
+
+
 def cmd_compare(args) -> int:
     from llmadapt.analysis.comparison import compare_stored, parse_matrix
     from llmadapt.experiments.compare import compare
+
+    args.repeat = _repeat(args.repeat)
 
     if args.report:  # before the runs: a report that cannot be written is found now, not after them
         from llmadapt.analysis.htmlreport import check_output
@@ -163,6 +174,8 @@ def _save_sweep(args, names: list[str]) -> int:
     from llmadapt.experiments import sweep as sweeps
     from llmadapt.analysis.comparison import parse_matrix
 
+    if args.repeat == "auto":
+        raise LlmadaptError("--save-sweep: a sweep runs each cell a fixed number of times; give --repeat N, not auto")
     if args.attach or args.reuse or args.report or args.breakdown:
         raise LlmadaptError("--save-sweep writes the comparison's cells only: not with --attach, --reuse, --report "
                             "or --breakdown")
