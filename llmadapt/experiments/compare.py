@@ -56,7 +56,8 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     if auto:
         repeat = _check_auto(settle, max_rounds)
     elif not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
-        raise LlmadaptError(f"repeat must be a whole number >= 1 or 'auto', got {repeat!r}")
+        raise LlmadaptError(f"repeat must be a whole number >= 1, got {repeat!r} (or 'auto': rounds until the "
+                            "ranking is decided)")
     if settle is not None:
         if not 0 < settle < 1:
             raise LlmadaptError(f"settle is a share of the median between 0 and 1 (0.05: intervals within 5%), "
