@@ -307,3 +307,44 @@ def test_a_job_killed_by_a_signal_records_the_signal():
     assert killed.exit_code == -9
     (exited,) = final_failures("8", {"state": "FAILED", "reason": "NonZeroExitCode", "exit_code": "3:0"}, None)
     assert exited.exit_code == 3
+
+
+def test_a_tune_runs_each_rounds_probes_as_one_job_array(slurm, tmp_path):
+    """A two-candidate tune (recomputation the one axis left) over the two-node Slurm: each round's probes are one
+    job array through the sweep machinery, the round's results are read back before the next round is decided, the
+    answer has the local tune's shape, and a resumed tune runs nothing again."""
+    from llmadapt.experiments.tune import tune
+    from llmadapt.spec import Workload
+
+    w = Workload.from_file(Path(__file__).resolve().parents[1] / "examples" / "tiny-llama.toml").with_overrides(
+        ["train.steps=3", "train.warmup_steps=1", "train.seq_len=32", "train.global_batch=4"])
+    fixed = ("parallelism.tp", "parallelism.pp", "parallelism.dp", "train.micro_batch", "optimizations.flash_attention")
+    options = dict(ranks=1, fixed=fixed, budget_s=600, max_runs=2, log=lambda m: None)
+    local = tune(w, ["torch"], out=tmp_path / "local", **options)
+    over = tune(w, ["torch"], out=tmp_path / "slurm", slurm=[], **options)
+    assert {r["label"] for r in over.rows} == {r["label"] for r in local.rows} == {"torch dp1",
+                                                                                   "torch dp1 recompute=full"}
+    assert set(over.to_dict()) == set(local.to_dict())
+    assert [r.adapter for r in over.ranking] == [r.adapter for r in local.ranking] == ["torch"]
+    best = over.ranking[0]
+    assert Workload.from_file(best.workload_file).problem_hash == w.problem_hash
+    assert best.parity == "the reference" or best.parity.startswith("ok"), best.parity
+    folder = Path(over.folder)
+    state = json.loads((folder / "tune.json").read_text())
+    arrays = sorted(folder.glob("probes-*.json"))
+    runs = [r["runs"] for r in over.rows]
+    # round 1: both candidates in one array; round 2 (both standing, or one dropped): the survivors in another
+    assert len(arrays) == max(runs) and len(state["probes"]) == sum(runs) == over.probes
+    for p in state["probes"]:
+        launch = json.loads((Path(p["run_dir"]) / "launch.json").read_text())
+        assert p["summary"]["status"] == "ok" and p["wall_s"] > 0 and launch["adapter"] == "torch"
+    sweeps = sorted((tmp_path / "slurm").glob("sweep-probes-*/sweep.sbatch"))
+    assert len(sweeps) == len(arrays)
+    assert "#SBATCH --array=0,1" in sweeps[0].read_text() or "#SBATCH --array=0,1" in sweeps[-1].read_text()
+    cells = [json.loads(f.read_text()) for f in (tmp_path / "slurm").glob("sweep-probes-*/cells/*.json")]
+    assert len(cells) == sum(runs) and all(c["machine"] == "slurm:llmadapt-test" and c["node"] in ("n1", "n2")
+                                           for c in cells)
+
+    again = tune(w, ["torch"], out=tmp_path / "slurm", slurm=[], resume=folder, **options)
+    assert len(json.loads((folder / "tune.json").read_text())["probes"]) == len(state["probes"])
+    assert [r.label for r in again.ranking] == [r.label for r in over.ranking]

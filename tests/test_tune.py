@@ -169,3 +169,12 @@ def test_a_serving_tune_answers_under_an_slo(tmp_path):
     best = Workload.from_file(result.ranking[0].workload_file)
     assert best.kind == "serve" and best.serve.requests == 4
     assert (Path(result.folder) / "answer.json").is_file()
+
+
+def test_slurm_options_that_cannot_work_are_one_line_before_anything_runs(tmp_path, monkeypatch):
+    with pytest.raises(LlmadaptError, match="strategy model decides each probe on those before it"):
+        tune(small(), ["torch"], strategy="model", device="any", slurm=[], out=tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no sbatch
+    with pytest.raises(LlmadaptError, match="needs Slurm's sbatch"):
+        tune(small(), ["torch"], slurm=[], out=tmp_path)
+    assert not list(tmp_path.iterdir())

@@ -187,6 +187,9 @@ class Comparison:
     """The stopping rule's share: rounds were added until every headline interval was narrower than this."""
     unsettled: list[str] = attrs.Factory(list)
     """Rows whose interval never got that narrow before the last round."""
+    stopped: str | None = None
+    """``repeat='auto'``: why the rounds stopped ('decided after 4 repeats: ...', 'budget spent after 10 repeats:
+    ...'); None otherwise."""
     partial: bool = False
     """Some planned runs have not run (the comparison was interrupted, or is still going): the rows are those
     with a run so far, ``pending`` names the others."""
@@ -274,7 +277,10 @@ class Comparison:
         if self.seed is not None:
             lines.append(f"run in rounds: every cell once per round, in an order shuffled with seed {self.seed}"
                          + (f"; rounds added until every interval was within {self.settle:.0%} of its median"
-                            if self.settle else ""))
+                            if self.settle else "")
+                         + ("; rounds added until the ranking was decided (--repeat auto)" if self.stopped else ""))
+        if self.stopped:
+            lines.append(self.stopped)
         if self.unsettled:
             lines.append(f"never settled within {self.settle:.0%}: {', '.join(self.unsettled)}")
         lines += [f"{problems[h]}: problem {h[:12]}{self.problem_notes.get(h) or self.difference(h)}" for h in problems]
@@ -365,7 +371,8 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         return {"rows": [attrs.asdict(r) for r in self.rows], "counts": self.counts(), "baseline": self.baseline,
-                "seed": self.seed, "settle": self.settle, "unsettled": self.unsettled, "partial": self.partial,
+                "seed": self.seed, "settle": self.settle, "unsettled": self.unsettled, "stopped": self.stopped,
+                "partial": self.partial,
                 "pending": self.pending, "saved": self.saved,
                 "verdicts": [attrs.asdict(v) for v in self.verdicts()],
                 "scaling": [{**attrs.asdict(p), "superlinear": p.superlinear} for p in self.scaling()]}

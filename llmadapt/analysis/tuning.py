@@ -17,7 +17,7 @@ import attrs
 from llmadapt.analysis.comparison import Row
 from llmadapt.analysis.paritycheck import loss_parity
 from llmadapt.analysis.uncertainty import Estimate
-from llmadapt.analysis.verdict import told_apart
+from llmadapt.analysis.verdict import slower_than
 
 OBJECTIVES = {
     "tokens_per_s": "tokens/s (highest)",
@@ -46,11 +46,6 @@ def score(row: Row, objective: str, price: float | None = None) -> Estimate | No
         return None
     return attrs.evolve(step, median=step.median * weight, low=step.low * weight, high=step.high * weight,
                         samples=tuple(s * weight for s in step.samples))
-
-
-def slower_than(a: Estimate, b: Estimate) -> bool:
-    """``a`` costs more than ``b`` beyond noise, by the verdict's rule (``comparison.told_apart``)."""
-    return a.median > b.median and told_apart(a, b)
 
 
 @attrs.frozen

@@ -40,6 +40,19 @@ def told_apart(a: Estimate, b: Estimate) -> bool:
     return not a.overlaps(b)
 
 
+def slower_than(a: Estimate, b: Estimate) -> bool:
+    """``a`` is above ``b`` beyond noise (lower is better), by ``told_apart``: the one rule by which tune's race drops
+    a candidate and ``compare --repeat auto`` calls a ranking decided."""
+    return a.median > b.median and told_apart(a, b)
+
+
+def undecided(rows: list[tuple[str, Estimate]]) -> list[tuple[str, str]]:
+    """The adjacent pairs of the ranking of ROWS ((label, estimate), lower is better) that ``slower_than`` does not
+    tell apart, lowest first; none: the ranking is decided."""
+    ranked = sorted(rows, key=lambda r: r[1].median)
+    return [(a, b) for (a, low), (b, high) in zip(ranked, ranked[1:]) if not slower_than(high, low)]
+
+
 # -- the verdict ------------------------------------------------------------------------------------------------
 @attrs.frozen
 class Slower:

@@ -101,6 +101,16 @@ class Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def repeat_arg(text: Any) -> int | str:
+    """compare's --repeat: a whole number >= 1, or 'auto'."""
+    if text == "auto" or isinstance(text, int):
+        return text
+    try:
+        return int(text)  # compare says what a number below 1 is
+    except ValueError:
+        raise LlmadaptError(f"--repeat {text!r}: a whole number >= 1, or auto") from None
+
+
 def add_command(subparsers, name: str, func, help: str) -> argparse.ArgumentParser:
     """A (sub)command with its help, a --json switch and the function that runs it."""
     p = subparsers.add_parser(name, help=help, description=help)

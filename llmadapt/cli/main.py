@@ -140,15 +140,16 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                         "variant), instead of skipping that cell")
     p.add_argument("--breakdown", action="store_true",
                    help="also set the runs' step breakdowns side by side per class (needs profile.steps)")
-    p.add_argument("--repeat", type=int, default=1, metavar="N",
-                   help="runs per cell: rows show medians with 95%% bootstrap intervals over them (default 1)")
+    p.add_argument("--repeat", default=1, metavar="N|auto",
+                   help="runs per cell: rows show medians with 95%% bootstrap intervals over them (default 1); auto: "
+                        "rounds until the verdict tells every two adjacent rows apart, up to --max-rounds")
     p.add_argument("--reuse", action="store_true",
                    help="count runs already in --out of the same workload, adapter version and machine, instead "
                         "of running them again")
     p.add_argument("--settle", type=float, metavar="SHARE",
                    help="after --repeat rounds, add rounds until every row's 95%% interval is narrower than SHARE of "
                         "its median (0.05: 5%%), up to --max-rounds; the rows that never settle are named")
-    p.add_argument("--max-rounds", type=int, default=10, metavar="N", help="the most rounds --settle runs (default 10)")
+    p.add_argument("--max-rounds", type=int, default=10, metavar="N", help="the most rounds --settle or --repeat auto runs (default 10)")
     p.add_argument("--seed", type=int, metavar="N",
                    help="the seed of the rounds' shuffled order (default: drawn, and printed under the table)")
     p.add_argument("--columns", metavar="LIST", type=lambda v: [c for c in v.split(",") if c.strip()],

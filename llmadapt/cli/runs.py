@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 
 from llmadapt.cli.common import (cells_progress, emit, name_list, printable, printable_lines, run_options,
-                                 workload_of)
+                                 repeat_arg, workload_of)
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
 
@@ -83,6 +83,8 @@ def _node_options(args) -> dict[str, Any]:
 def cmd_compare(args) -> int:
     from llmadapt.analysis.comparison import compare_stored, parse_matrix
     from llmadapt.experiments.compare import compare
+
+    args.repeat = repeat_arg(args.repeat)
 
     if args.report:  # before the runs: a report that cannot be written is found now, not after them
         from llmadapt.analysis.htmlreport import check_output
@@ -163,9 +165,9 @@ def _save_sweep(args, names: list[str]) -> int:
     from llmadapt.experiments import sweep as sweeps
     from llmadapt.analysis.comparison import parse_matrix
 
-    if args.attach or args.reuse or args.report or args.breakdown:
-        raise LlmadaptError("--save-sweep writes the comparison's cells only: not with --attach, --reuse, --report "
-                            "or --breakdown")
+    if args.attach or args.reuse or args.report or args.breakdown or args.repeat == "auto":
+        raise LlmadaptError("--save-sweep writes the comparison's cells only: not with --attach, --reuse, --report, "
+                            "--breakdown or --repeat auto (a sweep runs each cell a fixed number of times)")
     target = Path(args.save_sweep)
     if target.exists():
         raise LlmadaptError(f"--save-sweep {target}: exists; name a new file")

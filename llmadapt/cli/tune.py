@@ -27,7 +27,11 @@ def cmd_tune(args) -> int:
         raise LlmadaptError("name the stacks to search: --adapters torch,deepspeed")
     workload = workload_of(args)
     log = None if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
+    if args.sbatch_option and not args.slurm:
+        raise LlmadaptError("--sbatch-option is for the probes' job arrays: give --slurm too")
     if workload.kind == "serve":
+        if args.slurm:
+            raise LlmadaptError("--slurm runs a training tune's probes as job arrays; a serving tune runs here")
         from llmadapt.experiments.tuneserve import tune_serving
 
         served = tune_serving(workload, [a.strip() for a in args.adapters.split(",") if a.strip()], args.slo or [],
@@ -43,7 +47,7 @@ def cmd_tune(args) -> int:
                   max_step_s=args.max_step_time, strategy=args.strategy, device=args.device,
                   probe_steps=args.probe_steps, price_per_hour=args.price, seed=args.seed, out=args.out,
                   resume=args.resume, fixed=tuple(args.fix or ()), timeout=args.timeout, launcher=args.launcher,
-                  log=log)
+                  slurm=list(args.sbatch_option or []) if args.slurm else None, log=log)
     emit(args, result.to_dict(), result.text())
     return 0 if result.ranking else 1
 
@@ -78,6 +82,10 @@ def register(add_parser, command) -> None:
     p.add_argument("--out", default="runs", help="the run store the probes go to (default ./runs)")
     p.add_argument("--timeout", type=float, help="seconds before a probe's workers are stopped")
     p.add_argument("--launcher", default="auto", choices=["auto", "subprocess", "torchrun"])
+    p.add_argument("--slurm", action="store_true", help="run each round's probes as one Slurm job array (through "
+                                                        "`llmadapt sweep`; the folders must be shared)")
+    p.add_argument("--sbatch-option", action="append", metavar="OPTION",
+                   help="with --slurm: an sbatch option for the arrays, e.g. --partition=gpu (repeat)")
     p.add_argument("--slo", action="append", metavar="OBJECTIVE", help="serving: an objective each configuration's "
                                                                       "capacity must meet, e.g. ttft_p99_ms<=1000")
     p.add_argument("--over", default="rate", choices=["rate", "concurrency"], help="serving: the load searched")

@@ -24,7 +24,7 @@ from llmadapt.spec import Workload
 
 def compare(workload: Workload | str | Path, adapters: list[str] | None = None, *,
             cells: list[Cell | str] | None = None, matrix: dict[str, list[Any]] | None = None,
-            refuse_unsupported: bool = False, repeat: int = 1, reuse: bool = False, baseline: str | None = None,
+            refuse_unsupported: bool = False, repeat: int | str = 1, reuse: bool = False, baseline: str | None = None,
             settle: float | None = None, max_rounds: int = 10, seed: int | None = None,
             log: Callable[[str], None] | None = None, on_cell: Callable[[int, int, str], None] | None = None,
             **run_options: Any) -> Comparison:
@@ -43,14 +43,21 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     (``seed``, recorded in the comparison; drawn when None), so that the machine's drift falls on every cell
     alike; a row then shows medians with bootstrap intervals over its whole runs. ``settle``: after ``repeat``
     rounds, more rounds until every row's headline interval is narrower than this share of its median, or
-    ``max_rounds`` is reached (the rows that never settled are named). ``reuse``: runs already in the run store
+    ``max_rounds`` is reached (the rows that never settled are named). ``repeat='auto'``: rounds until the verdict
+    decides the ranking (every two adjacent rows of a problem told apart by ``verdict.slower_than``, the rule tune's
+    race drops a candidate by: over runs it needs ``RUNS_TO_SEPARATE`` a row), or ``max_rounds`` is spent; the
+    comparison's ``stopped`` says which, naming the rows that could not be told apart. ``reuse``: runs already in the run store
     (``out``) of the same workload hash, adapter version and machine, finished ok, count towards them (the
     newest first) and are not run again. ``on_cell(done, total, title)`` follows the runs.
     """
     if not isinstance(workload, Workload):
         workload = Workload.from_file(workload)
-    if not isinstance(repeat, int) or repeat < 1:
-        raise LlmadaptError(f"repeat must be a whole number >= 1, got {repeat!r}")
+    auto = repeat == "auto"
+    if auto:
+        repeat = _check_auto(settle, max_rounds)
+    elif not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
+        raise LlmadaptError(f"repeat must be a whole number >= 1, got {repeat!r} (or 'auto': rounds until the "
+                            "ranking is decided)")
     if settle is not None:
         if not 0 < settle < 1:
             raise LlmadaptError(f"settle is a share of the median between 0 and 1 (0.05: intervals within 5%), "
@@ -78,7 +85,7 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     for i, p in to_run:
         if log and results[i]:
             log(f"{p.title}: {len(results[i])} run(s) reused from {out}: {', '.join(Path(d).name for d, _ in results[i])}")
-    rounds = repeat if settle is None else max_rounds
+    rounds = repeat if settle is None and not auto else max_rounds
     shuffled = rounds > 1
     seed = random.SystemRandom().randrange(2**31) if seed is None and shuffled else seed
     rng = random.Random(seed)
@@ -94,7 +101,8 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
                             lambda message: print(f"warning: {message}", file=sys.stderr)) if total else None
     try:
         for round_index in range(rounds):
-            if round_index >= repeat and not _unsettled(to_run, results, settle, workload.kind):
+            if round_index >= repeat and (_decided(_assemble(**finish)) if auto else
+                                          not _unsettled(to_run, results, settle, workload.kind)):
                 break
             order = [(i, p) for i, p in to_run if len(results[i]) <= round_index]
             if shuffled:
@@ -124,9 +132,64 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
         on_cell(done, total, "")
     unsettled = [p.title for p in _unsettled(to_run, results, settle, workload.kind)] if settle else []
     comparison = attrs.evolve(_assemble(**finish), unsettled=unsettled)
+    if auto:
+        comparison = attrs.evolve(comparison, stopped=_stopped(comparison, max_rounds))
     if sinks:
         sinks.close(comparison.to_dict(), "FINISHED")
     return table.write(comparison) if (done or reused) else comparison
+
+
+def _check_auto(settle: float | None, max_rounds: int) -> int:
+    """``repeat='auto'``'s options, checked; the rounds it makes before it first judges the ranking (over fewer runs
+    a row, the verdict tells no rows apart)."""
+    from llmadapt.analysis.verdict import RUNS_TO_SEPARATE
+
+    if settle is not None:
+        raise LlmadaptError("repeat 'auto' and settle both add rounds, to different ends: give one")
+    if not isinstance(max_rounds, int) or max_rounds < RUNS_TO_SEPARATE:
+        raise LlmadaptError(f"max rounds must be a whole number >= {RUNS_TO_SEPARATE} with repeat 'auto' (the verdict "
+                            f"tells rows apart over {RUNS_TO_SEPARATE} runs a row at least), got {max_rounds!r}")
+    return RUNS_TO_SEPARATE
+
+
+def undecided_pairs(comparison: Comparison) -> list[tuple[str, str]]:
+    """Per problem, the adjacent rows of its ranking by the headline figure that the verdict's rule does not tell
+    apart (``verdict.undecided``), over the rows that ran ok."""
+    from llmadapt.analysis.verdict import undecided
+
+    out = []
+    for h in comparison.problems():
+        rows = [r for r in comparison.rows if r.problem_hash == h and r.status == "ok"]
+        key = HEADLINE["serve" if any("request_throughput" in r.metrics for r in rows) else "train"]
+        out += undecided([(r.label, r.estimates[key]) for r in rows if key in r.estimates])
+    return out
+
+
+def _unranked(comparison: Comparison) -> list[str]:
+    """Rows that ran but are not in the ranking (a run failed, or no headline figure): more rounds do not rank them."""
+    return [r.label for r in comparison.rows if r.status != "unsupported" and r.run_dirs
+            and (r.status != "ok" or not set(HEADLINE.values()) & set(r.estimates))]
+
+
+def _decided(comparison: Comparison) -> bool:
+    """``repeat='auto'`` stops: every adjacent pair told apart, or a row that more rounds cannot rank."""
+    return bool(_unranked(comparison)) or not undecided_pairs(comparison)
+
+
+def _stopped(comparison: Comparison, max_rounds: int) -> str:
+    """Why ``repeat='auto'`` stopped where it did, in one line."""
+    rounds = max((len(r.run_dirs) for r in comparison.rows), default=0)
+    unranked = _unranked(comparison)
+    if unranked:
+        return f"stopped after {rounds} repeats: not ranked (a run failed): {', '.join(unranked)}"
+    pairs = undecided_pairs(comparison)
+    if not pairs:
+        line = f"decided after {rounds} repeats: every two adjacent rows told apart"
+        disturbed = [r.label for r in comparison.rows if r.disturbed]
+        return line + (f"; but the machine was disturbed during {', '.join(disturbed)}: the verdict is withheld"
+                       if disturbed else "")
+    return (f"budget spent after {rounds} repeats (max rounds {max_rounds}): "
+            + "; ".join(f"rows {a} and {b} cannot be told apart" for a, b in pairs))
 
 
 def _pending(to_run, results, repeat: int) -> list[str]:

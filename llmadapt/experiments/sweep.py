@@ -173,7 +173,7 @@ class Sweep:
                 self._write_state(cell, {**record, "status": "pending", "attempts": attempts})
                 raise
             attempts = [*attempts, {"run_dir": str(result.run_dir), "status": "ok" if result.ok else "failed",
-                                    "ended": utc_now(),
+                                    "started": current["started"], "ended": utc_now(),
                                     "failure": "; ".join(f.message for f in result.summary.failures)[:500]}]
             if result.ok:
                 break
@@ -252,11 +252,12 @@ class Sweep:
             return None
         return self.results_file
 
-    def array_script(self, python: str, slurm_options: list[str], indices: list[int]) -> str:
+    def array_script(self, python: str, slurm_options: list[str], indices: list[int],
+                     run_args: list[str] | tuple[str, ...] = ()) -> str:
         """The Slurm job array of the cells at ``indices``: task I runs cell I with this machine's llmadapt (the
-        folders must be shared)."""
+        folders must be shared), with ``run_args`` (`sweep run`'s --timeout, --launcher)."""
         cli = [python, "-m", "llmadapt.cli", "sweep", "run", str(self.file.resolve()), "--out", str(self.out.resolve()),
-               "--index", "$SLURM_ARRAY_TASK_ID"]
+               "--index", "$SLURM_ARRAY_TASK_ID", *run_args]
         lines = ["#!/bin/bash", f"# llmadapt sweep {self.name}: one cell per array task. Resubmit with: sbatch <this>",
                  f"#SBATCH --job-name=llmadapt-sweep-{self.name}", f"#SBATCH --array={','.join(map(str, indices))}",
                  "#SBATCH --ntasks=1", f"#SBATCH --output={self.folder.resolve()}/slurm-%A_%a.out",
@@ -438,7 +439,7 @@ def _cell_id(p: PlannedCell, repeat: int) -> str:
 
 
 def run_on_slurm(sweep: Sweep, slurm_options: list[str], *, log: Callable[[str], None], timeout: float | None = None,
-                 poll_s: float = 1.0) -> str:
+                 poll_s: float = 1.0, run_args: list[str] | tuple[str, ...] = ()) -> str:
     """Submit the sweep's cells that are not done as one job array and wait for it; returns the job id. The cells'
     files say how each ended (a task that died leaves its cell running: pending or failed once seen gone)."""
     from llmadapt.launch.slurm import cancel, require_slurm, submit
@@ -449,7 +450,7 @@ def run_on_slurm(sweep: Sweep, slurm_options: list[str], *, log: Callable[[str],
         log("every cell is done")
         return ""
     path = sweep.folder / "sweep.sbatch"
-    path.write_text(sweep.array_script(sys.executable, slurm_options, todo))
+    path.write_text(sweep.array_script(sys.executable, slurm_options, todo, run_args))
     job = submit(path, dict(os.environ))
     log(f"submitted job array {job}: {len(todo)} cell(s); its script is {path}")
     (sweep.folder / "slurm-job").write_text(job)

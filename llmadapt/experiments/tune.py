@@ -45,12 +45,22 @@ def tune(workload: Workload | str | Path, adapters: list[str], *, ranks: int | N
          budget_s: float = 900.0, strategy: str = "race", device: str | None = None, probe_steps: int | None = None,
          max_runs: int = 6, grid_runs: int = 4, price_per_hour: float | None = None, seed: int = 0,
          out: str | Path = "runs", resume: str | Path | None = None, fixed: tuple[str, ...] = (),
-         log: Callable[[str], None] | None = None, **run_options: Any) -> TuneResult:
-    """Search the adapters' configurations of ``workload`` for the best by ``objective`` within ``budget_s``."""
+         slurm: list[str] | None = None, log: Callable[[str], None] | None = None,
+         **run_options: Any) -> TuneResult:
+    """Search the adapters' configurations of ``workload`` for the best by ``objective`` within ``budget_s``.
+    ``slurm``: run each round's probes as one Slurm job array with these sbatch options (``tuneslurm``); None: one
+    after another on this machine."""
     if not isinstance(workload, Workload):
         workload = Workload.from_file(workload)
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     _check(objective, strategy, budget_s, max_runs, grid_runs, price_per_hour, device)
+    if slurm is not None:
+        from llmadapt.launch.slurm import require_slurm
+
+        if strategy == "model":
+            raise LlmadaptError("strategy model decides each probe on those before it; over Slurm a round's probes "
+                                "run at once: use race, grid or random")
+        require_slurm()
     ranks = ranks or max(workload.world_size, available_ranks())
     spec = _device(device)
     found = space(workload, adapters, ranks=ranks, max_memory_bytes=max_memory_bytes, device=spec, fixed=fixed)
@@ -61,13 +71,15 @@ def tune(workload: Workload | str | Path, adapters: list[str], *, ranks: int | N
         raise LlmadaptError(f"probe steps: got {probe_steps}; a probe needs 2 measured steps at least for an interval")
     folder, state = _state(workload, adapters, out, resume, dict(
         objective=objective, strategy=strategy, ranks=ranks, probe_steps=probe_steps, fixed=list(fixed),
-        max_memory_bytes=max_memory_bytes, max_step_s=max_step_s, seed=seed))
+        max_memory_bytes=max_memory_bytes, max_step_s=max_step_s, seed=seed,
+        **({"slurm": True} if slurm is not None else {})))  # probes on a cluster and here are not mixed
     pruned = ", ".join(f"{n} {k}" for k, n in found.reasons().items())
     log(f"tune {folder}: {found.enumerated} configurations, {len(found.pruned)} pruned"
         + (f" ({pruned})" if pruned else "") + f", {len(found.candidates)} to probe, ordered {found.order}")
     search = _Search(found, state, folder, objective, budget_s, probe_steps, max_memory_bytes, max_step_s,
                      price_per_hour, log, dict(run_options, out=out, memory_limit_bytes=
                                                run_options.get("memory_limit_bytes") or max_memory_bytes))
+    search.slurm, search.workload = slurm, workload
     rng = random.Random(seed)
     order = list(found.candidates)
     if strategy == "random":
@@ -180,15 +192,18 @@ class _Search:
         self.unprobed: set[str] = set()
         self.skipped: dict[str, str] = {}  # ``model``: not probed, the corrected estimate predicting it slower
         self.used: dict[str, int] = {}  # probes of each candidate taken from ``results`` by this search so far
+        self.slurm: list[str] | None = None  # sbatch options: each round's new probes as one job array
+        self.workload: Workload | None = None
 
     # -- the budget and one probe ------------------------------------------------------------------
     def spent(self) -> float:
         return sum(wall for runs in self.results.values() for _, _, wall in runs)
 
-    def affordable(self, share: float = 1.0) -> bool:
+    def affordable(self, share: float = 1.0, planned: int = 0) -> bool:
+        """Whether one more probe fits the budget's SHARE, after ``planned`` others not yet run (a job array's)."""
         walls = [wall for runs in self.results.values() for _, _, wall in runs]
         expected = statistics.median(walls) if walls else MIN_PROBE_S
-        return self.spent() + expected <= self.budget_s * share
+        return self.spent() + (planned + 1) * expected <= self.budget_s * share
 
     def _has_finished_run(self, c: Candidate) -> bool:
         """Whether ``c``'s next probe is a finished one from the state (resuming): it costs no budget."""
@@ -208,36 +223,74 @@ class _Search:
         self.log(f"[{sum(map(len, self.results.values())) + 1}] {c.label} (run {n + 1})")
         start = time.monotonic()
         result = run(w, c.adapter, **self.run_options)
-        wall = time.monotonic() - start
-        summary = to_json(result.summary)
-        self.results.setdefault(c.key, []).append((str(result.run_dir), summary, wall))
-        self.state["probes"].append({"key": c.key, "run_dir": str(result.run_dir), "summary": summary,
-                                     "wall_s": wall})
+        self._record(c, str(result.run_dir), to_json(result.summary), time.monotonic() - start)
+
+    def _record(self, c: Candidate, run_dir: str, summary: dict[str, Any], wall: float) -> None:
+        self.results.setdefault(c.key, []).append((run_dir, summary, wall))
+        self.state["probes"].append({"key": c.key, "run_dir": run_dir, "summary": summary, "wall_s": wall})
         write_state(self.folder, self.state)
+
+    def run_round(self, todo: list[Candidate], share: float = 1.0) -> list[Candidate]:
+        """One more run of each of TODO that the budget's SHARE affords (or whose run is a finished one); returns
+        those probed. Here one after another; over Slurm (``slurm``) the new ones first, as one job array."""
+        if self.slurm is None:
+            probed = []
+            for c in todo:
+                if self._has_finished_run(c) or self.affordable(share):
+                    self.probe(c)
+                    probed.append(c)
+            return probed
+        chosen, new = [], []
+        for c in todo:
+            if self._has_finished_run(c) or self.affordable(share, planned=len(new)):
+                chosen.append(c)
+                if not self._has_finished_run(c):
+                    new.append(c)
+        self._array(new)
+        for c in chosen:
+            self.probe(c)  # each now a finished run
+        return chosen
+
+    def _array(self, todo: list[Candidate]) -> None:
+        from llmadapt.experiments.tuneslurm import probe_array
+
+        if not todo:
+            return
+        finished, missing = probe_array(
+            self.folder, self.workload, [(c, self.used.get(c.key, 0) + 1) for c in todo],
+            probe_steps=self.probe_steps, out=self.run_options["out"], sbatch=self.slurm,
+            run_options=self.run_options, log=self.log)
+        for c, run_dir, summary, wall in finished:
+            self._record(c, run_dir, summary, wall)
+        if missing:
+            raise LlmadaptError(f"the job array ended with {len(missing)} probe(s) not run ({', '.join(missing)}): "
+                                f"cancelled, or lost with a node; the finished ones are kept: --resume {self.folder}")
 
     # -- strategies ----------------------------------------------------------------------------------
     def race(self, order: list[Candidate], max_runs: int, rng: random.Random, model: bool = False) -> None:
         alive = []
-        for c in order:  # round 1: every candidate once, while the first half of the budget lasts
+        for c in order if model else ():  # round 1 of ``model``: each probe decided on those before it
             if not (self._has_finished_run(c) or self.affordable(0.5)):
                 self.unprobed.add(c.key)
                 continue
-            skip = self._predicted_slower(c, alive) if model else None
+            skip = self._predicted_slower(c, alive)
             if skip:
                 self.skipped[c.key] = skip
                 continue
             self.probe(c)
             if self._failed(c, 1) is None:
                 alive.append(c)
+        if not model:  # round 1: every candidate once, while the first half of the budget lasts
+            probed = self.run_round(order, 0.5)
+            self.unprobed |= {c.key for c in order if c not in probed}
+            alive = [c for c in probed if self._failed(c, 1) is None]
         alive = self._cut(alive, 1)
         for round_index in range(2, max_runs + 1):
             if len(alive) < 2:
                 break
             rng.shuffle(alive)
-            for c in alive:
-                if not (self._has_finished_run(c) or self.affordable()):
-                    return
-                self.probe(c)
+            if len(self.run_round(alive)) < len(alive):
+                return  # the budget is spent
             alive = [c for c in alive if self._failed(c, round_index) is None]
             alive = self._cut(alive, round_index)
 
@@ -263,11 +316,8 @@ class _Search:
             todo = list(order)
             if round_index > 1:
                 rng.shuffle(todo)
-            for c in todo:
-                if self._has_finished_run(c) or self.affordable():
-                    self.probe(c)
-                elif c.key not in self.results:
-                    self.unprobed.add(c.key)
+            probed = self.run_round(todo)
+            self.unprobed |= {c.key for c in todo if c not in probed and c.key not in self.results}
 
     def _failed(self, c: Candidate, round_index: int) -> str | None:
         """Why a candidate's last probe rules it out (failed, over a constraint); None when it stands."""
@@ -288,7 +338,8 @@ class _Search:
         """Drop the candidates the verdict's rules call slower than the best beyond noise."""
         if len(alive) < 2:
             return alive
-        from llmadapt.analysis.tuning import score, slower_than
+        from llmadapt.analysis.tuning import score
+        from llmadapt.analysis.verdict import slower_than
 
         scored = {c.key: score(self._row(c), self.objective, self.price) for c in alive}
         scored = {k: v for k, v in scored.items() if v is not None}
@@ -331,6 +382,8 @@ class _Search:
         for c in self.found.candidates:
             if c.key == f"{adapter}:":
                 if c.key not in self.results:
+                    if self.slurm is not None:
+                        self._array([c])
                     self.probe(c)
                 self.used.setdefault(c.key, len(self.results[c.key]))
                 return self._probed(c)
