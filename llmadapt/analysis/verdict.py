@@ -7,6 +7,7 @@ per stack and technique). ``Comparison`` (analysis.comparison) renders its lines
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -19,38 +20,53 @@ RUNS_TO_SEPARATE = 4
 configurations' runs fall wholly apart one time in ten (2/C(6,3)); with four, one in 35 (2/C(8,4) < 5%)."""
 
 ALPHA = 0.05
+"""The chance the verdict accepts, of telling apart two rows that cost the same, at one look at them."""
+
+
+def looks(max_runs: int) -> tuple[int, float]:
+    """A ranking judged again after each round (``compare --repeat auto``) looks many times, and each look is one
+    more chance to tell two rows of the same cost apart by luck (at ``ALPHA`` a look, about 11% over rounds 4 to 10).
+    So the looks share ``ALPHA`` (Bonferroni): returns the first number of runs a row at which the ranking is judged
+    and the level each look is judged at, so that over every look up to ``max_runs`` runs a row the chance stays
+    under ``ALPHA``. The first look is the first at which the exact test can reach its level at all: with n runs a
+    row the smallest two-sided p of the Mann-Whitney test is 2 / C(2n, n)."""
+    for first in range(RUNS_TO_SEPARATE, max_runs):
+        level = ALPHA / (max_runs - first + 1)
+        if 2 / math.comb(2 * first, first) < level:
+            return first, level
+    return max(RUNS_TO_SEPARATE, max_runs), ALPHA
 
 SUPERLINEAR = 1.1
 """Scaling efficiency above which a figure is marked: more than linear, which the same work on more devices cannot
 be (the rows ran under unlike conditions)."""
 
 
-def told_apart(a: Estimate, b: Estimate) -> bool:
+def told_apart(a: Estimate, b: Estimate, alpha: float = ALPHA) -> bool:
     """Whether two rows differ beyond noise. Over runs (both rows repeated): the two-sided Mann-Whitney test on the
-    runs' values at ``ALPHA`` (with four runs a row it needs every run of one below every run of the other; with
+    runs' values at ``alpha`` (``ALPHA``; a sequential look's share of it: ``looks``) (with four runs a row it needs every run of one below every run of the other; with
     five, one pair may cross), and never with fewer than ``RUNS_TO_SEPARATE`` runs a row. Over the steps of one run
     each: the 95% intervals do not overlap."""
     if a.what == "runs" and b.what == "runs" and a.samples and b.samples:
         if min(a.n, b.n) < RUNS_TO_SEPARATE:
             return False
         low = min(mann_whitney_greater(a.samples, b.samples), mann_whitney_greater(b.samples, a.samples))
-        return 2 * low < ALPHA
+        return 2 * low < alpha
     if "runs" in (a.what, b.what) and min(a.n, b.n) < RUNS_TO_SEPARATE:
         return False
     return not a.overlaps(b)
 
 
-def slower_than(a: Estimate, b: Estimate) -> bool:
+def slower_than(a: Estimate, b: Estimate, alpha: float = ALPHA) -> bool:
     """``a`` is above ``b`` beyond noise (lower is better), by ``told_apart``: the one rule by which tune's race drops
-    a candidate and ``compare --repeat auto`` calls a ranking decided."""
-    return a.median > b.median and told_apart(a, b)
+    a candidate and ``compare --repeat auto`` calls a ranking decided (at its looks' level)."""
+    return a.median > b.median and told_apart(a, b, alpha)
 
 
-def undecided(rows: list[tuple[str, Estimate]]) -> list[tuple[str, str]]:
+def undecided(rows: list[tuple[str, Estimate]], alpha: float = ALPHA) -> list[tuple[str, str]]:
     """The adjacent pairs of the ranking of ROWS ((label, estimate), lower is better) that ``slower_than`` does not
     tell apart, lowest first; none: the ranking is decided."""
     ranked = sorted(rows, key=lambda r: r[1].median)
-    return [(a, b) for (a, low), (b, high) in zip(ranked, ranked[1:]) if not slower_than(high, low)]
+    return [(a, b) for (a, low), (b, high) in zip(ranked, ranked[1:]) if not slower_than(high, low, alpha)]
 
 
 # -- the verdict ------------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
         workload = Workload.from_file(workload)
     auto = repeat == "auto"
     if auto:
-        repeat = _check_auto(settle, max_rounds)
+        repeat, level = _check_auto(settle, max_rounds)
     elif not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
         raise LlmadaptError(f"repeat must be a whole number >= 1, got {repeat!r} (or 'auto': rounds until the "
                             "ranking is decided)")
@@ -101,7 +101,7 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
                             lambda message: print(f"warning: {message}", file=sys.stderr)) if total else None
     try:
         for round_index in range(rounds):
-            if round_index >= repeat and (_decided(_assemble(**finish)) if auto else
+            if round_index >= repeat and (_decided(_assemble(**finish), level) if auto else
                                           not _unsettled(to_run, results, settle, workload.kind)):
                 break
             order = [(i, p) for i, p in to_run if len(results[i]) <= round_index]
@@ -133,35 +133,37 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     unsettled = [p.title for p in _unsettled(to_run, results, settle, workload.kind)] if settle else []
     comparison = attrs.evolve(_assemble(**finish), unsettled=unsettled)
     if auto:
-        comparison = attrs.evolve(comparison, stopped=_stopped(comparison, max_rounds))
+        comparison = attrs.evolve(comparison, stopped=_stopped(comparison, max_rounds, level))
     if sinks:
         sinks.close(comparison.to_dict(), "FINISHED")
     return table.write(comparison) if (done or reused) else comparison
 
 
-def _check_auto(settle: float | None, max_rounds: int) -> int:
-    """``repeat='auto'``'s options, checked; the rounds it makes before it first judges the ranking (over fewer runs
-    a row, the verdict tells no rows apart)."""
-    from llmadapt.analysis.verdict import RUNS_TO_SEPARATE
+def _check_auto(settle: float | None, max_rounds: int) -> tuple[int, float]:
+    """``repeat='auto'``'s options, checked; the rounds it makes before it first judges the ranking, and the level of
+    each look (``verdict.looks``: the looks share the verdict's 5%, so that judging after every round does not make
+    two equal rows 'decided' more often)."""
+    from llmadapt.analysis.verdict import RUNS_TO_SEPARATE, looks
 
     if settle is not None:
         raise LlmadaptError("repeat 'auto' and settle both add rounds, to different ends: give one")
     if not isinstance(max_rounds, int) or max_rounds < RUNS_TO_SEPARATE:
         raise LlmadaptError(f"max rounds must be a whole number >= {RUNS_TO_SEPARATE} with repeat 'auto' (the verdict "
                             f"tells rows apart over {RUNS_TO_SEPARATE} runs a row at least), got {max_rounds!r}")
-    return RUNS_TO_SEPARATE
+    return looks(max_rounds)
 
 
-def undecided_pairs(comparison: Comparison) -> list[tuple[str, str]]:
+def undecided_pairs(comparison: Comparison, level: float | None = None) -> list[tuple[str, str]]:
     """Per problem, the adjacent rows of its ranking by the headline figure that the verdict's rule does not tell
-    apart (``verdict.undecided``), over the rows that ran ok."""
-    from llmadapt.analysis.verdict import undecided
+    apart (``verdict.undecided``; at ``level``, default the verdict's), over the rows that ran ok."""
+    from llmadapt.analysis.verdict import ALPHA, undecided
 
     out = []
     for h in comparison.problems():
         rows = [r for r in comparison.rows if r.problem_hash == h and r.status == "ok"]
         key = HEADLINE["serve" if any("request_throughput" in r.metrics for r in rows) else "train"]
-        out += undecided([(r.label, r.estimates[key]) for r in rows if key in r.estimates])
+        out += undecided([(r.label, r.estimates[key]) for r in rows if key in r.estimates],
+                         ALPHA if level is None else level)
     return out
 
 
@@ -171,20 +173,21 @@ def _unranked(comparison: Comparison) -> list[str]:
             and (r.status != "ok" or not set(HEADLINE.values()) & set(r.estimates))]
 
 
-def _decided(comparison: Comparison) -> bool:
+def _decided(comparison: Comparison, level: float) -> bool:
     """``repeat='auto'`` stops: every adjacent pair told apart, or a row that more rounds cannot rank."""
-    return bool(_unranked(comparison)) or not undecided_pairs(comparison)
+    return bool(_unranked(comparison)) or not undecided_pairs(comparison, level)
 
 
-def _stopped(comparison: Comparison, max_rounds: int) -> str:
+def _stopped(comparison: Comparison, max_rounds: int, level: float) -> str:
     """Why ``repeat='auto'`` stopped where it did, in one line."""
     rounds = max((len(r.run_dirs) for r in comparison.rows), default=0)
     unranked = _unranked(comparison)
     if unranked:
         return f"stopped after {rounds} repeats: not ranked (a run failed): {', '.join(unranked)}"
-    pairs = undecided_pairs(comparison)
+    pairs = undecided_pairs(comparison, level)
     if not pairs:
-        line = f"decided after {rounds} repeats: every two adjacent rows told apart"
+        line = (f"decided after {rounds} repeats: every two adjacent rows told apart (each look at p < {level:.2g}, "
+                f"so that over up to {max_rounds} repeats equal rows read as apart under 5% of the time)")
         disturbed = [r.label for r in comparison.rows if r.disturbed]
         return line + (f"; but the machine was disturbed during {', '.join(disturbed)}: the verdict is withheld"
                        if disturbed else "")
