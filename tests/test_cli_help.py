@@ -30,8 +30,8 @@ def _parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
 
 
 def _documented() -> list[tuple[str, str]]:
-    """(where, command line) for every `llmadapt ...` command in the docs' code blocks and inline code, with its
-    continuation lines joined."""
+    """(page, command line) for every `llmadapt ...` command in the docs' code blocks and inline code, with its
+    continuation lines joined (the page, not the line: an edit above a command does not change the record)."""
     found = []
     for page in sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]:
         text = page.read_text()
@@ -49,9 +49,9 @@ def _documented() -> list[tuple[str, str]]:
                     while command.endswith("\\") and j + 1 < len(lines):
                         j += 1
                         command = command[:-1].rstrip() + " " + lines[j].strip()
-                    found.append((f"{name}:{i + 1}", command))
+                    found.append((name, command))
             else:
-                found += [(f"{name}:{i + 1}", m) for m in re.findall(r"`(llmadapt [^`]+)`", line)]
+                found += [(name, m) for m in re.findall(r"`(llmadapt [^`]+)`", line)]
     return found
 
 
@@ -124,3 +124,22 @@ def test_a_documented_line_is_parsed_up_to_the_shell(command, expected):
     from llmadapt.cli.main import build_parser
 
     assert _parsed(build_parser, command).startswith(expected)
+
+
+def test_each_command_is_registered_beside_its_handlers():
+    """One convention: the module that registers a command (cli/main.py's COMMANDS) holds the handler of it and of
+    each of its subcommands, and every registering function of a group is in the table (none left unused)."""
+    import importlib
+    import inspect
+
+    from llmadapt.cli.main import COMMANDS, build_parser
+
+    for name, group in COMMANDS:
+        leaves = [p for path, p in _parsers(build_parser(name)) if path[:1] == (name,)]
+        handlers = {p.get_default("func") for p in leaves} - {None}
+        assert handlers and {h.__module__ for h in handlers} == {f"llmadapt.cli.{group}"}, name
+    for group in {group for _, group in COMMANDS}:
+        module = importlib.import_module(f"llmadapt.cli.{group}")
+        registered = {n for n, f in inspect.getmembers(module, inspect.isfunction)
+                      if n.startswith("register_") and f.__module__ == module.__name__}
+        assert registered == {f"register_{n.replace('-', '_')}" for n, g in COMMANDS if g == group}, group
