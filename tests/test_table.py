@@ -184,7 +184,7 @@ def test_the_runs_listing_labels_each_run_by_what_sets_it_apart():
 
     from llmadapt import Workload
     from llmadapt.analysis.store import StoredRun
-    from llmadapt.cli.runs import _runs_table
+    from llmadapt.cli.results import _runs_table
 
     w = Workload.from_file(Path(__file__).resolve().parents[1] / "examples" / "tiny-mixtral.toml")
 

@@ -1,5 +1,6 @@
-"""The ``llmadapt`` command line: a thin layer over the Python API, one module per group of commands
-(runs, env, perf), parsed in main."""
+"""The ``llmadapt`` command line: a thin layer over the Python API, one module per group of commands (runs,
+results, serving, sweep, env, perf, tune), each registering its commands' options beside their handlers; main
+holds the parser, the table of commands, exit codes and signal handling."""
 
 from __future__ import annotations
 

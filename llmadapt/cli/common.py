@@ -1,5 +1,6 @@
 """What every command shares: reading the workload and its --set overrides, --json output, run options,
-progress lines, text from the outside world made safe to print, and the helpers that register a command.
+progress lines, text from the outside world made safe to print, and the helpers that register a command and
+the options several groups' commands share (each group's module registers its own commands beside them).
 """
 
 from __future__ import annotations
@@ -119,6 +120,26 @@ def add_command(subparsers, name: str, func, help: str) -> argparse.ArgumentPars
     return p
 
 
+def workload_args(p: argparse.ArgumentParser) -> None:
+    """The options of a command that runs a workload file (run, compare, parity, load-sweep, sla)."""
+    p.add_argument("workload", help="workload file (.toml, .yaml, .json)")
+    p.add_argument("--set", action="append", metavar="[ADAPTER:]PATH=VALUE",
+                   help="override a field, e.g. train.steps=5; for one adapter only: megatron:parallelism.tp=2")
+    p.add_argument("--launcher", default="auto", metavar="LAUNCHER",
+                   help="auto (default), inline, subprocess, torchrun, slurm, or one an adapter brings "
+                        "(deepspeed)")
+    p.add_argument("--out", default="runs", help="folder for run directories (default: ./runs)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds before a run is stopped")
+
+
+def attach_arg(p: argparse.ArgumentParser) -> None:
+    """--attach: measure serving engines already running (compare, load-sweep, sla)."""
+    p.add_argument("--attach", metavar="ADAPTER=URL,...",
+                   help="serving: measure engines already running, e.g. hf=http://127.0.0.1:8000,vllm=http://b:8000 "
+                        "(each adapter's serve.url, instead of starting them; the same request plan for each, "
+                        "run back to back)")
+
+
 def time_left(elapsed: float | None, done: float, total: float | None) -> str:
     """'0:01:23': the runs left at the mean time of a run so far (elapsed over runs done); '-:--:--' before the
     first run ends. (rich's own estimate needs several updates within 30 s: a comparison of minute-long runs
@@ -158,16 +179,6 @@ def cells_progress(args) -> Iterator[Callable[[int, int, str], None] | None]:
             bar.update(task, completed=done, total=total, description=title[:40])
 
         yield on_cell
-
-
-class Unbuilt:
-    """Stands for the parser of a command the command line does not name: its options are never read, so they are
-    not built (building every command's is a fifth of `llmadapt adapters`' start)."""
-
-    _actions = ()
-
-    def __getattr__(self, name: str):  # add_argument, add_argument_group, set_defaults, ...
-        return lambda *args, **kwargs: self
 
 
 class WatchedStdout:

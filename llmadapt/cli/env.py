@@ -1,11 +1,12 @@
-"""Commands about what is installed: adapters, schema, env create/list/prune."""
+"""Commands about what is installed: adapters, schema, env create/list/prune. Each command's options are registered
+beside its handler (``register_<command>``, found by cli/main.py's table of commands), as in every group of cli/."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from llmadapt.cli.common import emit
+from llmadapt.cli.common import add_command, emit
 from llmadapt.errors import LlmadaptError
 from llmadapt.texttable import text_table
 
@@ -91,3 +92,29 @@ def cmd_env_prune(args) -> int:
     removed = [str(p) for spec in specs.values() for p in environments.prune(spec)]
     emit(args, removed, "\n".join(f"removed {p}" for p in removed) or "nothing to remove")
     return 0
+
+
+# -- registration: each command's options, in the order its --help lists them ----------------------------------
+def register_adapters(sub) -> None:
+    add_command(sub, "adapters", cmd_adapters, "list registered adapters, what they support and their environments")
+
+
+def register_schema(sub) -> None:
+    add_command(sub, "schema", cmd_schema, "print the JSON Schema of trace records")
+
+
+def register_env(sub) -> None:
+    env = sub.add_parser("env", help="build and list adapter environments")
+    env_sub = env.add_subparsers(dest="env_command", required=True, metavar="ACTION")
+    p = env_sub.add_parser("create", help="build an adapter's environment (virtualenv with pinned requirements)")
+    p.add_argument("name", help="environment (or adapter) name")
+    p.add_argument("--force", action="store_true", help="rebuild even if ready")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_env_create)
+    p = env_sub.add_parser("list", help="list environments and whether they are built")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_env_list)
+    p = env_sub.add_parser("prune", help="remove builds from other recipes (older pins, other checkouts' code)")
+    p.add_argument("name", nargs="?", help="one environment (default: all)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_env_prune)

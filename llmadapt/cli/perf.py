@@ -1,8 +1,9 @@
 """Command line for micro-benchmarks, the analytical model, Study B's model and the max batch search.
 
-Registered into ``llmadapt.cli.build_parser``; each command is one Python call and takes
-``--json``; table-like results also take ``--csv FILE``, and ``--record FILE`` appends the
-contract record (estimate, fit, validation) to a JSONL file.
+Each command's options are registered beside its handler (``register_<command>``, found by cli/main.py's table of
+commands; a subcommand's by a function of its own), as in every group of cli/. Each command is one Python call and
+takes ``--json``; table-like results also take ``--csv FILE``, and ``--record FILE`` appends the contract record
+(estimate, fit, validation) to a JSONL file.
 
 Size: over 400 lines because each perf command (micro, estimate, devices, maxbatch, studyb) keeps its
 arguments and their help text beside its handler.
@@ -11,7 +12,6 @@ arguments and their help text beside its handler.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from pathlib import Path
@@ -337,32 +337,35 @@ def cmd_studyb_reproduce(args) -> int:
     return 0
 
 
-# -- registration -----------------------------------------------------------------------------------
-def register(add_parser, command) -> None:
-    """Add the commands to ``llmadapt``'s parser (``add_parser`` and ``command`` are cli.build_parser's helpers:
-    a command with its subcommands, and a command with its --json switch and function)."""
+# -- registration: each command's options, in the order its --help lists them ----------------------------------
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("workload", help="workload file (.toml, .yaml, .json)")
+    p.add_argument("--set", action="append", metavar="PATH=VALUE", help="override a field, e.g. train.seq_len=128")
 
-    def workload_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("workload", help="workload file (.toml, .yaml, .json)")
-        p.add_argument("--set", action="append", metavar="PATH=VALUE", help="override a field, e.g. train.seq_len=128")
 
-    def out_args(p: argparse.ArgumentParser, default_out: str = "runs") -> None:
-        p.add_argument("--out", default=default_out, help=f"folder for the run directory (default: ./{default_out})")
-        p.add_argument("--timeout", type=float, default=None, help="seconds before the worker is stopped")
-        p.add_argument("--csv", metavar="FILE", help="also write the results as CSV")
+def _out_args(p: argparse.ArgumentParser, default_out: str = "runs") -> None:
+    p.add_argument("--out", default=default_out, help=f"folder for the run directory (default: ./{default_out})")
+    p.add_argument("--timeout", type=float, default=None, help="seconds before the worker is stopped")
+    p.add_argument("--csv", metavar="FILE", help="also write the results as CSV")
 
-    def timing_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--repeats", type=int, default=None, help="measured calls per benchmark (at least)")
-        p.add_argument("--min-time", type=float, default=None, help="seconds of measured calls per benchmark (at least)")
 
-    micro = add_parser("micro", help="micro-benchmarks: operators, device peaks, collectives",
+def _timing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repeats", type=int, default=None, help="measured calls per benchmark (at least)")
+    p.add_argument("--min-time", type=float, default=None, help="seconds of measured calls per benchmark (at least)")
+
+
+def register_micro(sub) -> None:
+    micro = sub.add_parser("micro", help="micro-benchmarks: operators, device peaks, collectives",
                            description="micro-benchmarks in the reference adapter's environment")
     msub = micro.add_subparsers(dest="micro_command", required=True, metavar="SUITE")
-    micro_cmd = functools.partial(add_command, msub)
+    for register in (_register_micro_ops, _register_micro_peak, _register_micro_comm, _register_micro_show):
+        register(msub)
 
-    p = micro_cmd("ops", cmd_micro_ops, "operators with a workload's shapes, forward and backward, on the measured "
-                                        "roofline")
-    workload_args(p)
+
+def _register_micro_ops(msub) -> None:
+    p = add_command(msub, "ops", cmd_micro_ops, "operators with a workload's shapes, forward and backward, on the "
+                                                "measured roofline")
+    _workload_args(p)
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: the workload's precision")
     p.add_argument("--ops", help="comma-separated subset of: qkv, output, fc1, fc2, lm_head, attention, rmsnorm, "
                                  "rotary, swiglu, moe_router, moe_dispatch, cross_entropy")
@@ -371,10 +374,13 @@ def register(add_parser, command) -> None:
     p.add_argument("--save", metavar="NAME", help="save the measured peaks as device NAME in the user catalog")
     p.add_argument("--price", type=float, help="price per hour to save with --save")
     p.add_argument("--catalog-file", help="catalog file --save writes (default: $LLMADAPT_HOME/devices.toml)")
-    timing_args(p)
-    out_args(p)
+    _timing_args(p)
+    _out_args(p)
 
-    p = micro_cmd("peak", cmd_micro_peak, "measure the device's peaks: GEMM FLOP/s per dtype, memory bandwidth")
+
+def _register_micro_peak(msub) -> None:
+    p = add_command(msub, "peak", cmd_micro_peak, "measure the device's peaks: GEMM FLOP/s per dtype, memory "
+                                                  "bandwidth")
     p.add_argument("--dtypes", help="comma-separated (default: fp32,bf16 on CPU; fp32,tf32,bf16,fp16 on GPU)")
     p.add_argument("--gemm-sizes", help="comma-separated square GEMM sizes (default: 256,512,1024 CPU; "
                                         "2048,4096,8192 GPU)")
@@ -383,11 +389,13 @@ def register(add_parser, command) -> None:
                                                   "described)")
     p.add_argument("--price", type=float, help="price per hour to save with --save")
     p.add_argument("--catalog-file", help="catalog file --save writes (default: $LLMADAPT_HOME/devices.toml)")
-    timing_args(p)
-    out_args(p)
+    _timing_args(p)
+    _out_args(p)
 
-    p = micro_cmd("comm", cmd_micro_comm, "collectives over message sizes across ranks (gloo on CPU, NCCL on GPU): "
-                                          "algbw and busbw, nccl-tests conventions")
+
+def _register_micro_comm(msub) -> None:
+    p = add_command(msub, "comm", cmd_micro_comm, "collectives over message sizes across ranks (gloo on CPU, NCCL on "
+                                                  "GPU): algbw and busbw, nccl-tests conventions")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--ops", help="comma-separated subset of: all_reduce, all_gather, reduce_scatter, all_to_all, "
                                  "broadcast")
@@ -395,14 +403,18 @@ def register(add_parser, command) -> None:
     p.add_argument("--iters", type=int, default=5, help="measured iterations per size")
     p.add_argument("--save", metavar="NAME", help="save the best all_reduce busbw as device NAME's interconnect")
     p.add_argument("--catalog-file", help="catalog file --save writes (default: $LLMADAPT_HOME/devices.toml)")
-    out_args(p)
+    _out_args(p)
 
-    p = micro_cmd("show", cmd_micro_show, "show a micro-benchmark run (rebuilt from its records)")
+
+def _register_micro_show(msub) -> None:
+    p = add_command(msub, "show", cmd_micro_show, "show a micro-benchmark run (rebuilt from its records)")
     p.add_argument("run", help="micro-benchmark run directory")
     p.add_argument("--csv", metavar="FILE", help="also write the results as CSV")
 
-    p = command("estimate", cmd_estimate, "analytical model: memory, FLOPs, step time, max batch and cost of a "
-                                          "workload on a device; --calibrate, --validate")
+
+def register_estimate(sub) -> None:
+    p = add_command(sub, "estimate", cmd_estimate, "analytical model: memory, FLOPs, step time, max batch and cost of "
+                                                   "a workload on a device; --calibrate, --validate")
     p.add_argument("workload", nargs="?", help="workload file (.toml, .yaml, .json)")
     p.add_argument("--set", action="append", metavar="PATH=VALUE", help="override a field")
     p.add_argument("--device", help="device name or alias from the catalog (`llmadapt devices`)")
@@ -429,12 +441,16 @@ def register(add_parser, command) -> None:
     p.add_argument("--csv", metavar="FILE", help="also write the result as CSV")
     p.add_argument("--record", metavar="FILE", help="append the contract record to this JSONL file")
 
-    p = command("devices", cmd_devices, "list the device catalog (shipped and user entries)")
+
+def register_devices(sub) -> None:
+    p = add_command(sub, "devices", cmd_devices, "list the device catalog (shipped and user entries)")
     p.add_argument("--catalog", action="append", metavar="FILE", help="extra device catalog file (repeatable)")
 
-    p = command("maxbatch", cmd_maxbatch, "largest per-rank batch that fits, by real probes in isolated workers "
-                                          "(grow, then bisect)")
-    workload_args(p)
+
+def register_maxbatch(sub) -> None:
+    p = add_command(sub, "maxbatch", cmd_maxbatch, "largest per-rank batch that fits, by real probes in isolated "
+                                                   "workers (grow, then bisect)")
+    _workload_args(p)
     p.add_argument("--adapter", default="torch")
     p.add_argument("--memory-limit", metavar="SIZE", help="per-worker address-space cap (RLIMIT_AS), e.g. 2G: "
                                                           "required on CPU")
@@ -443,22 +459,33 @@ def register(add_parser, command) -> None:
     p.add_argument("--steps", type=int, default=2, help="steps each probe runs (default 2)")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--launcher", default="auto", choices=["auto", "subprocess", "torchrun"])
-    out_args(p)
+    _out_args(p)
 
-    studyb = add_parser("studyb", help="Study B's model: Eq. 1 (max batch), Eq. 2 (throughput), cost",
+
+def register_studyb(sub) -> None:
+    studyb = sub.add_parser("studyb", help="Study B's model: Eq. 1 (max batch), Eq. 2 (throughput), cost",
                             description="Study B (arXiv 2408.04693): fit Eq. 1 and Eq. 2, cost a fine-tuning job")
     ssub = studyb.add_subparsers(dest="studyb_command", required=True, metavar="ACTION")
-    studyb_cmd = functools.partial(add_command, ssub)
+    for register in (_register_studyb_fit_throughput, _register_studyb_fit_maxbatch, _register_studyb_cost):
+        register(ssub)
+    add_command(ssub, "reproduce", cmd_studyb_reproduce, "reproduce Study B (arXiv 2408.04693): the Eq. 2 fit, Eq. 1 "
+                                                         "projections, Table IV")
 
-    p = studyb_cmd("fit-throughput", cmd_studyb_fit_throughput, "fit Eq. 2 (C4, C2; C3 fixed) to a batch-size sweep")
+
+def _register_studyb_fit_throughput(ssub) -> None:
+    p = add_command(ssub, "fit-throughput", cmd_studyb_fit_throughput, "fit Eq. 2 (C4, C2; C3 fixed) to a "
+                                                                       "batch-size sweep")
     p.add_argument("inputs", nargs="*", help="run directories, or CSV/JSON files with batch,sparsity,throughput")
-    p.add_argument("--reference", action="store_true", help="include Study B's published Mixtral/A40 points (arXiv 2408.04693)")
+    p.add_argument("--reference", action="store_true", help="include Study B's published Mixtral/A40 points (arXiv "
+                                                            "2408.04693)")
     p.add_argument("--c3", type=float, default=1.8, help="MoE attenuation (1.8 Mixtral, 2.5 BlackMamba)")
     p.add_argument("--csv", metavar="FILE")
     p.add_argument("--record", metavar="FILE", help="append the fit record to this JSONL file")
 
-    p = studyb_cmd("fit-maxbatch", cmd_studyb_fit_maxbatch, "fit Eq. 1 (C0; C1 and model memory when the data "
-                                                            "allow) to measured max batch sizes")
+
+def _register_studyb_fit_maxbatch(ssub) -> None:
+    p = add_command(ssub, "fit-maxbatch", cmd_studyb_fit_maxbatch, "fit Eq. 1 (C0; C1 and model memory when the data "
+                                                                   "allow) to measured max batch sizes")
     p.add_argument("inputs", nargs="*", help="maxbatch result directories, or CSV/JSON files with "
                                              "gpu_mem_gb,max_batch,seq_len,sparsity[,model_mem_gb]")
     p.add_argument("--c1", type=float, help="MoE coefficient, when the data have one sparsity (Mixtral: 0.89)")
@@ -467,7 +494,9 @@ def register(add_parser, command) -> None:
     p.add_argument("--csv", metavar="FILE")
     p.add_argument("--record", metavar="FILE", help="append the fit record to this JSONL file")
 
-    p = studyb_cmd("cost", cmd_studyb_cost, "cost of a fine-tuning job: queries x epochs / throughput x price")
+
+def _register_studyb_cost(ssub) -> None:
+    p = add_command(ssub, "cost", cmd_studyb_cost, "cost of a fine-tuning job: queries x epochs / throughput x price")
     p.add_argument("--queries", type=float, required=True)
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--throughput", type=float, help="queries/s")
@@ -477,5 +506,3 @@ def register(add_parser, command) -> None:
     p.add_argument("--device", help="take the price from the catalog")
     p.add_argument("--catalog", action="append", metavar="FILE")
     p.add_argument("--price", type=float, help="price per GPU-hour")
-
-    studyb_cmd("reproduce", cmd_studyb_reproduce, "reproduce Study B (arXiv 2408.04693): the Eq. 2 fit, Eq. 1 projections, Table IV")

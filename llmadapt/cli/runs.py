@@ -1,17 +1,16 @@
-"""Commands that make or read runs: run, compare, parity, show, export, hta, trace."""
+"""Commands that run workloads: run, compare, parity. Each command's options are registered beside its handler
+(``register_<command>``, found by cli/main.py's table of commands), as in every group of cli/."""
 
 from __future__ import annotations
 
+import argparse
+import math
 import shutil
 import sys
-from pathlib import Path
 from typing import Any
 
-import attrs
-
-from llmadapt.cli.common import (cells_progress, emit, name_list, printable, printable_lines, run_options,
-                                 repeat_arg, workload_of)
-from llmadapt.contract.rundir import RunDir
+from llmadapt.cli.common import (add_command, attach_arg, cells_progress, emit, name_list, printable, repeat_arg,
+                                 run_options, workload_args, workload_of)
 from llmadapt.errors import LlmadaptError
 
 
@@ -19,6 +18,7 @@ def cmd_run(args) -> int:
     import attrs
 
     from llmadapt.analysis.report import render_summary
+    from llmadapt.contract.rundir import RunDir
     from llmadapt.launch.run import run
 
     workload = workload_of(args)
@@ -81,6 +81,8 @@ def _node_options(args) -> dict[str, Any]:
 
 
 def cmd_compare(args) -> int:
+    import attrs
+
     from llmadapt.analysis.comparison import compare_stored, parse_matrix
     from llmadapt.experiments.compare import compare
 
@@ -149,6 +151,8 @@ def cmd_compare(args) -> int:
 def _printable_rows(comparison):
     """The comparison with its rows' labels, notes and machines escaped for the console (a label holding a newline
     would split its row); the JSON keeps them as they are."""
+    import attrs
+
     def safe(text):
         return printable(text) if isinstance(text, str) else text
 
@@ -193,6 +197,7 @@ def cmd_parity(args) -> int:
     from llmadapt.experiments.cells import as_cells
     from llmadapt.experiments.parity import parity
 
+    _tolerances(args)
     if args.runs is not None:
         if args.workload or args.adapters or args.cell:
             raise LlmadaptError("parity --runs checks two stored runs: it takes no workload file, --adapters or --cell")
@@ -209,6 +214,18 @@ def cmd_parity(args) -> int:
     return 0 if report.ok else 1
 
 
+def _tolerances(args) -> None:
+    """--rtol and --atol checked (a finite number >= 0) before anything runs; the parity defaults where not given."""
+    for name in ("rtol", "atol"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise LlmadaptError(f"--{name}: got {value!r}; must be a finite number >= 0")
+    from llmadapt.analysis.paritycheck import PARITY_ATOL, PARITY_RTOL
+
+    args.rtol = PARITY_RTOL if args.rtol is None else args.rtol
+    args.atol = PARITY_ATOL if args.atol is None else args.atol
+
+
 def _adapter_names(args, distinct: bool = True) -> list[str]:
     if args.adapters is None and not args.cell:
         raise LlmadaptError("name what to run: --adapters torch,deepspeed, or cells such as "
@@ -216,185 +233,93 @@ def _adapter_names(args, distinct: bool = True) -> list[str]:
     return name_list(args.adapters, distinct=distinct) if args.adapters is not None else []
 
 
-def cmd_show(args) -> int:
-    from llmadapt.analysis.report import render_summary, show
-
-    summary = show(args.run)
-    emit(args, summary, render_summary(summary))
-    return 0
-
-
-def cmd_export(args) -> int:
-    from llmadapt.analysis.report import export
-
-    text = export(args.run, args.format)
-    if args.output:
-        try:
-            with open(args.output, "w") as f:
-                f.write(text)
-        except OSError as exc:
-            raise LlmadaptError(f"cannot write {args.output}: {exc.strerror or exc}") from None
-        print(f"wrote {args.output}", file=sys.stderr)
-    else:
-        sys.stdout.write(text if text.endswith("\n") else text + "\n")
-    return 0
+# -- registration: each command's options, in the order its --help lists them ----------------------------------
+def _cells_args(p: argparse.ArgumentParser, adapters_help: str) -> None:
+    p.add_argument("--adapters", help=adapters_help)
+    p.add_argument("--cell", action="append", metavar="ADAPTER[:PATH=VALUE,...]",
+                   help="one adapter in a layout of its own, e.g. 'megatron:parallelism.tp=2' or "
+                        "'deepspeed:parallelism.dp=2,optimizations.zero_stage=3' (repeat)")
 
 
-def cmd_hta(args) -> int:
-    from llmadapt.experiments.hta import hta_analysis, render
-
-    result = hta_analysis(args.run, args.step)
-    emit(args, result, render(result))
-    return 0
-
-
-def cmd_trace(args) -> int:
-    import attrs
-
-    from llmadapt.analysis.traces import analyse_traces, render
-
-    result = analyse_traces(args.paths, include_last_step=args.include_last_step)
-    emit(args, attrs.asdict(result), render(result))
-    return 0
+def _optional_workload(p: argparse.ArgumentParser) -> None:
+    """The workload file is not needed where --runs reads stored runs instead."""
+    for action in p._actions:
+        if action.dest == "workload":
+            action.nargs, action.help = "?", "workload file (.toml, .yaml, .json); none with --runs"
 
 
-def cmd_runs(args) -> int:
-    """`llmadapt runs [QUERY...]` lists; `llmadapt runs import FOLDER...` imports."""
-    from llmadapt.analysis.store import RunStore
-
-    def warn(message: str) -> None:
-        print(f"warning: {printable_lines(message)}", file=sys.stderr)
-
-    terms = list(args.terms or [])
-    if getattr(args, "workload", None) and not (terms and terms[0] == "import" and any(
-            not Path(p).is_dir() for p in terms[1:])):
-        raise LlmadaptError("--workload names the stream of other tools' result files: llmadapt runs import FILE... "
-                            "--workload PATH")
-    if terms and terms[0] == "import":
-        paths = terms[1:]
-        if not paths:
-            raise LlmadaptError("llmadapt runs import PATH...: name the run folders or result files to import")
-        folders = [p for p in paths if Path(p).is_dir()]
-        files = [p for p in paths if not Path(p).is_dir()]
-        for path in files:
-            if not Path(path).exists():
-                raise LlmadaptError(f"{path}: no such file or folder: nothing imported")
-        if files and getattr(args, "workload", None):
-            from llmadapt.contract.foreign import stream_workload
-
-            stream = stream_workload(args.workload)
-        else:
-            stream = None
-        new = not Path(args.root).exists()
-        log = lambda m: print(printable(m), file=sys.stderr)  # noqa: E731
-        try:  # a store root that does not exist yet is made; refused imports leave none behind
-            if files:  # every file read before the store is touched
-                from llmadapt.contract.foreign import read_result
-                from llmadapt.experiments.imports import import_files
-
-                for path in files:
-                    read_result(path)
-            with RunStore(args.root, warn=warn, create=True) as store:
-                if files:  # converted first, then imported with the folders in one go (all checked, then copied)
-                    added = import_files(store, files, workload=stream, folders=folders, log=log,
-                                         tool_version=getattr(args, "tool_version", None))
-                else:
-                    added = store.import_runs(folders, log=log)
-        except LlmadaptError:
-            if new and Path(args.root).is_dir() and not any(RunDir(p).launch_file.is_file()
-                                                            for p in Path(args.root).iterdir()):
-                shutil.rmtree(args.root, ignore_errors=True)
-            raise
-        emit(args, {"imported": added}, f"{len(added)} run(s) imported into {args.root}")
-        return 0
-    from llmadapt.analysis.store import Query
-
-    query = Query.parse(terms)
-    limit, page = _page_of(args)
-    with RunStore(args.root, warn=warn, rescan=args.rescan) as store:
-        total = store.count(query)
-        if limit is None:
-            found = store.runs(query)
-        else:  # the newest page, listed oldest first as the whole list is
-            found = store.runs(query, limit=limit, offset=(page - 1) * limit, newest_first=True)[::-1]
-            if not found and total:
-                raise LlmadaptError(f"--page {page}: the {total} run(s) matching {query} fill "
-                                    f"{-(-total // limit)} page(s) of {limit}")
-        if args.parquet:
-            store.to_parquet(args.parquet, query, frame=args.frame)
-            print(f"wrote {args.parquet} ({args.frame} of {total} runs)", file=sys.stderr)
-    for r in found:
-        if r.status == "damaged":
-            why = (r.summary.get("warnings") or ["summary.json cannot be read"])[0].partition(";")[0]
-            warn(f"run {printable(r.run_id)} in {printable(r.folder)} is damaged: {printable(why)} (its figures "
-                 "are from its records)")
-    rows = [{**r.row, "metrics": r.metrics} for r in found]
-    emit(args, rows, _runs_table(found) + "\n" + _page_line(len(found), total, limit, page, query))
-    return 0
+def register_run(sub) -> None:
+    p = add_command(sub, "run", cmd_run, "run a workload on one adapter")
+    workload_args(p)
+    p.add_argument("--adapter", default=None, help="adapter name (default: torch; hf for a serve workload)")
+    g = p.add_argument_group("several nodes (torchrun: the same command on every node, changing --node-rank; "
+                             "slurm: one command, one job); see docs/distributed.md")
+    g.add_argument("--nnodes", "--nodes", type=int, default=1, help="number of nodes (default: 1)")
+    g.add_argument("--nproc-per-node", "--ntasks-per-node", type=int, default=None,
+                   help="ranks per node (default: world size / nnodes)")
+    g.add_argument("--node-rank", type=int, default=0, help="torchrun: this node's rank; node 0 gathers the records")
+    g.add_argument("--master-addr", help="torchrun: node 0's address, reachable from every node (static rendezvous)")
+    g.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (default: 29500)")
+    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="torchrun: c10d rendezvous on node 0 instead")
+    g.add_argument("--local-addr", help="torchrun: this node's address as the others reach it")
+    g.add_argument("--ifname", help="torchrun: network interface for gloo/NCCL (GLOO_SOCKET_IFNAME)")
+    g.add_argument("--collect-port", type=int, help="torchrun: port on node 0 for records (default: rendezvous+1)")
+    g.add_argument("--partition", help="slurm: partition")
+    g.add_argument("--time", help="slurm: time limit, e.g. 30 or 1:00:00")
+    g.add_argument("--sbatch-option", action="append", metavar="OPTION",
+                   help="slurm: another sbatch option, e.g. --sbatch-option=--account=abc (repeat)")
+    g.add_argument("--collect-addr", help="slurm: this machine's address as the compute nodes reach it")
 
 
-PAGE = 50
-"""Runs `llmadapt runs` lists by default: the newest (a team's store holds thousands)."""
+def register_compare(sub) -> None:
+    p = add_command(sub, "compare", cmd_compare, "run a workload on several adapters and option variants, or compare "
+                    "stored runs (--runs); one table")
+    workload_args(p)
+    _optional_workload(p)
+    _cells_args(p, "comma-separated adapter names, e.g. torch,deepspeed (one cell each)")
+    p.add_argument("--matrix", action="append", metavar="PATH=V1,V2",
+                   help="option variants, e.g. optimizations.recompute=none,full (repeat for a grid); a cell "
+                        "the adapter cannot run is shown as not supported and not run")
+    p.add_argument("--refuse-unsupported", action="store_true",
+                   help="refuse a comparison that has a cell its adapter cannot run (a --cell or a matrix "
+                        "variant), instead of skipping that cell")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also set the runs' step breakdowns side by side per class (needs profile.steps)")
+    p.add_argument("--repeat", default=1, metavar="N|auto",
+                   help="runs per cell: rows show medians with 95%% bootstrap intervals over them (default 1); auto: "
+                        "rounds until the verdict tells every two adjacent rows apart, up to --max-rounds")
+    p.add_argument("--reuse", action="store_true",
+                   help="count runs already in --out of the same workload, adapter version and machine, instead "
+                        "of running them again")
+    p.add_argument("--settle", type=float, metavar="SHARE",
+                   help="after --repeat rounds, add rounds until every row's 95%% interval is narrower than SHARE of "
+                        "its median (0.05: 5%%), up to --max-rounds; the rows that never settle are named")
+    p.add_argument("--max-rounds", type=int, default=10, metavar="N",
+                   help="the most rounds --settle or --repeat auto runs (default 10)")
+    p.add_argument("--seed", type=int, metavar="N",
+                   help="the seed of the rounds' shuffled order (default: drawn, and printed under the table)")
+    p.add_argument("--columns", metavar="LIST", type=lambda v: [c for c in v.split(",") if c.strip()],
+                   help="the metric columns to show, by key or title, comma-separated, e.g. 'step p50 s,tokens/s' "
+                        "(default: all; on a narrow terminal the least read are left out, saying which)")
+    p.add_argument("--baseline", metavar="CELL",
+                   help="the row the others are set against: a cell as given (torch, 'megatron:parallelism.tp=2') "
+                        "or a row's label (default: each problem's first row)")
+    p.add_argument("--runs", metavar="QUERY",
+                   help="compare stored runs in --out instead of running: key=value terms, e.g. "
+                        "'adapter=torch since=2026-12-01' ('' for all)")
+    p.add_argument("--report", metavar="FILE", help="also write the comparison's HTML report (llmadapt report)")
+    p.add_argument("--save-sweep", metavar="FILE",
+                   help="write this comparison as a sweep file (.toml, .yaml, .json) instead of running it "
+                        "(llmadapt sweep run FILE: resumable, Slurm job arrays)")
+
+    attach_arg(p)
 
 
-def _page_of(args) -> tuple[int | None, int]:
-    """(runs per page, page number) from --limit, --page and --all; (None, 1): every matching run, which is also
-    what --json gives unless a page is asked for (a script reading it expects them all)."""
-    for flag, value in (("--limit", args.limit), ("--page", args.page)):
-        if value is not None and value < 1:
-            raise LlmadaptError(f"{flag} {value}: give a number of at least 1")
-    if args.all:
-        if args.limit is not None or args.page is not None:
-            raise LlmadaptError("--all lists every matching run: not with --limit or --page")
-        return None, 1
-    if args.limit is None and args.page is None and getattr(args, "json", False):
-        return None, 1
-    return args.limit or PAGE, args.page or 1
-
-
-def _page_line(shown: int, total: int, limit: int | None, page: int, query) -> str:
-    """How many runs match, and when the listing is a page of them, which page and how to see the others."""
-    if shown == total:
-        return f"{total} run(s) matching {query}"
-    first = (page - 1) * (limit or 0)
-    older = total - first - shown
-    where = f"the newest {shown}" if first == 0 else f"runs {first + 1}-{first + shown} (newest first)"
-    more = f"; {older} older: --page {page + 1} (or --limit N, --all)" if older > 0 else ", the oldest"
-    return f"{where} of {total} run(s) matching {query}{more}"
-
-
-def _runs_table(found) -> str:
-    from llmadapt.texttable import text_table
-
-    def f(value, fmt: str) -> str:
-        return "-" if value is None else format(value, fmt)
-
-    from llmadapt.analysis.labels import distinct_labels, labelled_by
-
-    head = ["run", "made", "status", "layout", "workload", "machine", "step p50 s", "tokens/s", "TTFT p50 ms",
-            "last loss"]
-    labels = distinct_labels([(r.layout, labelled_by(r.summary, r.workload)) for r in found])  # what sets each apart
-    body = [[printable(cell) for cell in (  # names from workload files and other machines, escaped
-        r.run_id, r.created[:16].replace("T", " "), r.status, label,
-        f"{r.row.get('name') or ''} {r.workload_hash[:8]}", r.machine, f(r.metrics.get("step_p50_s"), ".4f"),
-        f(r.metrics.get("tokens_per_s"), ",.0f"), f(r.metrics.get("ttft_p50_ms"), ".1f"),
-        f(r.metrics.get("last_loss"), ".4f"))] for r, label in zip(found, labels)]
-    return "\n".join(text_table(head, body))
-
-
-def cmd_regress(args) -> int:
-    from llmadapt.analysis.regress import regress
-
-    report = regress(args.baseline, args.candidate, root=args.root, threshold=args.threshold / 100,
-                     alpha=args.alpha, metrics=args.metric)
-    emit(args, report.to_dict(), report.table())
-    return 0 if report.ok else 1
-
-
-def cmd_report(args) -> int:
-    from llmadapt.analysis.htmlreport import report
-
-    path = report(args.runs or [], args.output, query=args.query, root=args.root, figures_dir=args.figures,
-                  title=args.title, log=lambda m: print(m, file=sys.stderr))
-    emit(args, {"report": str(path), "figures": args.figures}, f"report: {path}")
-    return 0
+def register_parity(sub) -> None:
+    p = add_command(sub, "parity", cmd_parity, "check two adapters' fp32 loss trajectories agree at every step")
+    workload_args(p)
+    _optional_workload(p)
+    p.add_argument("--runs", metavar="QUERY", help="check two runs already stored in --out instead of running")
+    _cells_args(p, "two comma-separated adapter names")
+    p.add_argument("--rtol", type=float, default=None)
+    p.add_argument("--atol", type=float, default=None)

@@ -1,12 +1,15 @@
 """Serving at several loads: load-sweep (a latency-against-load table per engine) and sla (the highest load that
-meets service-level objectives, per engine). Both start each engine once, or attach to it (--attach)."""
+meets service-level objectives, per engine). Both start each engine once, or attach to it (--attach). Each
+command's options are registered beside its handler (``register_<command>``, found by cli/main.py's table of
+commands), as in every group of cli/."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any
 
-from llmadapt.cli.common import emit, name_list, workload_of
+from llmadapt.cli.common import add_command, attach_arg, emit, name_list, workload_args, workload_of
 from llmadapt.errors import LlmadaptError
 
 
@@ -218,3 +221,44 @@ def cmd_sla(args) -> int:
              "(limit - value) / limit")
     emit(args, results, text)
     return 0 if all(r["capacity"] is not None for r in results) else 1
+
+
+# -- registration: each command's options, in the order its --help lists them ----------------------------------
+def _serving_args(p: argparse.ArgumentParser) -> None:
+    workload_args(p)
+    p.add_argument("--adapters", required=True, help="comma-separated serving adapters, e.g. hf,vllm")
+    attach_arg(p)
+    p.add_argument("--engine-matrix", action="append", metavar="serve.engine.NAME=V1,V2",
+                   help="engine settings to vary (repeat to cross them): each combination on each adapter is an "
+                        "engine started fresh and measured at every load, e.g. serve.engine.max_sequences=2,8")
+
+
+def register_load_sweep(sub) -> None:
+    p = add_command(sub, "load-sweep", cmd_load_sweep, "serve at several loads against each engine (started once): "
+                    "a latency-against-load table; each point is a run of its own")
+    _serving_args(p)
+    p.add_argument("--rates", metavar="R1,R2,...|geometric:START:FACTOR[:MAX]",
+                   help="request rates (requests/s, the workload's arrival process), increasing; geometric steps "
+                        "continue until the engine saturates or MAX")
+    p.add_argument("--concurrencies", metavar="C1,C2,...|geometric:START:FACTOR[:MAX]",
+                   help="closed-loop concurrencies instead of rates")
+    p.add_argument("--repeat", type=int, default=1, metavar="N", help="runs per load (default 1)")
+    p.add_argument("--pareto", default="e2el_p99", metavar="METRIC_QUANTILE",
+                   help="the latency the throughput frontier is drawn against (default e2el_p99; e.g. ttft_p99, "
+                        "tpot_p50): points no other beats on output tok/s and that latency at once are marked *")
+
+
+def register_sla(sub) -> None:
+    p = add_command(sub, "sla", cmd_sla, "find each engine's highest load that meets service-level objectives "
+                    "(exponential probe, bisection, repeats at the answer)")
+    _serving_args(p)
+    p.add_argument("--slo", action="append", metavar="METRIC_QUANTILE_ms<=LIMIT",
+                   help="an objective, e.g. ttft_p99_ms<=500 or tpot_p99_ms<=50 (repeat); metrics ttft, tpot, itl, "
+                        "e2el; quantiles p50, p90, p99, mean")
+    p.add_argument("--over", choices=["rate", "concurrency"], default="rate",
+                   help="search over request rate (default) or concurrency")
+    p.add_argument("--start", type=float, default=None, help="first load probed (default 1)")
+    p.add_argument("--max", type=float, default=None, help="highest load probed (default 1024 req/s, 256 in flight)")
+    p.add_argument("--resolution", type=float, default=0.1,
+                   help="stop bisecting when the bracket is this fraction wide (default 0.1; concurrency: 1)")
+    p.add_argument("--repeats", type=int, default=2, help="probes at the answer, all of which must pass (default 2)")

@@ -1,10 +1,12 @@
-"""llmadapt sweep run | status: a comparison's grid that survives interruptions and runs as a Slurm job array."""
+"""llmadapt sweep run | status: a comparison's grid that survives interruptions and runs as a Slurm job array. Its
+options are registered beside its handler (``register_sweep``, found by cli/main.py's table of commands), as in
+every group of cli/."""
 
 from __future__ import annotations
 
 import sys
 
-from llmadapt.cli.common import emit
+from llmadapt.cli.common import add_command, emit
 from llmadapt.errors import LlmadaptError
 
 
@@ -49,3 +51,19 @@ def cmd_sweep(args) -> int:
     if args.index is not None:
         return 0 if rows[args.index][1] == "done" else 1
     return 0 if counts["done"] == len(rows) else 1
+
+
+def register_sweep(sub) -> None:
+    p = add_command(sub, "sweep", cmd_sweep, "run a sweep file's cells (resuming: finished cells are skipped, failed "
+                    "ones retried), locally or as a Slurm job array; or show their status")
+    p.add_argument("action", choices=["run", "status"])
+    p.add_argument("sweep", help="sweep file (.toml, .yaml, .json): workload, adapters/cells, set, matrix, repeat, "
+                                 "retries")
+    p.add_argument("--set", action="append", metavar="[ADAPTER:]PATH=VALUE", help="override a workload field")
+    p.add_argument("--out", default="runs", help="folder for run directories and the sweep's state (default: ./runs)")
+    p.add_argument("--launcher", default="auto", metavar="LAUNCHER", help="for each cell's run (default: auto)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run (with --slurm: for the whole array)")
+    p.add_argument("--index", type=int, default=None, help="run only cell I (what each Slurm array task does)")
+    p.add_argument("--slurm", action="store_true", help="submit the cells not done as one Slurm job array and wait")
+    p.add_argument("--sbatch-option", action="append", metavar="OPTION",
+                   help="an sbatch option for the array, e.g. --partition=gpu (repeat)")

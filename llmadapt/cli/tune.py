@@ -1,11 +1,13 @@
-"""``llmadapt tune``: the best configuration of a workload across stacks (llmadapt.experiments.tune)."""
+"""``llmadapt tune``: the best configuration of a workload across stacks (llmadapt.experiments.tune). Its options
+are registered beside its handler (``register_tune``, found by cli/main.py's table of commands), as in every group
+of cli/."""
 
 from __future__ import annotations
 
 import re
 import sys
 
-from llmadapt.cli.common import emit, workload_of
+from llmadapt.cli.common import add_command, emit, workload_of
 from llmadapt.errors import LlmadaptError
 
 _UNITS = {"s": 1, "m": 60, "h": 3600}
@@ -52,10 +54,9 @@ def cmd_tune(args) -> int:
     return 0 if result.ranking else 1
 
 
-def register(add_parser, command) -> None:
-    """Add ``tune`` to ``llmadapt``'s parser (the helpers of cli.build_parser, as cli.perf takes them)."""
-    p = command("tune", cmd_tune, "the best configuration of a workload across stacks: the adapters' declared "
-                                  "options, pruned by the estimate, raced with the verdict's rules")
+def register_tune(sub) -> None:
+    p = add_command(sub, "tune", cmd_tune, "the best configuration of a workload across stacks: the adapters' "
+                                           "declared options, pruned by the estimate, raced with the verdict's rules")
     p.add_argument("workload", help="workload file (.toml, .yaml, .json)")
     p.add_argument("--set", action="append", metavar="PATH=VALUE", help="override a field")
     p.add_argument("--adapters", help="comma-separated stacks to search, e.g. torch,deepspeed,megatron,colossalai")
