@@ -584,7 +584,7 @@ def write_run(m: Measured, parent: Path, workload: Workload | None = None) -> Pa
     when = dt.datetime.fromtimestamp(m.created or m.path.stat().st_mtime, dt.timezone.utc)
     run_id = f"{when:%Y%m%d-%H%M%S}-{m.tool}-{digest}"
     launch = LaunchRequest(run_id=run_id, launcher="import", role="serve", adapter=m.tool,
-                           adapter_version=m.version or "", framework=TOOLS[m.tool], workload=workload.to_dict(),
+                           adapter_version=m.version or "", framework=TOOLS[m.tool], workload=workload,
                            workload_hash=workload.content_hash, problem_hash=problem_hash, created=when.timestamp())
     folder = Path(parent) / run_id
     folder.mkdir(parents=True)
@@ -708,7 +708,7 @@ def stream_workload(path: str | Path) -> Workload:
     if Path(path).is_dir():
         if not RunDir(path).launch_file.is_file():
             raise LlmadaptError(f"--workload {path}: a folder that is not a run folder (no launch.json)")
-        workload = Workload.from_dict(RunDir(path).read_launch().workload)
+        workload = RunDir(path).read_launch().workload
     else:
         workload = Workload.from_file(path)
     if workload.kind != "serve":

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from llmadapt.contract.jsonl import JsonlWriter
 from llmadapt.contract.perf import OpBench
-from llmadapt.contract.launch import LaunchRequest, run_header
+from llmadapt.contract.launch import LaunchRequest, OpCost, OpSpec, run_header
 from llmadapt.contract.records import Comm, Metric, bandwidths
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.stats import describe
@@ -112,7 +112,7 @@ def _eager_attention(q, k, v, mask):
     return torch.matmul(probs, v).transpose(1, 2).contiguous()
 
 
-def _build(spec: dict[str, Any], device, dtype) -> tuple[Callable[[], Any], list, Any]:
+def _build(spec: OpSpec, device, dtype) -> tuple[Callable[[], Any], list, Any]:
     """(forward function, inputs that need gradients, a function making the output) for one op spec."""
     import torch
     import torch.nn.functional as F
@@ -123,14 +123,14 @@ def _build(spec: dict[str, Any], device, dtype) -> tuple[Callable[[], Any], list
         t = (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
         return t.requires_grad_(grad)
 
-    op, sh = spec["op"], spec["shape"]
-    if spec["kind"] == "gemm" and op != "moe_router":
-        trainable = spec.get("trainable", True)
+    op, sh = spec.op, spec.shape
+    if spec.kind == "gemm" and op != "moe_router":
+        trainable = spec.trainable
         x, wt = rand(sh["m"], sh["k"]), rand(sh["n"], sh["k"], scale=sh["k"] ** -0.5, grad=trainable)
         return (lambda: F.linear(x, wt)), [x, wt] if trainable else [x], None
     if op == "moe_router":
         x, wt = rand(sh["m"], sh["k"]), rand(sh["n"], sh["k"], scale=sh["k"] ** -0.5)
-        k = spec["extra"]["k"]
+        k = spec.extra["k"]
 
         def router():
             logits = F.linear(x, wt)
@@ -178,7 +178,7 @@ def _build(spec: dict[str, Any], device, dtype) -> tuple[Callable[[], Any], list
     if op == "attention":
         b, heads, kvh, s, d = sh["b"], sh["heads"], sh["kv_heads"], sh["s"], sh["d"]
         q, k, v = rand(b, heads, s, d), rand(b, kvh, s, d), rand(b, kvh, s, d)
-        backend = spec["backend"]
+        backend = spec.backend
         if backend == "eager":
             mask = torch.full((s, s), float("-inf"), device=device, dtype=dtype).triu(1)[None, None]
             return (lambda: _eager_attention(q, k, v, mask)), [q, k, v], None
@@ -201,10 +201,9 @@ def _build(spec: dict[str, Any], device, dtype) -> tuple[Callable[[], Any], list
 def run_ops(launch: LaunchRequest, device, writer: JsonlWriter, timer: Timer) -> None:
     import torch
 
-    for spec in launch.spec["ops"]:
-        dtype_name = spec["dtype"]
-        dtype = _torch_dtype(dtype_name)
-        directions = spec["directions"]
+    for spec in launch.spec.ops:
+        dtype = _torch_dtype(spec.dtype)
+        directions = spec.directions
         try:
             fwd, inputs, _ = _build(spec, device, dtype)
             fwd()  # raises here when a backend cannot run these inputs
@@ -213,7 +212,7 @@ def run_ops(launch: LaunchRequest, device, writer: JsonlWriter, timer: Timer) ->
                 writer.write(_op_record(spec, direction, [], status="unsupported", note=_one_line(exc)))
             continue
         for direction in directions:
-            d = spec["cost"][direction]
+            d = spec.cost[direction]
             try:
                 if direction == "forward":
                     with torch.no_grad() if "backward" not in directions else _null():
@@ -224,7 +223,7 @@ def run_ops(launch: LaunchRequest, device, writer: JsonlWriter, timer: Timer) ->
                     grads = [torch.randn_like(o) if o.dim() else torch.ones_like(o) for o in outs]
                     times = timer.run(lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True,
                                                                   allow_unused=True))
-                writer.write(_op_record(spec, direction, times, flops=d["flops"], bytes_=d["bytes"]))
+                writer.write(_op_record(spec, direction, times, flops=d.flops, bytes_=d.bytes))
             except Exception as exc:
                 writer.write(_op_record(spec, direction, [], status="error", note=_one_line(exc)))
 
@@ -237,27 +236,27 @@ class _null:
         return False
 
 
-def _op_record(spec, direction, times, *, status="ok", note=None, flops=None, bytes_=None) -> OpBench:
-    d = spec["cost"].get(direction, {})
-    flops = d.get("flops", 0.0) if flops is None else flops
-    bytes_ = d.get("bytes", 0.0) if bytes_ is None else bytes_
+def _op_record(spec: OpSpec, direction, times, *, status="ok", note=None, flops=None, bytes_=None) -> OpBench:
+    d = spec.cost.get(direction, OpCost())
+    flops = d.flops if flops is None else flops
+    bytes_ = d.bytes if bytes_ is None else bytes_
     stats = describe(times)
     p50 = stats.p50 if stats else None
-    return OpBench(rank=0, op=spec["op"], direction=direction, dtype=spec["dtype"], shape=spec["shape"],
+    return OpBench(rank=0, op=spec.op, direction=direction, dtype=spec.dtype, shape=spec.shape,
                    flops=float(flops), bytes=float(bytes_), seconds=stats, times_s=times,
                    flops_per_s=flops / p50 if p50 and flops else None,
-                   bytes_per_s=bytes_ / p50 if p50 and bytes_ else None, backend=spec.get("backend"),
-                   launches=d.get("launches"), status=status, note=note)
+                   bytes_per_s=bytes_ / p50 if p50 and bytes_ else None, backend=spec.backend,
+                   launches=d.launches, status=status, note=note)
 
 
 def run_peak(launch: LaunchRequest, device, writer: JsonlWriter, timer: Timer) -> None:
     """Best GEMM FLOP/s per dtype over a few square sizes, and copy bandwidth of a large buffer."""
     import torch
 
-    spec = launch.spec["peak"]
+    spec = launch.spec.peak
     gpu = device.type == "cuda"
-    dtypes = spec["dtypes"] or (["fp32", "tf32", "bf16", "fp16"] if gpu else ["fp32", "bf16"])
-    sizes = spec["gemm_sizes_gpu"] if gpu else spec["gemm_sizes_cpu"]
+    dtypes = spec.dtypes or (["fp32", "tf32", "bf16", "fp16"] if gpu else ["fp32", "bf16"])
+    sizes = spec.gemm_sizes_gpu if gpu else spec.gemm_sizes_cpu
     for dtype_name in dtypes:
         dtype = _torch_dtype(dtype_name)
         if device.type == "cuda":
@@ -285,7 +284,7 @@ def run_peak(launch: LaunchRequest, device, writer: JsonlWriter, timer: Timer) -
                                 source="llmadapt.micro peak: best GEMM over sizes and repeats"))
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False
-    n = (spec["copy_bytes_gpu"] if gpu else spec["copy_bytes_cpu"]) // 4
+    n = (spec.copy_bytes_gpu if gpu else spec.copy_bytes_cpu) // 4
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
     times = timer.run(lambda: dst.copy_(src))
@@ -302,16 +301,16 @@ def run_comm(launch: LaunchRequest, device, writer: JsonlWriter, rank: int, worl
     import torch
     import torch.distributed as dist
 
-    spec = launch.spec["comm"]
+    spec = launch.spec.comm
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     backend = dist.get_backend()
-    for op in spec["ops"]:
-        for size in spec["sizes"]:
+    for op in spec.ops:
+        for size in spec.sizes:
             elems = max(world, size // 4 // world * world)
             nbytes = elems * 4
             try:
                 fn = _collective(op, elems, world, rank, device)
-                for _ in range(spec["warmup"]):
+                for _ in range(spec.warmup):
                     fn()
                 sync()
             except Exception as exc:
@@ -323,7 +322,7 @@ def run_comm(launch: LaunchRequest, device, writer: JsonlWriter, rank: int, worl
                 dist.barrier()
                 break
             times = []
-            for _ in range(spec["iters"]):
+            for _ in range(spec.iters):
                 dist.barrier()
                 t0 = time.perf_counter()
                 fn()
@@ -395,9 +394,9 @@ def main(argv: list[str] | None = None) -> int:
             framework_version=torch.__version__, device=describe_device(device), software=software_versions(),
             patches=[],
         ))
-        t = launch.spec["timing"]
-        timer = Timer(device, t["warmup"], t["repeats"], t["min_time_s"], t["max_time_s"])
-        if suite in ("ops", "peak") and launch.spec.get("peak"):
+        t = launch.spec.timing
+        timer = Timer(device, t.warmup, t.repeats, t.min_time_s, t.max_time_s)
+        if suite in ("ops", "peak") and launch.spec.peak:
             run_peak(launch, device, writer, timer)
         if suite == "ops":
             run_ops(launch, device, writer, timer)

@@ -28,7 +28,6 @@ from llmadapt.contract.rundir import RunDir
 from llmadapt.runtime import lifecycle
 from llmadapt.runtime.device import Place
 from llmadapt.runtime.requests import plan_requests
-from llmadapt.spec import Workload
 
 
 def run_offline(run_dir: Path) -> int:
@@ -38,7 +37,7 @@ def run_offline(run_dir: Path) -> int:
     writer = JsonlWriter(RunDir(run_dir).rank_file(0))
     place = Place(0, 0, 1, 0, "single")  # one process, whatever its environment says
     with lifecycle.WorkerProcess(writer, place, "offline worker", describe=_described) as worker:
-        workload = Workload.from_dict(launch.workload)
+        workload = launch.workload
         checkpoint = Path(launch.checkpoint)
         from tokenizers import Tokenizer
 

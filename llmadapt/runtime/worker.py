@@ -15,14 +15,13 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import attrs
 
 from llmadapt.adapter.context import StepBatch, WorkerContext
 from llmadapt.adapter.interfaces import Trainer
 from llmadapt.contract.jsonl import JsonlWriter
-from llmadapt.contract.launch import LaunchRequest, run_header
+from llmadapt.contract.launch import Fault, LaunchRequest, run_header
 from llmadapt.contract.records import Failure, Metric, Phase, Step
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.stream import StreamingWriter
@@ -87,7 +86,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
     place = place or Place.from_env()
     writer = _open_records(run_dir, place, launch.run_id)
     with lifecycle.WorkerProcess(writer, place, "worker", signals=not inline) as worker:
-        workload = Workload.from_dict(launch.workload)
+        workload = launch.workload
         if not inline:
             apply_thread_policy(workload.parallelism.threads_per_rank)
         device = pick_device(place)
@@ -131,14 +130,14 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
     return worker.code
 
 
-def _train(worker: lifecycle.WorkerProcess, fault: dict[str, Any] | None, workload: Workload, trainer: Trainer,
+def _train(worker: lifecycle.WorkerProcess, fault: Fault | None, workload: Workload, trainer: Trainer,
            ctx: WorkerContext, data: TokenData, dp: tuple[int, int], run_dir: Path) -> None:
     """The measured loop: warm-up and measured steps, one record each with what the adapter reported, the
     telemetry and interference beside them, and the evaluations workload.eval asks for. What a step does between
     two clock readings is the loop's own cost: benchmarks/profile_overhead.py measures it."""
     writer, place, dist_started = worker.writer, worker.place, worker.distributed
     dp_rank, dp_size = dp
-    slow = fault["seconds"] if fault and fault.get("kind") == "slow" else 0  # decided here, not in the clock
+    slow = fault.seconds if fault and fault.kind == "slow" else 0  # decided here, not in the clock
     delay = interference.StepDelay()  # this thread's waits for a core, per step
     worker.at_close(delay.close)
     profiled = set(workload.profile.steps)
@@ -298,13 +297,13 @@ def _barrier() -> None:
     dist.barrier()
 
 
-def _maybe_fault(fault: dict[str, Any] | None, rank: int, step: int | str) -> None:
-    """Fault injection for testing failure handling: {'kind': ..., 'step': N, 'rank': R}.
+def _maybe_fault(fault: Fault | None, rank: int, step: int | str) -> None:
+    """Fault injection for testing failure handling: ``fault.kind`` at ``fault.step`` of ``fault.rank``.
 
     ``step`` "teardown": after the rank's last record (the run is complete; the launcher must say so)."""
-    if not fault or fault.get("step") != step or fault.get("rank", 0) != rank:
+    if not fault or fault.step != step or fault.rank != rank:
         return
-    kind = fault["kind"]
+    kind = fault.kind
     if kind == "error":
         raise RuntimeError(f"injected error at step {step}")
     if kind == "exit":
