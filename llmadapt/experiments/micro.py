@@ -141,7 +141,7 @@ def micro_ops(workload: Workload | str | Path, *, dtype: str | None = None, ops:
         raise LlmadaptError(f"none of the operators {', '.join(ops or [])} exists in this model")
     peak_spec = None
     if peak:  # the peaks of the dtype the operators run in (True), or given options (a dict)
-        peak_spec = attrs.evolve(PeakSpec(), dtypes=[specs[0].dtype], **(peak if isinstance(peak, dict) else {}))
+        peak_spec = attrs.evolve(PeakSpec(), **{"dtypes": [specs[0].dtype], **(peak if isinstance(peak, dict) else {})})
     spec = MicroSpec(ops=specs, timing=attrs.evolve(Timing(), **(timing or {})), peak=peak_spec)
     return _start("ops", spec, out, 1, timeout, progress, w)
 
