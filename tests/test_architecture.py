@@ -106,11 +106,11 @@ def test_the_old_module_paths_still_give_the_same_objects(monkeypatch):
     assert not [name for name in OLD_PATHS if (PACKAGE / f"{name}.py").exists()]
 
 
-@pytest.mark.parametrize("old, new", [("llmadapt.worker", "llmadapt.runtime.worker"),
-                                      ("llmadapt.microbench", "llmadapt.runtime.microbench")])
+@pytest.mark.parametrize("old, new", [("llmadapt.worker", "llmadapt.runtime"),
+                                      ("llmadapt.microbench", "llmadapt.runtime")])
 def test_an_old_worker_module_still_runs_and_says_its_new_name(old, new):
-    """Batch scripts written before 0.2 run `python -m llmadapt.worker RUN_DIR`: the same main, and a warning
-    the default filters show."""
+    """Batch scripts written before 0.2 run `python -m llmadapt.worker RUN_DIR`: the one worker entry point, and a
+    warning the default filters show."""
     done = subprocess.run([sys.executable, "-m", old], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"python -m {old} is deprecated" in done.stderr and f"use python -m {new}" in done.stderr

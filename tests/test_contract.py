@@ -258,8 +258,8 @@ def test_a_launch_json_of_0_2_reads_typed_all_the_way_down(tmp_path):
 
 
 def test_a_launch_json_whose_workload_is_wrong_is_one_contract_error():
-    """A workload the workload's own checks refuse: one ContractError naming launch.json and the field."""
-    with pytest.raises(ContractError, match=r"launch.json.workload: .*train.lr"):
+    """A workload the workload's own checks refuse: one ContractError naming the field."""
+    with pytest.raises(ContractError, match=r"launch.workload: .*train.lr"):
         LaunchRequest.from_json({**LAUNCH_0_2_FAULT, "workload": {"train": {"lr": "fast"}}})
 
 
@@ -270,7 +270,7 @@ def test_a_launch_json_that_is_no_request_is_one_contract_error(tmp_path):
     (tmp_path / "launch.json").write_text("[1, 2]")
     with pytest.raises(ContractError, match="holds a list, not a launch request"):
         RunDir(tmp_path).read_launch()
-    with pytest.raises(ContractError, match="launch.json.slurm: SlurmJob"):
+    with pytest.raises(ContractError, match="launch.slurm: SlurmJob"):
         LaunchRequest.from_json({**LAUNCH_1_8, "slurm": {"nnodes": 1}})
 
 

@@ -202,7 +202,7 @@ def unstructure(value: Any) -> Any:
     return attrs.asdict(value) if attrs.has(type(value)) else value
 
 
-def structure(cls: Any, data: Any, where: str = "launch.json") -> Any:
+def structure(cls: Any, data: Any, where: str = "launch") -> Any:
     """``cls`` (an attrs class of this module, or a type hint over them) from plain data: nested records built,
     unknown keys left (a newer file), missing ones defaulted; a workload is built and checked by the workload's own
     builder. Anything else wrong is one ContractError naming the field (``where``)."""

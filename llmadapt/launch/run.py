@@ -201,7 +201,7 @@ def _run_launched(workload, info, launcher, launch, python, per_node, nodes, col
 def run_micro(suite: str, spec: MicroSpec, workload: Workload | None = None, *, world: int = 1, out: str | Path = "runs",
               timeout: float | None = None, progress: Callable[[dict[str, Any]], None] | None = None) -> Path:
     """Run one micro-benchmark suite ('ops', 'peak' or 'comm', as ``spec`` describes it) as a worker of kind
-    ``micro``: ``llmadapt.runtime.microbench`` in the core's tools environment, one process (or torchrun with
+    ``micro`` (``llmadapt.runtime.microbench``) in the core's tools environment, one process (or torchrun with
     ``world`` ranks), supervised; ``workload``: the one the operators come from; what the launcher saw go wrong goes to launcher.jsonl. Returns the run folder
     (``llmadapt.analysis.perf.micro.read_micro`` reads it)."""
     python = python_for(TOOLS_ENVIRONMENT)  # fails before anything is written
@@ -218,7 +218,7 @@ def run_micro(suite: str, spec: MicroSpec, workload: Workload | None = None, *, 
     RunDir(run_dir).write_launch(launch)
     if progress:
         progress({"type": "start", "run_dir": str(run_dir), "suite": suite, "world_size": world})
-    cmd = worker_command(launcher, python, run_dir, per_node=world, module="llmadapt.runtime.microbench")
+    cmd = worker_command(launcher, python, run_dir, per_node=world)
     failures: list[Failure] = []
     try:
         failures = supervise(cmd, env=worker_env(world, TOOLS_ENVIRONMENT), log=RunDir(run_dir).worker_log,

@@ -1,7 +1,7 @@
 """Micro-benchmark worker: runs inside the core's tools environment (imports torch).
 
-    python -m llmadapt.runtime.microbench RUN_DIR                    # ops or peak: one process
-    python -m torch.distributed.run ... -m llmadapt.runtime.microbench RUN_DIR   # comm: one process per rank
+    python -m llmadapt.runtime RUN_DIR                    # a worker of kind 'micro'; ops or peak: one process
+    python -m torch.distributed.run ... -m llmadapt.runtime RUN_DIR   # comm: one process per rank
 
 Reads ``RUN_DIR/launch.json`` (written by llmadapt.micro), writes ``rank-NNNNN.jsonl``: a
 header, then one record per measurement (``op_bench`` for operators and peaks, ``metric`` for
@@ -15,7 +15,6 @@ worker's shell is llmadapt.runtime.lifecycle's); each suite is a function of its
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -371,13 +370,9 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m llmadapt.runtime.microbench RUN_DIR", file=sys.stderr)
-        return 2
-    run_dir = Path(argv[0])
-    launch = RunDir(run_dir).read_launch()
+def run_micro(run_dir: Path) -> int:
+    """The micro-benchmark suite the launch record in RUN_DIR asks for; returns the process exit code."""
+    launch = lifecycle.launch_record(run_dir)
     from llmadapt.runtime.device import Place, apply_thread_policy, describe_device, pick_device, software_versions
 
     place = Place.from_env()
@@ -405,5 +400,13 @@ def main(argv: list[str] | None = None) -> int:
     return worker.code
 
 
+def main(argv: list[str] | None = None) -> None:
+    """``python -m llmadapt.runtime.microbench RUN_DIR``, its name before the one entry point
+    (``python -m llmadapt.runtime``), still run by the compat path llmadapt.microbench."""
+    from llmadapt.runtime.kinds import main as run_kind
+
+    run_kind(argv)
+
+
 if __name__ == "__main__":
-    lifecycle.exit_process(main())  # no finalisers racing gloo's threads: see llmadapt.runtime.lifecycle
+    main()

@@ -8,7 +8,6 @@ per step to this rank's JSONL file. The adapter only does one global step.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import os
 import signal
@@ -19,9 +18,10 @@ from pathlib import Path
 import attrs
 
 from llmadapt.adapter.context import StepBatch, WorkerContext
+from llmadapt.adapter.declaration import load_role
 from llmadapt.adapter.interfaces import Trainer
 from llmadapt.contract.jsonl import JsonlWriter
-from llmadapt.contract.launch import Fault, LaunchRequest, run_header
+from llmadapt.contract.launch import Fault, run_header
 from llmadapt.contract.records import Failure, Metric, Phase, Step
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.stream import StreamingWriter
@@ -43,17 +43,6 @@ from llmadapt.runtime.device import (
 from llmadapt.runtime.profile import StepProfiler
 from llmadapt.runtime.telemetry import Sampler
 from llmadapt.spec import Workload
-
-
-def _launch_record(run_dir: Path) -> LaunchRequest:
-    """The run's launch.json; a Slurm job carries it in LLMADAPT_LAUNCH (nodes need not share a disk)."""
-    path = RunDir(run_dir).launch_file
-    if not path.is_file() and os.environ.get("LLMADAPT_LAUNCH"):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".launch-{os.getpid()}.json")  # several ranks of one node may race here
-        tmp.write_text(os.environ["LLMADAPT_LAUNCH"])
-        os.replace(tmp, path)
-    return RunDir(run_dir).read_launch()
 
 
 def _open_records(run_dir: Path, place: Place, run_id: str):
@@ -81,7 +70,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
     run, only warn. llmadapt.runtime.lifecycle.WorkerProcess is the shell that does both.
     """
     run_dir = Path(run_dir)
-    launch = _launch_record(run_dir)
+    launch = lifecycle.launch_record(run_dir)
     inline = place is not None
     place = place or Place.from_env()
     writer = _open_records(run_dir, place, launch.run_id)
@@ -99,8 +88,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
         checkpoint = canonical_checkpoint(workload.model, workload.seed)
         # Named by the orchestrator: adapters are found through installed entry points there, not here
         # (the environment holds no llmadapt packages; they come on PYTHONPATH).
-        module_name, _, class_name = launch.worker_class.partition(":")
-        cls = getattr(importlib.import_module(module_name), class_name)
+        cls = load_role(launch.worker_class)
         ctx = WorkerContext(workload, place.rank, place.local_rank, place.world_size, device, checkpoint, run_dir)
         trainer = cls(ctx)
         worker.role = lambda: trainer.rank_role()  # looked up when a failure is written, as the layout may not exist
@@ -322,13 +310,12 @@ def _maybe_fault(fault: Fault | None, rank: int, step: int | str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m llmadapt.runtime.worker RUN_DIR", file=sys.stderr)
-        raise SystemExit(2)
-    lifecycle.exit_process(run_worker(Path(argv[0])))  # no finalisers: see llmadapt.runtime.lifecycle
+    """``python -m llmadapt.runtime.worker RUN_DIR``, the name adapters' own launchers may still give (the one entry
+    point, ``python -m llmadapt.runtime``, picks this worker from the launch record)."""
+    from llmadapt.runtime.kinds import main as run_kind
+
+    run_kind(argv)
 
 
 if __name__ == "__main__":
     main()
-
