@@ -580,7 +580,7 @@ def describe_run(folder: Path, *, running: bool = False) -> tuple[dict[str, Any]
     try:
         launch = rundir.read_launch()
         summary = read_summary(folder, running=running)
-        workload = launch.workload
+        workload = launch.require_workload()
         workload_text = json.dumps(workload.to_dict())
     except LlmadaptError as exc:
         raise LlmadaptError(f"{folder}: damaged run folder ({exc})") from None

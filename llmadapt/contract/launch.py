@@ -188,6 +188,13 @@ class LaunchRequest:
     def to_json(self) -> dict[str, Any]:
         return unstructure(self)
 
+    def require_workload(self) -> Workload:
+        """The workload the run ran; a ContractError where the record names none (a micro-benchmark's, or a
+        hand-made or damaged launch.json): what a reader of workload runs calls."""
+        if self.workload is None:
+            raise ContractError(f"the launch record names no workload (kind {self.kind!r}, run id {self.run_id!r})")
+        return self.workload
+
     @classmethod
     def from_json(cls, data: Any) -> LaunchRequest:
         """A launch.json read back; fields it lacks (an older or hand-made file) take their defaults (run id and

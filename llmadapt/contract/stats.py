@@ -71,7 +71,7 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest,
         if r["type"] == "step":
             steps_by_index[r["step"]][r["rank"]] = r
 
-    workload = launch.workload
+    workload = launch.require_workload()
     if workload.kind == "serve":
         return _aggregate_serve(run_id, records, launch, workload, headers, failures)
     world = workload.world_size

@@ -36,7 +36,7 @@ def run_offline(run_dir: Path) -> int:
     writer = JsonlWriter(RunDir(run_dir).rank_file(0))
     place = Place(0, 0, 1, 0, "single")  # one process, whatever its environment says
     with lifecycle.WorkerProcess(writer, place, "offline worker", describe=_described) as worker:
-        workload = launch.workload
+        workload = launch.require_workload()
         checkpoint = Path(launch.checkpoint)
         from tokenizers import Tokenizer
 

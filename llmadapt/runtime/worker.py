@@ -75,7 +75,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
     place = place or Place.from_env()
     writer = _open_records(run_dir, place, launch.run_id)
     with lifecycle.WorkerProcess(writer, place, "worker", signals=not inline) as worker:
-        workload = launch.workload
+        workload = launch.require_workload()
         if not inline:
             apply_thread_policy(workload.parallelism.threads_per_rank)
         device = pick_device(place)
