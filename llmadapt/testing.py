@@ -491,11 +491,11 @@ class ServerConformance:
 
     @classmethod
     def _pass(cls, info, engine_url, rejecting_url, out: Path, patch, mark: str) -> ServingOutcome:
-        import importlib
         import os
         import signal
 
         from llmadapt.adapter.context import ServeContext
+        from llmadapt.adapter.declaration import load_role
         from llmadapt.adapter.plugins import check_supported
         from llmadapt.launch.serve import new_point, serve_points
         from llmadapt.launch.settings import resolve
@@ -508,8 +508,7 @@ class ServerConformance:
         workloads = {name: resolve(w, cls.adapter)[1] for name, w in workloads.items()}
         for w in workloads.values():
             check_supported(info, w)
-        module_name, _, class_name = info.roles["serve"].partition(":")
-        server_class = getattr(importlib.import_module(module_name), class_name)
+        server_class = load_role(info.roles["serve"])
         servers: list = []
         real_start = server_class.start
         outcome = ServingOutcome(engine_dir=out)

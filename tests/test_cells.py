@@ -195,7 +195,7 @@ def test_parity_of_finished_runs_of_different_problems_names_the_fields(tmp_path
         w = small().with_overrides([f"train.lr={lr}"])
         folder = RunDir(tmp_path / f"run{i}")
         folder.path.mkdir()
-        folder.write_launch(LaunchRequest(run_id=f"run{i}", launcher="inline", workload=w.to_dict()))
+        folder.write_launch(LaunchRequest(run_id=f"run{i}", launcher="inline", workload=w))
         folder.write_summary({"problem_hash": w.problem_hash, "losses": [6.0, 5.9]})
         folders.append(folder.path)
     with pytest.raises(TraceMismatchError, match=r"ran different problems \(train.lr \(0.003 vs 0.01\)\)"):

@@ -14,6 +14,7 @@ from llmadapt.contract.launch import LaunchRequest
 from llmadapt.contract.records import Breakdown, ClassTime, Failure, Memory, Phase, Span, Step
 from llmadapt.contract.schema import to_json, to_json_line, validate
 from llmadapt.contract.stats import aggregate, describe, percentile
+from llmadapt.spec import Workload
 
 
 def step(rank=0, index=0, seconds=1.0, tokens=100, loss=2.0, warmup=False, peak=1000, phases=()):
@@ -87,7 +88,7 @@ def test_statistics_match_numpy_definitions():
 def test_aggregation_takes_slowest_rank_sums_tokens_and_keeps_memory_per_rank():
     """Step time = slowest rank; tokens summed; memory max plus per rank; warm-up excluded."""
     launch = LaunchRequest(run_id="r", role="train", adapter="x", launcher="torchrun",
-                           workload={"parallelism": {"dp": 2}, "train": {"steps": 2, "warmup_steps": 1}})
+                           workload=Workload.from_dict({"parallelism": {"dp": 2}, "train": {"steps": 2, "warmup_steps": 1}}))
     records = [
         step(0, 0, 9.0, warmup=True), step(1, 0, 9.0, warmup=True),
         step(0, 1, 1.0, peak=100, phases=[to_json(Phase("forward", 0.25, "llmadapt"))]),
@@ -107,7 +108,7 @@ def test_aggregation_takes_slowest_rank_sums_tokens_and_keeps_memory_per_rank():
 def test_incomplete_run_is_failed_even_without_a_failure_record():
     """A run that ends early is never reported as ok."""
     launch = LaunchRequest(run_id="r", role="train", adapter="x", launcher="subprocess",
-                           workload={"train": {"steps": 3}})
+                           workload=Workload.from_dict({"train": {"steps": 3}}))
     s = aggregate("r", [step(0, 0, warmup=True)], launch)
     assert s.status == "failed" and s.failures[0].cause == "crash"
 
@@ -116,7 +117,7 @@ def test_a_run_read_while_it_goes_on_has_only_its_recorded_failures():
     """Read before its end (over=False: no summary yet, a process may still work in it), a run whose steps are not
     all done has not crashed: no failure is made up for it; the ones its records hold stay."""
     launch = LaunchRequest(run_id="r", role="train", adapter="x", launcher="subprocess",
-                           workload={"train": {"steps": 3}})
+                           workload=Workload.from_dict({"train": {"steps": 3}}))
     assert aggregate("r", [step(0, 0, warmup=True)], launch, over=False).failures == []
     oom = to_json(Failure(cause="oom", message="out of memory", rank=0, step=1))
     assert [f.cause for f in aggregate("r", [step(0, 0, warmup=True), oom], launch, over=False).failures] == ["oom"]
@@ -126,7 +127,7 @@ def test_a_run_that_went_on_past_a_nan_loss_lists_its_divergence_in_failures():
     """train.on_nonfinite = "continue": every step ran, nothing stopped it, and still its failures say why it is
     diverged (the first step not finite, what was not), as a stopped run's do."""
     launch = LaunchRequest(run_id="r", role="train", adapter="x", launcher="subprocess",
-                           workload={"train": {"steps": 3, "warmup_steps": 0, "on_nonfinite": "continue"}})
+                           workload=Workload.from_dict({"train": {"steps": 3, "warmup_steps": 0, "on_nonfinite": "continue"}}))
     s = aggregate("r", [step(0, 0), step(0, 1, loss=math.nan), step(0, 2, loss=math.inf)], launch)
     assert s.status == "diverged"
     (failure,) = s.failures
@@ -151,7 +152,7 @@ def test_schema_command_prints_the_schema():
 def test_summary_round_trips_through_its_schema():
     """A real summary serialises to a record the schema accepts."""
     launch = LaunchRequest(run_id="r", role="train", adapter="x", launcher="inline",
-                           workload={"train": {"steps": 1, "warmup_steps": 0}})
+                           workload=Workload.from_dict({"train": {"steps": 1, "warmup_steps": 0}}))
     summary = aggregate("r", [step()], launch)
     validate(json.loads(json.dumps(attrs.asdict(summary))))
 
@@ -159,7 +160,7 @@ def test_summary_round_trips_through_its_schema():
 def test_model_parallel_ranks_do_not_multiply_tokens():
     """With tp=2, both ranks of the one replica report the same tokens: they count once."""
     launch = LaunchRequest(run_id="r", role="train", adapter="x", launcher="torchrun",
-                           workload={"parallelism": {"tp": 2}, "train": {"steps": 1, "warmup_steps": 0}})
+                           workload=Workload.from_dict({"parallelism": {"tp": 2}, "train": {"steps": 1, "warmup_steps": 0}}))
     s = aggregate("r", [step(0, 0, tokens=128), step(1, 0, tokens=128)], launch)
     assert s.tokens_per_step == 128
 
@@ -193,13 +194,73 @@ def test_a_launch_json_of_schema_1_8_reads_as_the_launch_record(tmp_path):
 
     (tmp_path / "launch.json").write_text(json.dumps(LAUNCH_1_8))
     launch = RunDir(tmp_path).read_launch()
-    assert (launch.run_id, launch.launcher, launch.world_size, launch.workload) == (
-        LAUNCH_1_8["run_id"], "torchrun", 2, {"train": {"steps": 3}})
+    assert (launch.run_id, launch.launcher, launch.world_size, launch.workload.train.steps) == (
+        LAUNCH_1_8["run_id"], "torchrun", 2, 3)
     assert launch.nodes.nnodes == 2 and [n["node"] for n in launch.nodes.seen] == ["a", "b"]
     assert (launch.kind, launch.problem_hash, launch.slurm, launch.suite) == ("workload", "", None, None)
-    written = validate(launch.to_json())
-    assert {k: written[k] for k in LAUNCH_1_8} == LAUNCH_1_8 and written["type"] == "launch"
+    written = validate(launch.to_json())  # the workload written back whole, as it was resolved
+    assert {k: written[k] for k in LAUNCH_1_8 if k != "workload"} == {k: v for k, v in LAUNCH_1_8.items()
+                                                                         if k != "workload"}
+    assert written["workload"] == launch.workload.to_dict() and written["type"] == "launch"
     assert LaunchRequest.from_json(written) == launch
+
+
+# launch.json as 0.2 wrote it, before the record was typed below its top: the workload, the fault and a
+# micro-benchmark's spec as plain objects (the micro spec repeating the workload and its hashes).
+_OP_0_2 = {"op": "qkv", "kind": "gemm", "dtype": "fp32", "shape": {"m": 128, "k": 64, "n": 128},
+           "cost": {"forward": {"flops": 2097152.0, "bytes": 98304.0, "launches": 1},
+                    "backward": {"flops": 4194304.0, "bytes": 196608.0, "launches": 2}},
+           "directions": ["forward", "backward"], "trainable": True}
+_ROUTER_0_2 = {**_OP_0_2, "op": "moe_router", "extra": {"k": 2}}
+_ATTENTION_0_2 = {**_OP_0_2, "op": "attention", "kind": "attention", "backend": "eager"}
+LAUNCH_0_2_FAULT = {"run_id": "r", "launcher": "subprocess", "kind": "workload", "role": "train",
+                    "fault": {"kind": "error", "step": 1, "rank": 0}, "spec": None, "suite": None,
+                    "schema_version": "1.13", "type": "launch"}
+LAUNCH_0_2_MICRO = {"run_id": "m", "launcher": "subprocess", "kind": "micro", "role": "micro-ops", "workload": {},
+                    "suite": "ops", "fault": None, "schema_version": "1.13", "type": "launch",
+                    "spec": {"workload": {"kind": "train"}, "workload_hash": "h", "problem_hash": "p",
+                             "ops": [_OP_0_2, _ROUTER_0_2, _ATTENTION_0_2],
+                             "timing": {"warmup": 1, "repeats": 3, "min_time_s": 0.0, "max_time_s": 1.0},
+                             "peak": {"dtypes": ["fp32"], "gemm_sizes_cpu": [64], "gemm_sizes_gpu": [2048],
+                                      "copy_bytes_cpu": 1024, "copy_bytes_gpu": 2048}}}
+LAUNCH_0_2_COMM = {**LAUNCH_0_2_MICRO, "suite": "comm", "workload": {},
+                   "spec": {"comm": {"ops": ["all_reduce"], "sizes": [1024], "iters": 2, "warmup": 1},
+                            "timing": {"warmup": 2, "repeats": 10, "min_time_s": 0.05, "max_time_s": 2.0}}}
+
+
+def test_a_launch_json_of_0_2_reads_typed_all_the_way_down(tmp_path):
+    """The workload reads as a Workload, the fault as a Fault, the micro spec as a MicroSpec with its operators,
+    costs, timing, peaks and collectives as records (a micro-benchmark's empty workload as none); written back,
+    each reads as the same record."""
+    from llmadapt.contract.launch import CommSpec, Fault, MicroSpec, OpCost, PeakSpec, Timing
+    from llmadapt.contract.rundir import RunDir
+    from llmadapt.spec import Workload
+
+    workload = Workload.from_dict({"kind": "train", "train": {"steps": 3}})
+    (tmp_path / "launch.json").write_text(json.dumps({**LAUNCH_0_2_FAULT, "workload": workload.to_dict()}))
+    launch = RunDir(tmp_path).read_launch()
+    assert launch.workload == workload and launch.workload.content_hash == workload.content_hash
+    assert launch.fault == Fault(kind="error", step=1, rank=0)
+    micro = LaunchRequest.from_json(LAUNCH_0_2_MICRO)
+    assert micro.workload is None and isinstance(micro.spec, MicroSpec)
+    qkv, router, attention = micro.spec.ops
+    assert (qkv.op, qkv.shape, qkv.directions, qkv.trainable) == ("qkv", {"m": 128, "k": 64, "n": 128},
+                                                                   ["forward", "backward"], True)
+    assert qkv.cost["backward"] == OpCost(flops=4194304.0, bytes=196608.0, launches=2)
+    assert (router.extra, attention.backend, qkv.backend) == ({"k": 2}, "eager", None)
+    assert micro.spec.timing == Timing(warmup=1, repeats=3, min_time_s=0.0, max_time_s=1.0)
+    assert micro.spec.peak == PeakSpec(dtypes=["fp32"], gemm_sizes_cpu=[64], gemm_sizes_gpu=[2048],
+                                       copy_bytes_cpu=1024, copy_bytes_gpu=2048)
+    comm = LaunchRequest.from_json(LAUNCH_0_2_COMM)
+    assert comm.spec.comm == CommSpec(ops=["all_reduce"], sizes=[1024], iters=2, warmup=1) and comm.spec.peak is None
+    for read in (launch, micro, comm):
+        assert LaunchRequest.from_json(json.loads(json.dumps(validate(read.to_json())))) == read
+
+
+def test_a_launch_json_whose_workload_is_wrong_is_one_contract_error():
+    """A workload the workload's own checks refuse: one ContractError naming the field."""
+    with pytest.raises(ContractError, match=r"launch.workload: .*train.lr"):
+        LaunchRequest.from_json({**LAUNCH_0_2_FAULT, "workload": {"train": {"lr": "fast"}}})
 
 
 def test_a_launch_json_that_is_no_request_is_one_contract_error(tmp_path):
@@ -209,7 +270,7 @@ def test_a_launch_json_that_is_no_request_is_one_contract_error(tmp_path):
     (tmp_path / "launch.json").write_text("[1, 2]")
     with pytest.raises(ContractError, match="holds a list, not a launch request"):
         RunDir(tmp_path).read_launch()
-    with pytest.raises(ContractError, match="launch.json: SlurmJob"):
+    with pytest.raises(ContractError, match="launch.slurm: SlurmJob"):
         LaunchRequest.from_json({**LAUNCH_1_8, "slurm": {"nnodes": 1}})
 
 
@@ -224,7 +285,8 @@ def test_the_header_is_filled_from_the_launch_record():
         LAUNCH_1_8["run_id"], "torch", "0.2.0", "torch", "torchrun")
     assert (header.role, header.rank, header.world_size, header.workload_hash, header.problem_hash) == (
         "train", 1, 2, "730d4673ab", "p1")
-    assert header.workload == {"train": {"steps": 3}} and header.start_time and header.mono_anchor_ns > 0
+    assert header.workload == launch.workload.to_dict() and header.workload["train"]["steps"] == 3
+    assert header.start_time and header.mono_anchor_ns > 0
     validate(to_json(header))
 
 

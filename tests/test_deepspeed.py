@@ -400,7 +400,7 @@ def test_deepspeed_launch_command_shape(tmp_path):
     assert cmd[3:5] == ["/env/bin/python", "-m"] and cmd[5] == "deepspeed.launcher.runner"
     assert {f"--hostfile={tmp_path / 'hostfile'}", "--no_ssh_check", "--master_addr=127.0.0.1",
             "--master_port=29555", "--no_local_rank", "--module"} <= set(cmd)
-    assert cmd[-2:] == ["llmadapt.runtime.worker", str(tmp_path)]
+    assert cmd[-2:] == ["llmadapt.runtime", str(tmp_path)]
     assert (tmp_path / "hostfile").read_text() == "localhost slots=2\n"
     other = deepspeed_launch_command("/env/bin/python", tmp_path, 4, 1, cpu=False, module="llmadapt.runtime.microbench")
     assert other[0] == "/env/bin/python" and other[-2] == "llmadapt.runtime.microbench"

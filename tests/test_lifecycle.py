@@ -139,3 +139,21 @@ def test_an_inline_block_leaves_the_signals_alone(shell):
     before = signal.getsignal(signal.SIGTERM)
     with make(signals=False):
         assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_one_worker_entry_point_picks_the_kind_from_the_launch_record():
+    """`python -m llmadapt.runtime RUN_DIR` runs the training, micro-benchmark or offline worker as the record says;
+    every kind's run function is importable from its 'module:function'; no argument: its usage, exit code 2."""
+    import subprocess
+    import sys
+
+    from llmadapt.adapter.declaration import load_role
+    from llmadapt.contract.launch import LaunchRequest
+    from llmadapt.runtime.kinds import USAGE, WORKER_KINDS, kind_of
+
+    assert kind_of(LaunchRequest(run_id="r", launcher="torchrun")) == "train"
+    assert kind_of(LaunchRequest(run_id="r", launcher="subprocess", kind="micro")) == "micro"
+    assert kind_of(LaunchRequest(run_id="r", launcher="offline", role="serve")) == "offline"
+    assert all(callable(load_role(kind.run)) for kind in WORKER_KINDS.values())
+    done = subprocess.run([sys.executable, "-m", "llmadapt.runtime"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and USAGE in done.stderr

@@ -29,19 +29,19 @@ def cli(*args, env=None):
 def test_op_specs_cover_the_step_with_shapes_from_the_workload():
     """QKV, output, fc1/fc2, lm_head, attention per backend, RMSNorm, rotary, SwiGLU, MoE router/dispatch, CE."""
     specs = op_specs(MOE)
-    names = {s["op"] for s in specs}
+    names = {s.op for s in specs}
     assert names == {"qkv", "output", "fc1", "fc2", "lm_head", "attention", "rmsnorm", "rotary", "swiglu",
                      "moe_router", "moe_dispatch", "cross_entropy"}
-    assert [s["backend"] for s in specs if s["op"] == "attention"] == list(ATTENTION_BACKENDS)
-    qkv = next(s for s in specs if s["op"] == "qkv")
+    assert [s.backend for s in specs if s.op == "attention"] == list(ATTENTION_BACKENDS)
+    qkv = next(s for s in specs if s.op == "qkv")
     t, h, kv = 4 * 32, 64, 2 * 16
-    assert qkv["shape"] == {"m": t, "k": h, "n": h + 2 * kv}
-    assert qkv["cost"]["forward"]["flops"] == 2 * t * h * (h + 2 * kv)
-    assert qkv["cost"]["backward"]["flops"] == 2 * qkv["cost"]["forward"]["flops"]
-    eager = next(s for s in specs if s.get("backend") == "eager")
-    flash = next(s for s in specs if s.get("backend") == "flash")
-    assert flash["cost"]["forward"]["flops"] == eager["cost"]["forward"]["flops"] / 2  # causal blocks skipped
-    dense = {s["op"] for s in op_specs(MOE.with_overrides(["model.preset=tiny-llama"]))}
+    assert qkv.shape == {"m": t, "k": h, "n": h + 2 * kv}
+    assert qkv.cost["forward"].flops == 2 * t * h * (h + 2 * kv)
+    assert qkv.cost["backward"].flops == 2 * qkv.cost["forward"].flops
+    eager = next(s for s in specs if s.backend == "eager")
+    flash = next(s for s in specs if s.backend == "flash")
+    assert flash.cost["forward"].flops == eager.cost["forward"].flops / 2  # causal blocks skipped
+    dense = {s.op for s in op_specs(MOE.with_overrides(["model.preset=tiny-llama"]))}
     assert "moe_router" not in dense and "moe_dispatch" not in dense
 
 

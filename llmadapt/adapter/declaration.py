@@ -15,6 +15,18 @@ ROLES = ("train", "finetune", "serve", "offline")
 """offline: the engine's offline API for serve workloads with serve.mode = 'offline' (llmadapt.runtime.offline)."""
 
 
+def load_role(ref: str) -> Any:
+    """The class (or function) a 'module:Name' reference names, as ``AdapterInfo.roles`` and the launch record
+    hold them: imported where it runs (a worker's environment finds adapters on PYTHONPATH, not through entry
+    points). The one loader of such references."""
+    import importlib
+
+    module_name, colon, name = ref.partition(":")
+    if not colon or not module_name or not name:
+        raise ValueError(f"role reference {ref!r}: expected 'module:Name'")
+    return getattr(importlib.import_module(module_name), name)
+
+
 @attrs.frozen
 class EnvironmentSpec:
     """How to build the Python environment that runs an adapter: a virtualenv with pinned requirements.

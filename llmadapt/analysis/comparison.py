@@ -556,7 +556,7 @@ def step_samples(run_dir: Path) -> tuple[list[float], list[int]]:
         launch = RunDir(run_dir).read_launch()
     except (OSError, ValueError, LlmadaptError):
         return [], []
-    w = Workload.from_dict(launch.workload)
+    w = launch.require_workload()
     by_step: dict[int, list[dict[str, Any]]] = {}
     for r in records:
         if r["type"] == "step" and not r["warmup"] and not (r.get("profiled") and not w.profile.in_statistics):

@@ -78,7 +78,7 @@ class _Run:
             raise LlmadaptError(f"{folder} is not a run folder (no {RunDir.LAUNCH})")
         try:
             launch = rundir.read_launch()
-            self.workload = Workload.from_dict(launch.workload)
+            self.workload = launch.require_workload()
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise LlmadaptError(f"{folder}: damaged run folder ({type(exc).__name__}: {str(exc)[:160]})") from None
         self.folder = folder

@@ -92,7 +92,7 @@ def _load(folder: Path) -> tuple[dict[str, Any], Workload, list[dict[str, Any]]]
 
     try:
         summary = read_summary(folder)
-        workload = Workload.from_dict(RunDir(folder).read_launch().workload)
+        workload = RunDir(folder).read_launch().require_workload()
         records = load_records(folder)
     except LlmadaptError as exc:
         raise LlmadaptError(f"{folder}: damaged run folder ({exc})") from None

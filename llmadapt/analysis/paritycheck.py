@@ -12,7 +12,7 @@ import attrs
 from llmadapt.analysis.report import read_summary
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, TraceMismatchError
-from llmadapt.spec import Workload, problem_difference
+from llmadapt.spec import problem_difference
 
 # fp32 loss trajectories of two correct stacks differ only by floating-point reduction order
 # (summation order in matmuls, all-reduce order across ranks), which the optimizer carries
@@ -161,7 +161,7 @@ def parity_of_stored(query: str, *, root: str | Path = "runs", rtol: float = PAR
 def _differing_fields(*run_dirs: str | Path) -> str:
     """'train.lr (0.001 vs 0.01)' from the runs' launch records; '' where a record cannot be read."""
     try:
-        a, b = (Workload.from_dict(RunDir(r).read_launch().workload) for r in run_dirs)
+        a, b = (RunDir(r).read_launch().require_workload() for r in run_dirs)
     except Exception:  # an old or damaged folder: the hashes alone say it
         return ""
     return "; ".join(problem_difference(a, b)[:4])

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterable
 import attrs
 
 from llmadapt.analysis.runstatus import live_processes
+from llmadapt.contract.launch import unstructure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, StorageError, os_error_line
 
@@ -575,14 +576,12 @@ def describe_run(folder: Path, *, running: bool = False) -> tuple[dict[str, Any]
     ``running``, else ``incomplete``. A run whose summary cannot be read is ``damaged``."""
     from llmadapt.analysis.labels import run_label
     from llmadapt.analysis.report import read_summary
-    from llmadapt.spec import Workload
-
     rundir = RunDir(folder)
     try:
         launch = rundir.read_launch()
         summary = read_summary(folder, running=running)
-        workload_text = json.dumps(launch.workload)
-        workload = _WORKLOADS.get(workload_text) or Workload.from_dict(launch.workload)
+        workload = launch.require_workload()
+        workload_text = json.dumps(workload.to_dict())
     except LlmadaptError as exc:
         raise LlmadaptError(f"{folder}: damaged run folder ({exc})") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -602,19 +601,11 @@ def describe_run(folder: Path, *, running: bool = False) -> tuple[dict[str, Any]
         "interconnect": (summary.get("topology") or {}).get("interconnect"),
         "created": (dt.datetime.fromtimestamp(created, dt.timezone.utc).isoformat(timespec="seconds")
                     if isinstance(created, (int, float)) else ""),
-        "fault": json.dumps(launch.fault) if launch.fault else None,
+        "fault": json.dumps(unstructure(launch.fault)) if launch.fault else None,
         "workload": workload_text, "summary": json.dumps(summary),
         "settled": int(has_summary and status != "damaged"),  # refresh reads a settled run's folder no more
     }
-    if len(_WORKLOADS) >= 256:
-        _WORKLOADS.clear()
-    _WORKLOADS[workload_text] = workload
     return row, metrics_of(summary)
-
-
-_WORKLOADS: dict[str, Any] = {}
-"""Workloads built while indexing, by their launch.json text: runs of one workload (repeats, a sweep's cells
-run again) build it once, and building one is most of what indexing a run costs."""
 
 
 def _machine(folder: Path) -> str:

@@ -29,7 +29,7 @@ def cmd_run(args) -> int:
     nodes = launch.nodes.seen if launch.nodes else None
     where = "".join(f"\nnode {n['node_rank']:<6} {n['node']}, ranks {', '.join(map(str, n['ranks']))}"
                     for n in nodes or [])
-    saved = launch.workload.get("save", {}).get("path")
+    saved = launch.workload.save.path if launch.workload else None
     if saved and result.ok:
         where += f"\nsaved      {saved} (a Hugging Face model folder: serve it with --set model.path={saved})"
     emit(args, {"run_dir": str(result.run_dir), "summary": summary, "saved": saved if result.ok else None},

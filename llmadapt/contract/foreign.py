@@ -583,7 +583,7 @@ def stream_workload(path: str | Path) -> Workload:
     if Path(path).is_dir():
         if not RunDir(path).launch_file.is_file():
             raise LlmadaptError(f"--workload {path}: a folder that is not a run folder (no launch.json)")
-        workload = Workload.from_dict(RunDir(path).read_launch().workload)
+        workload = RunDir(path).read_launch().require_workload()
     else:
         workload = Workload.from_file(path)
     if workload.kind != "serve":

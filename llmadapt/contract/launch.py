@@ -5,18 +5,113 @@ One record for every kind of run: a workload (training, fine-tuning, serving, of
 suite. Fields a kind does not use stay at their defaults; a launch.json written before the record existed (schema
 1.8 and older) reads with its missing fields defaulted. The run's header (``run_header``) is filled from it here, so
 that every process names the run, its adapter and its launcher alike.
+
+Typed all the way down: the workload is a ``Workload``, the fault a ``Fault``, a micro-benchmark's spec a
+``MicroSpec``. One converter turns the record into JSON and back: ``unstructure`` (attrs' own ``asdict``) and
+``structure`` (a walk of the attrs classes' field types, with one hook, the workload's own checked builder).
+Why not cattrs: it is not a dependency of the core nor of the adapters' environments, where the workers read this
+record, and the walk needs only attrs classes, optionals, lists and string-keyed dicts (about 30 lines).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import time
+import types
+import typing
 from typing import Any, Literal
 
 import attrs
 
 from llmadapt.contract.records import SCHEMA_VERSION, Device, Header, ModelSource, Patch, Topology
-from llmadapt.errors import ContractError
+from llmadapt.errors import ContractError, WorkloadError
+from llmadapt.spec import Workload
+
+
+@attrs.frozen
+class Fault:
+    """Fault injection for tests (llmadapt.launch.settings.FAULT_KINDS): ``kind`` at ``step`` of ``rank``."""
+
+    kind: str
+    step: int | str | None = None
+    """A step index, or 'teardown': after the rank's last record."""
+    rank: int = 0
+    seconds: float | None = None
+    """'slow': added to every step of every rank."""
+
+
+@attrs.frozen
+class OpCost:
+    """What one direction of an operator costs, from llmadapt.analysis.perf.opmodel."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+    launches: int | None = None
+    """Operator calls the micro-benchmark's implementation makes."""
+
+
+@attrs.frozen
+class OpSpec:
+    """One operator to time: its shape, dtype, directions and the cost each direction is expected to have."""
+
+    op: str
+    kind: str
+    """'gemm', 'attention' or 'memory'."""
+    dtype: str
+    shape: dict[str, int]
+    cost: dict[str, OpCost] = attrs.Factory(dict)
+    """'forward', 'backward' -> its cost."""
+    directions: list[str] = attrs.Factory(lambda: ["forward"])
+    backend: str | None = None
+    """Attention only: 'eager', 'math', 'flash', 'efficient', 'cudnn'."""
+    trainable: bool = True
+    """GEMMs: whether the weight takes a gradient (not under LoRA)."""
+    extra: dict[str, Any] = attrs.Factory(dict)
+    """The router's top-k ('k')."""
+
+
+@attrs.frozen
+class Timing:
+    """How each measurement is repeated: warm-up calls, then at least ``repeats`` calls and ``min_time_s``,
+    stopping at ``max_time_s``."""
+
+    warmup: int = 2
+    repeats: int = 10
+    min_time_s: float = 0.05
+    max_time_s: float = 2.0
+
+
+@attrs.frozen
+class PeakSpec:
+    """The device's peaks: best GEMM FLOP/s per dtype over square sizes, and the copy bandwidth of a buffer."""
+
+    dtypes: list[str] | None = None
+    """None: every dtype the device has."""
+    gemm_sizes_cpu: list[int] = attrs.Factory(lambda: [256, 512, 1024])
+    gemm_sizes_gpu: list[int] = attrs.Factory(lambda: [2048, 4096, 8192])
+    copy_bytes_cpu: int = 128 << 20
+    copy_bytes_gpu: int = 2 << 30
+
+
+@attrs.frozen
+class CommSpec:
+    """Collectives over message sizes."""
+
+    ops: list[str]
+    sizes: list[int]
+    iters: int = 5
+    warmup: int = 2
+
+
+@attrs.frozen
+class MicroSpec:
+    """What a micro-benchmark suite measures and how (llmadapt.experiments.micro)."""
+
+    timing: Timing = attrs.Factory(Timing)
+    ops: list[OpSpec] = attrs.Factory(list)
+    peak: PeakSpec | None = None
+    comm: CommSpec | None = None
 
 
 @attrs.frozen
@@ -64,12 +159,12 @@ class LaunchRequest:
     framework: str = ""
     worker_class: str | None = None
     """'module:Class' of the adapter's role class, imported by the worker (training and fine-tuning)."""
-    workload: dict[str, Any] = attrs.Factory(dict)
-    """The resolved workload (Workload.to_dict)."""
+    workload: Workload | None = None
+    """The resolved workload; None for a micro-benchmark without one."""
     workload_hash: str = ""
     problem_hash: str = ""
-    fault: dict[str, Any] | None = None
-    """Fault injection for tests (llmadapt.launch.settings.FAULT_KINDS)."""
+    fault: Fault | None = None
+    """Fault injection for tests."""
     memory_limit_bytes: int | None = None
     python: str | None = None
     """The interpreter of the adapter's environment; None inline or attached."""
@@ -84,15 +179,22 @@ class LaunchRequest:
     """Offline serving: 'module:Class' of the adapter's offline engine."""
     suite: str | None = None
     """Micro-benchmarks: 'ops', 'peak' or 'comm'."""
-    spec: dict[str, Any] | None = None
-    """Micro-benchmarks: what to measure and how (llmadapt.experiments.micro)."""
+    spec: MicroSpec | None = None
+    """Micro-benchmarks: what to measure and how."""
     created: float | None = None
     """Wall-clock time (Unix seconds) the request was made."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["launch"] = "launch"
 
     def to_json(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+        return unstructure(self)
+
+    def require_workload(self) -> Workload:
+        """The workload the run ran; a ContractError where the record names none (a micro-benchmark's, or a
+        hand-made or damaged launch.json): what a reader of workload runs calls."""
+        if self.workload is None:
+            raise ContractError(f"the launch record names no workload (kind {self.kind!r}, run id {self.run_id!r})")
+        return self.workload
 
     @classmethod
     def from_json(cls, data: Any) -> LaunchRequest:
@@ -100,24 +202,61 @@ class LaunchRequest:
         launcher: empty), unknown ones are left."""
         if not isinstance(data, dict):
             raise ContractError(f"launch.json holds a {type(data).__name__}, not a launch request (a JSON object)")
-        known = {f.name for f in attrs.fields(cls)}
-        fields = {"run_id": "", "launcher": "", **{k: v for k, v in data.items() if k in known}}
-        if isinstance(fields.get("nodes"), dict):
-            fields["nodes"] = _nested(NodeLayout, fields["nodes"])
-        if isinstance(fields.get("slurm"), dict):
-            fields["slurm"] = _nested(SlurmJob, fields["slurm"])
-        try:
-            return cls(**fields)
-        except TypeError as exc:
-            raise ContractError(f"launch.json: {exc}") from None
+        return structure(cls, {"run_id": "", "launcher": "", **data})
 
 
-def _nested(cls: type, data: dict[str, Any]) -> Any:
+def unstructure(value: Any) -> Any:
+    """A launch request, or any of its parts, as plain JSON data (the Workload as ``Workload.to_dict`` has it)."""
+    return attrs.asdict(value) if attrs.has(type(value)) else value
+
+
+def structure(cls: Any, data: Any, where: str = "launch") -> Any:
+    """``cls`` (an attrs class of this module, or a type hint over them) from plain data: nested records built,
+    unknown keys left (a newer file), missing ones defaulted; a workload is built and checked by the workload's own
+    builder. Anything else wrong is one ContractError naming the field (``where``)."""
+    origin, args = typing.get_origin(cls), typing.get_args(cls)
+    if origin in (typing.Union, types.UnionType):
+        if data is None:
+            return None
+        return structure(next(a for a in args if a is not type(None)), data, where)
+    if cls is Workload:
+        return _workload(data, where)
+    if origin is list and isinstance(data, list):
+        return [structure(args[0], v, f"{where}[{i}]") for i, v in enumerate(data)]
+    if origin is dict and isinstance(data, dict):
+        return {k: structure(args[1], v, f"{where}.{k}") for k, v in data.items()}
+    if not attrs.has(cls):
+        return data
+    if not isinstance(data, dict):
+        raise ContractError(f"{where}: expected a JSON object for {cls.__name__}, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
     known = {f.name for f in attrs.fields(cls)}
+    fields = {k: structure(hints[k], v, f"{where}.{k}") for k, v in data.items() if k in known}
     try:
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**fields)
     except TypeError as exc:
-        raise ContractError(f"launch.json: {cls.__name__}: {exc}") from None
+        raise ContractError(f"{where}: {exc}") from None
+
+
+def _workload(data: Any, where: str) -> Workload | None:
+    """The hook for the workload: its own checked builder, once per distinct workload (runs of one workload,
+    repeats or a sweep's cells, share it: building one is most of what reading a launch.json costs)."""
+    if data == {}:  # written before the record was typed: a micro-benchmark with no workload
+        return None
+    key = json.dumps(data, sort_keys=True, default=str)
+    if key not in _WORKLOADS:
+        try:
+            workload = Workload.from_dict(data)
+        except WorkloadError as exc:
+            raise ContractError(f"{where}: {exc}") from None
+        if len(_WORKLOADS) >= 256:
+            _WORKLOADS.clear()
+        _WORKLOADS[key] = workload
+    return _WORKLOADS[key]
+
+
+_WORKLOADS: dict[str, Workload] = {}
+"""Workloads read, by their JSON text (a Workload is frozen: sharing one is safe)."""
 
 
 def new_run_id(*parts: str, when: datetime.datetime | None = None, unique: str | None = None) -> str:
@@ -143,7 +282,7 @@ def run_header(launch: LaunchRequest, *, framework_version: str, device: Device 
                   "workload": workload.to_dict()}
     else:
         hashes = {"workload_hash": launch.workload_hash, "problem_hash": launch.problem_hash,
-                  "workload": launch.workload}
+                  "workload": unstructure(launch.workload) or {}}
     fields = dict(
         run_id=launch.run_id, rank=rank, local_rank=local_rank, world_size=world_size, role=launch.role,
         adapter=launch.adapter, adapter_version=launch.adapter_version, framework=launch.framework,

@@ -56,7 +56,7 @@ def summarise(run_dir: str | Path, launcher_failures: list[Failure] = (), *, wri
     """
     run_dir = Path(run_dir)
     launch = RunDir(run_dir).read_launch()
-    if launch.kind != "workload" or not launch.run_id or not launch.workload:  # a micro-benchmark's, or hand-made
+    if launch.kind != "workload" or not launch.run_id or launch.workload is None:  # a micro-benchmark's, or hand-made
         raise ContractError(f"{RunDir(run_dir).launch_file} asks for no workload run (kind {launch.kind!r}, run id "
                             f"{launch.run_id!r}): there is no run summary to build")
     rank_records, launcher_records = load_records(run_dir, split=True)

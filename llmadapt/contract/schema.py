@@ -13,6 +13,7 @@ from typing import Any, Literal
 import attrs
 
 from llmadapt.contract.launch import LaunchRequest
+from llmadapt.spec import Workload
 from llmadapt.contract.perf import Estimate, Fit, MaxBatch, OpBench, Probe, Validation
 from llmadapt.contract.records import (
     SCHEMA_VERSION,
@@ -95,6 +96,8 @@ def _field_names(cls: type) -> tuple[str, ...]:
 # -- JSON Schema, generated from the record types ---------------------------------------------
 def _schema_for(hint: Any, defs: dict[str, Any]) -> dict[str, Any]:
     origin = typing.get_origin(hint)
+    if hint is Workload:  # the workload's own form, checked by its builder (docs/workloads.md), as the header has it
+        return {"type": "object", "description": "the workload (Workload.to_dict; docs/workloads.md)"}
     if attrs.has(hint):
         name = hint.__name__
         if name not in defs:

@@ -16,6 +16,8 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable
 
+import attrs
+
 from llmadapt.contract.flops import mfu, peak_flops, training_flops
 from llmadapt.contract.breakdowns import (
     breakdown_summary,
@@ -69,88 +71,27 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest,
         if r["type"] == "step":
             steps_by_index[r["step"]][r["rank"]] = r
 
-    workload = Workload.from_dict(launch.workload)
+    workload = launch.require_workload()
     if workload.kind == "serve":
         return _aggregate_serve(run_id, records, launch, workload, headers, failures)
     world = workload.world_size
-    model_parallel = workload.parallelism.tp * workload.parallelism.pp
     # A step counts as completed when every rank finished it.
     complete = sorted(i for i, by_rank in steps_by_index.items() if len(by_rank) == world)
-    losses: list[float | None] = []
-    grad_norms: list[float | None] = []
-    times, tokens_s, samples_s, tokens_per_step = [], [], [], None
-    window_tokens, expert_loads, step_waits = 0, [], []  # over every step after warm-up, profiled ones too
-    squares, squared_tokens = 0, 0  # the attention term's context (llmadapt.contract.flops), over measured steps
-    phase_sums: dict[str, list[float]] = defaultdict(list)
-    for i in complete:
-        by_rank = steps_by_index[i]
-        loss = next((by_rank[r]["loss"] for r in sorted(by_rank) if by_rank[r]["loss"] is not None), None)
-        losses.append(loss)
-        grad_norms.append(next((by_rank[r]["grad_norm"] for r in sorted(by_rank)
-                                if by_rank[r].get("grad_norm") is not None), None))
-        if by_rank[min(by_rank)]["warmup"]:
-            continue
-        # Every rank reports its data-parallel share; the tp*pp ranks of one replica share the same tokens.
-        tokens = sum(s["tokens"] for s in by_rank.values()) // model_parallel
-        window_tokens += tokens
-        expert_loads.append(by_rank[min(by_rank)].get("expert_load"))
-        if any(s.get("profiled") for s in by_rank.values()) and not workload.profile.in_statistics:
-            continue  # profiled steps are slower by the profiler's cost: not measured unless asked
-        # a share of the step, capped: the delay is read just outside the step's clock (InterferenceSummary)
-        step_waits += [min(1.0, s["run_delay_s"] / s["seconds"]) for s in by_rank.values()
-                       if s.get("run_delay_s") is not None and s["seconds"] > 0]
-        seconds = max(s["seconds"] for s in by_rank.values())
-        samples = sum(s["samples"] for s in by_rank.values()) // model_parallel
-        if all(s.get("sample_length_squares") for s in by_rank.values()):  # the ratio: tp x pp copies cancel
-            squares += sum(s["sample_length_squares"] for s in by_rank.values())
-            squared_tokens += sum(s["tokens"] for s in by_rank.values())
-        times.append(seconds)
-        tokens_s.append(tokens / seconds)
-        samples_s.append(samples / seconds)
-        tokens_per_step = tokens
-        for s in by_rank.values():
-            for ph in s["phases"]:
-                phase_sums[f"{ph['source']}:{ph['name']}"].append(ph["seconds"])
-
-    peaks_by_rank: dict[int, list[int]] = defaultdict(list)
-    memory_kind = None
-    for r in records:
-        if r["type"] == "step" and r["memory"]:
-            memory_kind = r["memory"]["kind"]
-            if (peak := _peak(r["memory"])) is not None:
-                peaks_by_rank[r["rank"]].append(peak)
-    per_rank_peak = [max(peaks_by_rank[rank]) if peaks_by_rank[rank] else None for rank in range(world)]
+    steps = _training_steps(steps_by_index, complete, workload)
+    per_rank_peak, memory_kind = _memory_peaks(records, world)
     known_peaks = [p for p in per_rank_peak if p is not None]
 
     head = headers.get(0) or (next(iter(headers.values())) if headers else None)
     device = Device(**head["device"]) if head else None
-    fpt, hardware_fpt = training_flops(workload, squares / squared_tokens if squared_tokens else None)
-    tok_stats = describe(tokens_s)
+    fpt, hardware_fpt = training_flops(workload, steps.squares / steps.squared_tokens if steps.squared_tokens
+                                       else None)
+    tok_stats = describe(steps.tokens_s)
     achieved = fpt * tok_stats.mean if tok_stats else None
     peak = peak_flops(device.name, workload.precision) if device else None
     run_mfu = mfu(fpt, tok_stats.mean, peak, world) if tok_stats else None
     run_hfu = mfu(hardware_fpt, tok_stats.mean, peak, world) if tok_stats else None
-
-    # Every rank wrote its last record: the run is complete, and whatever the launcher saw go wrong after
-    # that (a rank dying in teardown, a timeout while the ranks exited) is a warning, not a lost run.
-    ended = {r["rank"] for r in records if r["type"] == "end"}
-    warnings = []
-    if len(ended) == world and len(complete) == workload.train.total_steps:
-        warnings = [f"after every rank wrote its last record: {f.message} (nothing measured was lost)"
-                    for f in failures]
-        failures = []
-    status = "ok" if not failures and len(complete) == workload.train.total_steps else "failed"
-    if status == "failed" and not failures and over:
-        failures.append(Failure(cause="crash", message="the run ended before every step completed"))
-    nonfinite = [i for i, loss in zip(complete, losses) if loss is not None and not math.isfinite(loss)]
-    bad_norms = [i for i, norm in zip(complete, grad_norms) if norm is not None and not math.isfinite(norm)]
-    if any(f.cause == "diverged" for f in failures):
-        status = "diverged"
-    elif nonfinite or bad_norms:  # train.on_nonfinite = "continue": every step ran, and still not a number
-        status = "diverged"  # a failure like the one a stopped run records: the summary's failures say why
-        failures.append(Failure(cause="diverged", step=min(nonfinite + bad_norms), message="; ".join(
-            f"the {what} was not finite at {len(at)} step(s), the first at step {at[0]}"
-            for what, at in (("loss", nonfinite), ("gradient norm", bad_norms)) if at)))
+    status, failures, warnings = _training_status(records, failures, complete, steps, workload, over)
+    losses, grad_norms, times = steps.losses, steps.grad_norms, steps.times
     return Summary(
         run_id=run_id,
         status=status,
@@ -170,8 +111,8 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest,
         grad_norms=grad_norms if any(n is not None for n in grad_norms) else None,
         step_time_s=describe(times),
         tokens_per_s=tok_stats,
-        samples_per_s=describe(samples_s),
-        tokens_per_step=tokens_per_step,
+        samples_per_s=describe(steps.samples_s),
+        tokens_per_step=steps.tokens_per_step,
         peak_memory_bytes=max(known_peaks) if known_peaks else None,
         peak_memory_per_rank=per_rank_peak,
         memory_kind=memory_kind,
@@ -180,21 +121,116 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest,
         mfu=run_mfu,
         hardware_flops_per_token=hardware_fpt,
         hfu=run_hfu,
-        phase_means_s={k: sum(v) / len(v) for k, v in sorted(phase_sums.items())},
+        phase_means_s={k: sum(v) / len(v) for k, v in sorted(steps.phase_sums.items())},
         failures=failures,
         warnings=warnings,
         breakdown=breakdown_summary([r for r in records if r["type"] == "breakdown"], world),
-        expert_imbalance=expert_imbalance(expert_loads),
+        expert_imbalance=expert_imbalance(steps.expert_loads),
         telemetry=telemetry_summary(
             records, world, workload.telemetry.interval_s,
             [r["value"] for r in records if r["type"] == "metric" and r["name"] == "energy_measured_steps"],
-            window_tokens),
+            steps.window_tokens),
         evaluations=_evaluations(records),
-        interference=interference_summary([r for r in records if r["type"] == "interference"], step_waits),
+        interference=interference_summary([r for r in records if r["type"] == "interference"], steps.step_waits),
         notes=_notes(headers.values()),
         weights=[WeightClass(**w) for w in head.get("weights", [])] if head else [],
         topology=_topology(headers),
     )
+
+
+@attrs.define
+class _Steps:
+    """What a training run's completed steps say: each one's loss and gradient norm, and over the measured ones
+    (after warm-up, profiled ones left out unless asked) times, rates and phases."""
+
+    losses: list[float | None] = attrs.Factory(list)
+    grad_norms: list[float | None] = attrs.Factory(list)
+    times: list[float] = attrs.Factory(list)
+    tokens_s: list[float] = attrs.Factory(list)
+    samples_s: list[float] = attrs.Factory(list)
+    tokens_per_step: int | None = None
+    window_tokens: int = 0
+    """Over every step after warm-up, profiled ones too; so are expert_loads."""
+    expert_loads: list[Any] = attrs.Factory(list)
+    step_waits: list[float] = attrs.Factory(list)
+    squares: int = 0
+    """The attention term's context (llmadapt.contract.flops), over measured steps; with squared_tokens."""
+    squared_tokens: int = 0
+    phase_sums: dict[str, list[float]] = attrs.Factory(lambda: defaultdict(list))
+
+
+def _training_steps(steps_by_index: dict[int, dict[int, dict]], complete: list[int], workload: Workload) -> _Steps:
+    """The completed steps (every rank's record of each), read as the summary counts them."""
+    model_parallel = workload.parallelism.tp * workload.parallelism.pp
+    out = _Steps()
+    for i in complete:
+        by_rank = steps_by_index[i]
+        out.losses.append(next((by_rank[r]["loss"] for r in sorted(by_rank) if by_rank[r]["loss"] is not None), None))
+        out.grad_norms.append(next((by_rank[r]["grad_norm"] for r in sorted(by_rank)
+                                    if by_rank[r].get("grad_norm") is not None), None))
+        if by_rank[min(by_rank)]["warmup"]:
+            continue
+        # Every rank reports its data-parallel share; the tp*pp ranks of one replica share the same tokens.
+        tokens = sum(s["tokens"] for s in by_rank.values()) // model_parallel
+        out.window_tokens += tokens
+        out.expert_loads.append(by_rank[min(by_rank)].get("expert_load"))
+        if any(s.get("profiled") for s in by_rank.values()) and not workload.profile.in_statistics:
+            continue  # profiled steps are slower by the profiler's cost: not measured unless asked
+        # a share of the step, capped: the delay is read just outside the step's clock (InterferenceSummary)
+        out.step_waits += [min(1.0, s["run_delay_s"] / s["seconds"]) for s in by_rank.values()
+                           if s.get("run_delay_s") is not None and s["seconds"] > 0]
+        seconds = max(s["seconds"] for s in by_rank.values())
+        samples = sum(s["samples"] for s in by_rank.values()) // model_parallel
+        if all(s.get("sample_length_squares") for s in by_rank.values()):  # the ratio: tp x pp copies cancel
+            out.squares += sum(s["sample_length_squares"] for s in by_rank.values())
+            out.squared_tokens += sum(s["tokens"] for s in by_rank.values())
+        out.times.append(seconds)
+        out.tokens_s.append(tokens / seconds)
+        out.samples_s.append(samples / seconds)
+        out.tokens_per_step = tokens
+        for s in by_rank.values():
+            for ph in s["phases"]:
+                out.phase_sums[f"{ph['source']}:{ph['name']}"].append(ph["seconds"])
+    return out
+
+
+def _memory_peaks(records: list[dict[str, Any]], world: int) -> tuple[list[int | None], str | None]:
+    """(each rank's peak memory over its steps, the kind of memory measured)."""
+    peaks_by_rank: dict[int, list[int]] = defaultdict(list)
+    memory_kind = None
+    for r in records:
+        if r["type"] == "step" and r["memory"]:
+            memory_kind = r["memory"]["kind"]
+            if (peak := _peak(r["memory"])) is not None:
+                peaks_by_rank[r["rank"]].append(peak)
+    return [max(peaks_by_rank[rank]) if peaks_by_rank[rank] else None for rank in range(world)], memory_kind
+
+
+def _training_status(records: list[dict[str, Any]], failures: list[Failure], complete: list[int], steps: _Steps,
+                     workload: Workload, over: bool) -> tuple[str, list[Failure], list[str]]:
+    """(status, failures, warnings) of a training run."""
+    world = workload.world_size
+    # Every rank wrote its last record: the run is complete, and whatever the launcher saw go wrong after
+    # that (a rank dying in teardown, a timeout while the ranks exited) is a warning, not a lost run.
+    ended = {r["rank"] for r in records if r["type"] == "end"}
+    warnings = []
+    if len(ended) == world and len(complete) == workload.train.total_steps:
+        warnings = [f"after every rank wrote its last record: {f.message} (nothing measured was lost)"
+                    for f in failures]
+        failures = []
+    status = "ok" if not failures and len(complete) == workload.train.total_steps else "failed"
+    if status == "failed" and not failures and over:
+        failures.append(Failure(cause="crash", message="the run ended before every step completed"))
+    nonfinite = [i for i, loss in zip(complete, steps.losses) if loss is not None and not math.isfinite(loss)]
+    bad_norms = [i for i, norm in zip(complete, steps.grad_norms) if norm is not None and not math.isfinite(norm)]
+    if any(f.cause == "diverged" for f in failures):
+        status = "diverged"
+    elif nonfinite or bad_norms:  # train.on_nonfinite = "continue": every step ran, and still not a number
+        status = "diverged"  # a failure like the one a stopped run records: the summary's failures say why
+        failures.append(Failure(cause="diverged", step=min(nonfinite + bad_norms), message="; ".join(
+            f"the {what} was not finite at {len(at)} step(s), the first at step {at[0]}"
+            for what, at in (("loss", nonfinite), ("gradient norm", bad_norms)) if at)))
+    return status, failures, warnings
 
 
 def _evaluations(records: list[dict[str, Any]]) -> list[Evaluation] | None:

@@ -53,18 +53,7 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     if not isinstance(workload, Workload):
         workload = Workload.from_file(workload)
     auto = repeat == "auto"
-    if auto:
-        repeat, level = _check_auto(settle, max_rounds)
-    elif not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
-        raise LlmadaptError(f"repeat must be a whole number >= 1, got {repeat!r} (or 'auto': rounds until the "
-                            "ranking is decided)")
-    if settle is not None:
-        if not 0 < settle < 1:
-            raise LlmadaptError(f"settle is a share of the median between 0 and 1 (0.05: intervals within 5%), "
-                                f"got {settle!r}")
-        if not isinstance(max_rounds, int) or max_rounds < max(2, repeat):
-            raise LlmadaptError(f"max rounds must be a whole number >= {max(2, repeat)} (the repeats, and two runs "
-                                f"for an interval), got {max_rounds!r}")
+    repeat, level = _check_rounds(repeat, settle, max_rounds)
     planned = plan(workload, as_cells(adapters, cells), matrix, refuse_unsupported=refuse_unsupported)
     if baseline is not None and not any(baseline in (str(p.cell), p.title) for p in planned):
         raise LlmadaptError(f"baseline {baseline!r} names no cell of this comparison; its cells: "
@@ -73,18 +62,12 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
         planned, threads = same_threads(planned)  # this machine's cores are the ranks' (not a cluster's nodes')
         if log and threads:
             log(threads)
-    skipped = [p for p in planned if p.unsupported]
-    if log and skipped:
-        log(f"not supported, not run ({len(skipped)} of {len(planned)} cells):")
-        for p in skipped:
-            log(f"  {p.title}: {p.unsupported}")
     out = Path(run_options.get("out", "runs"))
     reused = _reusable(planned, out) if reuse else {}
     to_run = [(i, p) for i, p in enumerate(planned) if not p.unsupported]
     results: dict[int, list[tuple[str, dict[str, Any]]]] = {i: reused.get(i, [])[:repeat] for i, _ in to_run}
-    for i, p in to_run:
-        if log and results[i]:
-            log(f"{p.title}: {len(results[i])} run(s) reused from {out}: {', '.join(Path(d).name for d, _ in results[i])}")
+    if log:
+        _log_plan(log, planned, to_run, results, out)
     rounds = repeat if settle is None and not auto else max_rounds
     shuffled = rounds > 1
     seed = random.SystemRandom().randrange(2**31) if seed is None and shuffled else seed
@@ -137,6 +120,36 @@ def compare(workload: Workload | str | Path, adapters: list[str] | None = None, 
     if sinks:
         sinks.close(comparison.to_dict(), "FINISHED")
     return table.write(comparison) if (done or reused) else comparison
+
+
+def _check_rounds(repeat: int | str, settle: float | None, max_rounds: int) -> tuple[int, float | None]:
+    """The repeats and the settling rule, before anything runs: one line naming what is wrong. Returns the rounds
+    before the first judgement and, for ``repeat='auto'``, the level of each look (None otherwise)."""
+    if repeat == "auto":
+        return _check_auto(settle, max_rounds)
+    if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
+        raise LlmadaptError(f"repeat must be a whole number >= 1, got {repeat!r} (or 'auto': rounds until the "
+                            "ranking is decided)")
+    if settle is not None:
+        if not 0 < settle < 1:
+            raise LlmadaptError(f"settle is a share of the median between 0 and 1 (0.05: intervals within 5%), "
+                                f"got {settle!r}")
+        if not isinstance(max_rounds, int) or max_rounds < max(2, repeat):
+            raise LlmadaptError(f"max rounds must be a whole number >= {max(2, repeat)} (the repeats, and two runs "
+                                f"for an interval), got {max_rounds!r}")
+    return repeat, None
+
+
+def _log_plan(log: Callable[[str], None], planned, to_run, results, out: Path) -> None:
+    """The cells not run (unsupported), and the runs reused from the store."""
+    skipped = [p for p in planned if p.unsupported]
+    if skipped:
+        log(f"not supported, not run ({len(skipped)} of {len(planned)} cells):")
+        for p in skipped:
+            log(f"  {p.title}: {p.unsupported}")
+    for i, p in to_run:
+        if results[i]:
+            log(f"{p.title}: {len(results[i])} run(s) reused from {out}: {', '.join(Path(d).name for d, _ in results[i])}")
 
 
 def _check_auto(settle: float | None, max_rounds: int) -> tuple[int, float]:

@@ -73,54 +73,20 @@ def maxbatch(workload: Workload | str | Path, adapter: str = "torch", *, memory_
     w = workload if isinstance(workload, Workload) else Workload.from_file(workload)
     check_adapter_settings(w, [adapter])
     w = w.for_adapter(adapter)
-    if w.kind == "serve":
-        raise LlmadaptError("maxbatch searches training or fine-tuning batches; a serve workload has none "
-                            "(llmadapt estimate reports the KV-cache bound on concurrent sequences)")
-    if start < 1 or max_batch < start:
-        raise LlmadaptError(f"need 1 <= --start ({start}) <= --max-batch ({max_batch})")
-    if steps < 1:
-        raise LlmadaptError("--steps must be >= 1")
-    if memory_limit_bytes is not None and memory_limit_bytes <= 0:
-        raise LlmadaptError("--memory-limit must be positive")
-    info = get_adapter(adapter)
-    if w.profile.steps and log:
-        log(f"maxbatch: the probes run unprofiled (profile.steps {list(w.profile.steps)} left out)")
+    info = _check_search(w, adapter, start, max_batch, steps, memory_limit_bytes, probe is None)
     probe_of = lambda b: _probe_workload(w, b, steps, warmup_steps)  # noqa: E731
     check_supported(info, probe_of(start))
-    if probe is None and memory_limit_bytes is not None and gpu_visible():
-        raise LlmadaptError("--memory-limit caps a worker's address space, which CUDA cannot start under: on a GPU "
-                            "the device's memory is the limit (set LLMADAPT_DEVICE=cpu to search on the CPU)")
-    if probe is None and memory_limit_bytes is None and not gpu_visible():
-        raise LlmadaptError("no GPU visible: on CPU, maxbatch needs --memory-limit SIZE, a per-worker address-space "
-                            "cap (RLIMIT_AS) that makes running out of memory real (e.g. --memory-limit 2G)")
+    if w.profile.steps and log:
+        log(f"maxbatch: the probes run unprofiled (profile.steps {list(w.profile.steps)} left out)")
     identity = json.loads(json.dumps({"workload_hash": w.content_hash, "adapter": adapter,
                                       "adapter_version": info.version, "memory_limit_bytes": memory_limit_bytes,
                                       "steps": steps, "warmup_steps": warmup_steps, "launcher": launcher,
                                       "fault": fault, "machine": node_name()}))
     say = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    search_dir, recorded = _resumable(Path(out), identity, say)
-    if search_dir is None:
-        search_dir = Path(out) / new_run_id("maxbatch", w.content_hash[:8])
-        search_dir.mkdir(parents=True, exist_ok=False)
-        (search_dir / "search.json").write_text(json.dumps(identity, indent=1))
+    search_dir, recorded = _search_dir(Path(out), identity, say, w.content_hash)
     cap_kind = CAP_KIND if memory_limit_bytes else None
 
-    def real_probe(pw: Workload, b: int, where: Path) -> Probe:
-        from llmadapt.launch.run import run
-
-        t0 = time.monotonic()
-        result = run(pw, adapter, launcher=launcher, out=where, timeout=timeout, fault=fault,
-                     memory_limit_bytes=memory_limit_bytes)
-        s = result.summary
-        outcome, message = classify(s)
-        return Probe(batch=b, outcome=outcome, run_dir=str(result.run_dir), message=message,
-                     steps_completed=s.steps_completed, peak_memory_bytes=s.peak_memory_bytes,
-                     step_time_s=s.step_time_s.p50 if s.step_time_s else None,
-                     samples_per_s=s.samples_per_s.mean if s.samples_per_s else None,
-                     memory_limit_bytes=memory_limit_bytes, memory_limit_kind=cap_kind,
-                     seconds=time.monotonic() - t0)
-
-    run_probe = probe or real_probe
+    run_probe = probe or _real_probe(adapter, launcher, timeout, fault, memory_limit_bytes, cap_kind)
     probes: list[Probe] = []
     capacity: list[int | None] = [memory_limit_bytes]
     writer = JsonlWriter(search_dir / "probes.jsonl")
@@ -175,20 +141,7 @@ def maxbatch(workload: Workload | str | Path, adapter: str = "torch", *, memory_
                 fails = mid
             else:
                 stop = probes[-1]
-        cap = (f" under a {memory_limit_bytes / 2**30:.2f} GiB per-worker cap ({CAP_KIND})"
-               if memory_limit_bytes else "")
-        if stop is not None:
-            status, message = "failed", (f"probe at batch {stop.batch} failed for a reason other than memory "
-                                         f"({stop.outcome}: {stop.message}); not counted as out of memory; "
-                                         f"see {stop.run_dir}")
-        elif fits == 0:
-            status, message = "failed", (f"{w.label} does not fit at batch 1{cap}: the probe at batch 1 ran out of "
-                                         f"memory (see {probes[-1].run_dir})")
-        elif fails is None:
-            status, message = "ok", (f"max batch >= {fits} per rank{cap}: every probe up to --max-batch "
-                                     f"{max_batch} fitted")
-        else:
-            status, message = "ok", f"max batch {fits} per rank{cap} (batch {fails} ran out of memory)"
+        status, message = _verdict(w, stop, fits, fails, probes, memory_limit_bytes, max_batch)
         result = outcome_record(status, message)
         writer.write(result)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the probes so far, and a result that says it is partial
@@ -204,6 +157,81 @@ def maxbatch(workload: Workload | str | Path, adapter: str = "torch", *, memory_
     finally:
         writer.close()
     return MaxBatchResult(search_dir=search_dir, result=result, probes=probes)
+
+
+def _check_search(w: Workload, adapter: str, start: int, max_batch: int, steps: int, memory_limit_bytes: int | None,
+                  real: bool):
+    """The search's options, before anything runs: one line naming what is wrong. Returns the adapter's info."""
+    if w.kind == "serve":
+        raise LlmadaptError("maxbatch searches training or fine-tuning batches; a serve workload has none "
+                            "(llmadapt estimate reports the KV-cache bound on concurrent sequences)")
+    if start < 1 or max_batch < start:
+        raise LlmadaptError(f"need 1 <= --start ({start}) <= --max-batch ({max_batch})")
+    if steps < 1:
+        raise LlmadaptError("--steps must be >= 1")
+    if memory_limit_bytes is not None and memory_limit_bytes <= 0:
+        raise LlmadaptError("--memory-limit must be positive")
+    info = get_adapter(adapter)
+    if real and memory_limit_bytes is not None and gpu_visible():
+        raise LlmadaptError("--memory-limit caps a worker's address space, which CUDA cannot start under: on a GPU "
+                            "the device's memory is the limit (set LLMADAPT_DEVICE=cpu to search on the CPU)")
+    if real and memory_limit_bytes is None and not gpu_visible():
+        raise LlmadaptError("no GPU visible: on CPU, maxbatch needs --memory-limit SIZE, a per-worker address-space "
+                            "cap (RLIMIT_AS) that makes running out of memory real (e.g. --memory-limit 2G)")
+    return info
+
+
+def _real_probe(adapter: str, launcher: str, timeout: float | None, fault: dict | None, memory_limit_bytes: int | None,
+                cap_kind: str | None) -> Callable[[Workload, int, Path], Probe]:
+    """A probe that runs the batch for real: one run of the workload, classified."""
+    def real_probe(pw: Workload, b: int, where: Path) -> Probe:
+        from llmadapt.launch.run import run
+
+        t0 = time.monotonic()
+        result = run(pw, adapter, launcher=launcher, out=where, timeout=timeout, fault=fault,
+                     memory_limit_bytes=memory_limit_bytes)
+        s = result.summary
+        outcome, message = classify(s)
+        return Probe(batch=b, outcome=outcome, run_dir=str(result.run_dir), message=message,
+                     steps_completed=s.steps_completed, peak_memory_bytes=s.peak_memory_bytes,
+                     step_time_s=s.step_time_s.p50 if s.step_time_s else None,
+                     samples_per_s=s.samples_per_s.mean if s.samples_per_s else None,
+                     memory_limit_bytes=memory_limit_bytes, memory_limit_kind=cap_kind,
+                     seconds=time.monotonic() - t0)
+
+    return real_probe
+
+
+def _verdict(w: Workload, stop: Probe | None, fits: int, fails: int | None, probes: list[Probe],
+             memory_limit_bytes: int | None, max_batch: int) -> tuple[str, str]:
+    """(status, message) of a finished search."""
+    cap = (f" under a {memory_limit_bytes / 2**30:.2f} GiB per-worker cap ({CAP_KIND})"
+           if memory_limit_bytes else "")
+    if stop is not None:
+        status, message = "failed", (f"probe at batch {stop.batch} failed for a reason other than memory "
+                                     f"({stop.outcome}: {stop.message}); not counted as out of memory; "
+                                     f"see {stop.run_dir}")
+    elif fits == 0:
+        status, message = "failed", (f"{w.label} does not fit at batch 1{cap}: the probe at batch 1 ran out of "
+                                     f"memory (see {probes[-1].run_dir})")
+    elif fails is None:
+        status, message = "ok", (f"max batch >= {fits} per rank{cap}: every probe up to --max-batch "
+                                 f"{max_batch} fitted")
+    else:
+        status, message = "ok", f"max batch {fits} per rank{cap} (batch {fails} ran out of memory)"
+    return status, message
+
+
+def _search_dir(out: Path, identity: dict, say: Callable[[str], None], content_hash: str
+                ) -> tuple[Path, dict[int, Probe]]:
+    """(the search's folder, the probes it holds already): an unfinished search of the same identity resumed, or a
+    new folder with its search.json."""
+    search_dir, recorded = _resumable(out, identity, say)
+    if search_dir is None:
+        search_dir = out / new_run_id("maxbatch", content_hash[:8])
+        search_dir.mkdir(parents=True, exist_ok=False)
+        (search_dir / "search.json").write_text(json.dumps(identity, indent=1))
+    return search_dir, recorded
 
 
 def _resumable(out: Path, identity: dict, say: Callable[[str], None]) -> tuple[Path | None, dict[int, Probe]]:

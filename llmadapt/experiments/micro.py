@@ -20,9 +20,12 @@ import socket
 from pathlib import Path
 from typing import Any, Callable
 
+import attrs
+
 from llmadapt.analysis.perf.micro import MicroResult, read_micro
 from llmadapt.analysis.perf.opmodel import DTYPE_BYTES, Op, attention_ops, layer_ops
 from llmadapt.contract.catalog import save_device, today
+from llmadapt.contract.launch import CommSpec, MicroSpec, OpCost, OpSpec, PeakSpec, Timing
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
 from llmadapt.launch.run import run_micro
@@ -41,26 +44,19 @@ COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadca
 DEFAULT_SIZES = tuple(1 << k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB, x4
 
 
-TIMING = {"warmup": 2, "repeats": 10, "min_time_s": 0.05, "max_time_s": 2.0}
-
-
-PEAK = {"dtypes": None, "gemm_sizes_cpu": [256, 512, 1024], "gemm_sizes_gpu": [2048, 4096, 8192],
-        "copy_bytes_cpu": 128 << 20, "copy_bytes_gpu": 2 << 30}
-
-
 # operator calls each micro implementation makes (forward, backward): fits the per-call overhead
 MICRO_LAUNCHES = {"gemm": (1, 2), "moe_router": (7, 6), "rmsnorm": (7, 10), "rotary": (12, 12), "swiglu": (2, 4),
                   "cross_entropy": (3, 4), "eager": (10, 10), "sdpa": (1, 1)}
 
 
 # -- operator specs from a workload -----------------------------------------------------------------
-def _cost(op: Op, micro: tuple[int, int]) -> dict[str, dict[str, float]]:
-    return {"forward": {"flops": op.fwd_flops, "bytes": op.fwd_bytes, "launches": micro[0]},
-            "backward": {"flops": op.bwd_flops, "bytes": op.bwd_bytes, "launches": micro[1]}}
+def _cost(op: Op, micro: tuple[int, int], extra_flops: float = 0.0, extra_bytes: float = 0.0) -> dict[str, OpCost]:
+    return {"forward": OpCost(op.fwd_flops + extra_flops, op.fwd_bytes + extra_bytes, micro[0]),
+            "backward": OpCost(op.bwd_flops + extra_flops, op.bwd_bytes + extra_bytes, micro[1])}
 
 
 def op_specs(workload: Workload, *, dtype: str | None = None, ops: tuple[str, ...] | list[str] | None = None,
-             backward: bool = True, backends: tuple[str, ...] = ATTENTION_BACKENDS) -> list[dict[str, Any]]:
+             backward: bool = True, backends: tuple[str, ...] = ATTENTION_BACKENDS) -> list[OpSpec]:
     """The operators of one micro-batch of the workload, with shapes, FLOPs and bytes from llmadapt.analysis.perf.opmodel."""
     w = workload
     if dtype and dtype != w.precision:
@@ -80,11 +76,11 @@ def op_specs(workload: Workload, *, dtype: str | None = None, ops: tuple[str, ..
         model_ops.setdefault(op.name, op)
     trainable = not w.lora.rank
     directions = ["forward", "backward"] if backward else ["forward"]
-    specs: list[dict[str, Any]] = []
+    specs: list[OpSpec] = []
 
-    def add(name: str, kind: str, shape: dict[str, int], cost: dict, **extra: Any) -> None:
-        specs.append({"op": name, "kind": kind, "dtype": w.precision, "shape": shape, "cost": cost,
-                      "directions": directions, **extra})
+    def add(name: str, kind: str, shape: dict[str, int], cost: dict[str, OpCost], **extra: Any) -> None:
+        specs.append(OpSpec(op=name, kind=kind, dtype=w.precision, shape=shape, cost=cost, directions=directions,
+                            **extra))
 
     for name in wanted:
         if name in ("moe_router", "moe_dispatch") and not m.is_moe:
@@ -94,10 +90,8 @@ def op_specs(workload: Workload, *, dtype: str | None = None, ops: tuple[str, ..
             add(name, "gemm", dict(op.shape), _cost(op, MICRO_LAUNCHES["gemm"] if trainable else (1, 1)),
                 trainable=trainable)
         elif name == "moe_router":
-            cost = _cost(op, MICRO_LAUNCHES["moe_router"])
-            for d in cost.values():  # + fp32 softmax, top-k and renormalisation over t x experts
-                d["flops"] += 5.0 * t * m.num_experts
-                d["bytes"] += 4.0 * t * m.num_experts * 4
+            # + fp32 softmax, top-k and renormalisation over t x experts
+            cost = _cost(op, MICRO_LAUNCHES["moe_router"], 5.0 * t * m.num_experts, 4.0 * t * m.num_experts * 4)
             add(name, "gemm", dict(op.shape), cost, extra={"k": m.experts_per_token}, trainable=trainable)
         elif name == "attention":
             for backend in backends:
@@ -123,11 +117,11 @@ def op_specs(workload: Workload, *, dtype: str | None = None, ops: tuple[str, ..
 
 
 # -- running a suite ------------------------------------------------------------------------------
-def _start(suite: str, spec: dict[str, Any], out: str | Path, world: int = 1, timeout: float | None = None,
-           progress: Callable[[dict[str, Any]], None] | None = None) -> MicroResult:
+def _start(suite: str, spec: MicroSpec, out: str | Path, world: int = 1, timeout: float | None = None,
+           progress: Callable[[dict[str, Any]], None] | None = None, workload: Workload | None = None) -> MicroResult:
     """The suite run through launch (a worker of kind micro), read back, and kept as micro.json beside its
     records."""
-    run_dir = run_micro(suite, spec, world=world, out=out, timeout=timeout, progress=progress)
+    run_dir = run_micro(suite, spec, workload, world=world, out=out, timeout=timeout, progress=progress)
     result = read_micro(run_dir)
     RunDir(run_dir).micro_file.write_text(json.dumps(result.to_dict(), indent=2))
     return result
@@ -147,10 +141,9 @@ def micro_ops(workload: Workload | str | Path, *, dtype: str | None = None, ops:
         raise LlmadaptError(f"none of the operators {', '.join(ops or [])} exists in this model")
     peak_spec = None
     if peak:  # the peaks of the dtype the operators run in (True), or given options (a dict)
-        peak_spec = {**PEAK, "dtypes": [specs[0]["dtype"]], **(peak if isinstance(peak, dict) else {})}
-    spec = {"workload": w.to_dict(), "workload_hash": w.content_hash, "problem_hash": w.problem_hash,
-            "ops": specs, "timing": {**TIMING, **(timing or {})}, "peak": peak_spec}
-    return _start("ops", spec, out, 1, timeout, progress)
+        peak_spec = attrs.evolve(PeakSpec(), **{"dtypes": [specs[0].dtype], **(peak if isinstance(peak, dict) else {})})
+    spec = MicroSpec(ops=specs, timing=attrs.evolve(Timing(), **(timing or {})), peak=peak_spec)
+    return _start("ops", spec, out, 1, timeout, progress, w)
 
 
 def micro_peak(*, dtypes: list[str] | None = None, timing: dict[str, float] | None = None,
@@ -160,12 +153,12 @@ def micro_peak(*, dtypes: list[str] | None = None, timing: dict[str, float] | No
     for d in dtypes or []:
         if d not in ("fp32", "tf32", "bf16", "fp16"):
             raise LlmadaptError(f"dtype {d!r}: use fp32, tf32, bf16 or fp16")
-    peak = {**PEAK, "dtypes": dtypes}
+    peak = PeakSpec(dtypes=dtypes)
     if gemm_sizes:
-        peak["gemm_sizes_cpu"] = peak["gemm_sizes_gpu"] = list(gemm_sizes)
+        peak = attrs.evolve(peak, gemm_sizes_cpu=list(gemm_sizes), gemm_sizes_gpu=list(gemm_sizes))
     if copy_bytes:
-        peak["copy_bytes_cpu"] = peak["copy_bytes_gpu"] = int(copy_bytes)
-    spec = {"peak": peak, "timing": {**TIMING, **(timing or {})}}
+        peak = attrs.evolve(peak, copy_bytes_cpu=int(copy_bytes), copy_bytes_gpu=int(copy_bytes))
+    spec = MicroSpec(peak=peak, timing=attrs.evolve(Timing(), **(timing or {})))
     return _start("peak", spec, out, 1, timeout, progress)
 
 
@@ -180,8 +173,7 @@ def micro_comm(*, ranks: int = 2, ops: list[str] | None = None, sizes: list[int]
         raise LlmadaptError(f"unknown collective {unknown[0]!r}; known: {', '.join(COMM_OPS)}")
     if iters < 1:
         raise LlmadaptError("--iters must be >= 1")
-    spec = {"comm": {"ops": wanted, "sizes": list(sizes or DEFAULT_SIZES), "iters": iters, "warmup": warmup},
-            "timing": dict(TIMING)}
+    spec = MicroSpec(comm=CommSpec(ops=wanted, sizes=list(sizes or DEFAULT_SIZES), iters=iters, warmup=warmup))
     return _start("comm", spec, out, ranks, timeout, progress)
 
 

@@ -39,7 +39,7 @@ def write_run(m: Measured, parent: Path, workload: Workload | None = None) -> Pa
     when = dt.datetime.fromtimestamp(m.created or m.path.stat().st_mtime, dt.timezone.utc)
     run_id = new_run_id(m.tool, when=when, unique=digest)
     launch = LaunchRequest(run_id=run_id, launcher="import", role="serve", adapter=m.tool,
-                           adapter_version=m.version or "", framework=TOOLS[m.tool], workload=workload.to_dict(),
+                           adapter_version=m.version or "", framework=TOOLS[m.tool], workload=workload,
                            workload_hash=workload.content_hash, problem_hash=problem_hash, created=when.timestamp())
     folder = Path(parent) / run_id
     folder.mkdir(parents=True)

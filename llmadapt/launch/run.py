@@ -19,7 +19,7 @@ from typing import Any, Callable
 import attrs
 
 from llmadapt.contract.jsonl import read_jsonl
-from llmadapt.contract.launch import LaunchRequest, NodeLayout, new_run_id
+from llmadapt.contract.launch import Fault, LaunchRequest, MicroSpec, NodeLayout, new_run_id
 from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json
@@ -46,7 +46,7 @@ def run(
     out: str | Path = "runs",
     run_id: str | None = None,
     timeout: float | None = None,
-    fault: dict[str, Any] | None = None,
+    fault: dict[str, Any] | Fault | None = None,
     memory_limit_bytes: int | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
     on_record: Callable[[dict[str, Any]], None] | None = None,
@@ -84,14 +84,14 @@ def run(
 
 
 def _run(workload: Workload, adapter: str, launcher: str, out: str | Path, run_id: str | None, timeout: float | None,
-         fault: dict[str, Any] | None, memory_limit_bytes: int | None, progress: Callable[[dict[str, Any]], None],
+         fault: dict[str, Any] | Fault | None, memory_limit_bytes: int | None, progress: Callable[[dict[str, Any]], None],
          nodes: NodeSettings | None, slurm: SlurmSettings | None) -> RunResult:
     info, workload = resolve(workload, adapter)
     check_save_folder(workload)
     if launcher not in LAUNCHERS and launcher not in info.launchers:
         known = ", ".join([*LAUNCHERS, *info.launchers])
         raise LlmadaptError(f"unknown launcher {launcher!r} for adapter {adapter!r}; known: {known}")
-    check_run_options(fault, timeout, memory_limit_bytes)
+    fault = check_run_options(fault, timeout, memory_limit_bytes)
     world = workload.world_size
     if workload.kind == "serve":
         return run_serving(workload, info, out, run_id, timeout, progress)
@@ -198,26 +198,27 @@ def _run_launched(workload, info, launcher, launch, python, per_node, nodes, col
     return RunResult(run_dir=run_dir, summary=summary)
 
 
-def run_micro(suite: str, spec: dict[str, Any], *, world: int = 1, out: str | Path = "runs",
+def run_micro(suite: str, spec: MicroSpec, workload: Workload | None = None, *, world: int = 1, out: str | Path = "runs",
               timeout: float | None = None, progress: Callable[[dict[str, Any]], None] | None = None) -> Path:
     """Run one micro-benchmark suite ('ops', 'peak' or 'comm', as ``spec`` describes it) as a worker of kind
-    ``micro``: ``llmadapt.runtime.microbench`` in the core's tools environment, one process (or torchrun with
-    ``world`` ranks), supervised; what the launcher saw go wrong goes to launcher.jsonl. Returns the run folder
+    ``micro`` (``llmadapt.runtime.microbench``) in the core's tools environment, one process (or torchrun with
+    ``world`` ranks), supervised; ``workload``: the one the operators come from; what the launcher saw go wrong goes to launcher.jsonl. Returns the run folder
     (``llmadapt.analysis.perf.micro.read_micro`` reads it)."""
     python = python_for(TOOLS_ENVIRONMENT)  # fails before anything is written
     launcher = "torchrun" if world > 1 else "subprocess"
     # The micro-benchmark's header names torch as its adapter and framework, and the workload it was derived from.
     launch = LaunchRequest(
         run_id=new_run_id("micro", suite), launcher=launcher, world_size=world, kind="micro", role=f"micro-{suite}",
-        adapter="torch", framework="torch", workload=spec.get("workload") or {},
-        workload_hash=spec.get("workload_hash", ""), problem_hash=spec.get("problem_hash", ""), python=str(python),
+        adapter="torch", framework="torch", workload=workload,
+        workload_hash=workload.content_hash if workload else "", problem_hash=workload.problem_hash if workload else "",
+        python=str(python),
         suite=suite, spec=spec, created=time.time())
     run_dir = Path(out) / launch.run_id
     run_dir.mkdir(parents=True, exist_ok=False)
     RunDir(run_dir).write_launch(launch)
     if progress:
         progress({"type": "start", "run_dir": str(run_dir), "suite": suite, "world_size": world})
-    cmd = worker_command(launcher, python, run_dir, per_node=world, module="llmadapt.runtime.microbench")
+    cmd = worker_command(launcher, python, run_dir, per_node=world)
     failures: list[Failure] = []
     try:
         failures = supervise(cmd, env=worker_env(world, TOOLS_ENVIRONMENT), log=RunDir(run_dir).worker_log,

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import attrs
 
 from llmadapt.adapter.context import ServeContext, WrongServer
+from llmadapt.adapter.declaration import load_role
 from llmadapt.contract.jsonl import JsonlWriter
 from llmadapt.contract.launch import LaunchRequest, run_header
 from llmadapt.contract.records import Failure
@@ -28,7 +29,7 @@ from llmadapt.launch.environments import process_env, python_for
 from llmadapt.launch.settings import launch_request
 from llmadapt.contract.readback import RunResult, summarise
 from llmadapt.launch.supervise import interrupt_text
-from llmadapt.runtime import interference, lifecycle
+from llmadapt.runtime import interference
 from llmadapt.runtime.loadgen import LoadGenerator, redact, sent_secrets
 from llmadapt.runtime.requests import plan_requests
 from llmadapt.spec import Workload
@@ -125,10 +126,10 @@ def summarise_interrupted(run_dir: Path, exc: KeyboardInterrupt) -> None:
 
 def run_offline(workload: Workload, info, out, run_id, timeout, progress) -> RunResult:
     """serve.mode = 'offline': the adapter's offline engine over the whole request plan, in its environment
-    (llmadapt.runtime.offline), as one process; its records summarised like any serving run's."""
-    import subprocess
-
+    (llmadapt.runtime.offline), as one worker supervised like a training rank; its records summarised like any
+    serving run's."""
     from llmadapt.launch.prepare import ensure_checkpoint
+    from llmadapt.launch.supervise import supervise, worker_command, worker_env
 
     point = new_point(workload, info, out, run_id, progress)
     failures: list[Failure] = []
@@ -140,26 +141,13 @@ def run_offline(workload: Workload, info, out, run_id, timeout, progress) -> Run
     RunDir(point.run_dir).write_launch(attrs.evolve(
         point.launch, launcher="offline", checkpoint=str(checkpoint), offline_class=info.roles["offline"],
         checkpoint_hash=_recorded_hash(workload, checkpoint)))
-    with open(RunDir(point.run_dir).engine_log, "wb") as log:
-        # The worker watches this process and stops itself if it is gone (llmadapt.runtime.lifecycle).
-        env = {**process_env(info.environment), **lifecycle.orchestrator_env(node_name())}
-        proc = subprocess.Popen([point.launch.python, "-m", "llmadapt.runtime.offline", str(point.run_dir)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            code = proc.wait(timeout=timeout)
-            if code:
-                failures.append(Failure(cause="killed" if code < 0 else "error", exit_code=code,
-                                        message=f"the offline engine {exit_text(code)}; see "
-                                                f"{RunDir(point.run_dir).engine_log}"))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            failures.append(Failure(cause="timeout", message=f"the offline run exceeded its timeout of {timeout:g} s"))
-        except KeyboardInterrupt as exc:
-            proc.terminate()
-            proc.wait()
-            summarise_interrupted(point.run_dir, exc)
-            raise
+    try:
+        failures += supervise(worker_command("subprocess", point.launch.python, point.run_dir),
+                              env=worker_env(1, info.environment), log=RunDir(point.run_dir).engine_log, tail=None,
+                              timeout=timeout, memory_limit_bytes=None, progress=progress)
+    except KeyboardInterrupt as exc:
+        summarise_interrupted(point.run_dir, exc)
+        raise
     return RunResult(run_dir=point.run_dir, summary=summarise(point.run_dir, failures))
 
 
@@ -234,8 +222,6 @@ def serve_points(workload: Workload, info, engine_dir: Path, timeout: float | No
 
 def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, progress,
            next_point: Callable[[list[RunResult]], LoadPoint | None], interrupts: _Interrupts) -> list[RunResult]:
-    import importlib
-
     from llmadapt.contract.records import Failure
     from llmadapt.host import free_port
 
@@ -262,8 +248,7 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
             finish(point)
             return results
     tokenizer = _load_tokenizer(workload, checkpoint)
-    module_name, _, class_name = info.roles["serve"].partition(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
+    cls = load_role(info.roles["serve"])
     env = None if attach else process_env(info.environment)
     server = cls(ServeContext(workload, info.name, engine_dir, python, checkpoint, free_port(), env))
     secrets = sent_secrets(server)

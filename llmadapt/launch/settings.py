@@ -9,7 +9,7 @@ from pathlib import Path
 
 import attrs
 
-from llmadapt.contract.launch import LaunchRequest, new_run_id
+from llmadapt.contract.launch import Fault, LaunchRequest, new_run_id, structure, unstructure
 from llmadapt.contract.stream import parse_address
 from llmadapt.errors import LlmadaptError, UnsupportedError
 from llmadapt.host import gpu_visible
@@ -80,7 +80,7 @@ def launch_request(workload: Workload, info, launcher: str, python: Path | None,
         run_id=run_id or new_run_id(info.name, workload.content_hash[:8]), launcher=launcher,
         world_size=1 if workload.kind == "serve" else workload.world_size, role=workload.kind, adapter=info.name,
         adapter_version=info.version, framework=info.framework, worker_class=info.roles.get(workload.kind),
-        workload=workload.to_dict(), workload_hash=workload.content_hash, problem_hash=workload.problem_hash,
+        workload=workload, workload_hash=workload.content_hash, problem_hash=workload.problem_hash,
         python=str(python) if python else None, created=time.time(), **more)
 
 
@@ -89,8 +89,9 @@ FAULT_KINDS = ("error", "exit", "kill", "hang", "stop", "oom", "slow")
 inside the step's clock (a regression to find)."""
 
 
-def check_run_options(fault, timeout, memory_limit_bytes) -> None:
-    """The run's own options, before anything starts: one line naming what is wrong."""
+def check_run_options(fault, timeout, memory_limit_bytes) -> Fault | None:
+    """The run's own options, before anything starts: one line naming what is wrong. Returns the fault (given as a
+    dict or a Fault) as the launch record holds it."""
     import math
 
     if timeout is not None and not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
@@ -98,7 +99,9 @@ def check_run_options(fault, timeout, memory_limit_bytes) -> None:
     if memory_limit_bytes is not None and not (isinstance(memory_limit_bytes, int) and memory_limit_bytes > 0):
         raise LlmadaptError(f"memory limit: got {str(memory_limit_bytes)[:40]!r}; must be a number of bytes > 0")
     if fault is None:
-        return
+        return None
+    if isinstance(fault, Fault):
+        fault = unstructure(fault)
     if not isinstance(fault, dict) or fault.get("kind") not in FAULT_KINDS:
         raise LlmadaptError(f"fault: got {str(fault)[:80]!r}; needs 'kind', one of {', '.join(FAULT_KINDS)}")
     if fault["kind"] == "slow" and not (isinstance(fault.get("seconds"), (int, float)) and fault["seconds"] > 0):
@@ -107,6 +110,7 @@ def check_run_options(fault, timeout, memory_limit_bytes) -> None:
         # Without a cap the worker allocates until the kernel's OOM killer picks a process, maybe not ours.
         raise LlmadaptError("fault 'oom' needs a memory limit (memory_limit_bytes / --memory-limit): without one "
                             "it grows until the kernel's out-of-memory killer ends some process on the machine")
+    return structure(Fault, fault, "fault")
 
 
 def check_adapter_settings(workload: Workload, names: list[str], *, scope: str = "run") -> None:

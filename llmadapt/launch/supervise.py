@@ -28,12 +28,15 @@ from llmadapt.runtime import lifecycle
 KILL_GRACE_S = 10.0
 
 
-def worker_command(launcher: str, python: Path | str, worker_dir: Path | str, *, per_node: int = 1,
-                   nodes: NodeSettings | None = None, module: str = "llmadapt.runtime.worker") -> list[str]:
-    """The command that starts one node's workers: the one place that maps a launcher to a command line.
+WORKER_MODULE = "llmadapt.runtime"
+"""What every worker process runs: ``python -m llmadapt.runtime RUN_DIR``."""
 
-    ``module`` is what each rank runs: the worker, or the micro-benchmarks (llmadapt.runtime.microbench)."""
-    worker = ["-m", module, str(worker_dir)]
+
+def worker_command(launcher: str, python: Path | str, worker_dir: Path | str, *, per_node: int = 1,
+                   nodes: NodeSettings | None = None) -> list[str]:
+    """The command that starts one node's workers: the one place that maps a launcher to a command line. Each rank
+    runs the one worker entry point, which picks its kind from the launch record (llmadapt.runtime.kinds)."""
+    worker = ["-m", WORKER_MODULE, str(worker_dir)]
     if launcher == "subprocess":
         return [str(python), *worker]
     nodes = nodes or NodeSettings()

@@ -1,5 +1,5 @@
-"""What runs inside a worker process (``python -m llmadapt.runtime.worker RUN_DIR``, the micro-benchmarks,
-offline serving) and the client-side load generator.
+"""What runs inside a worker process (``python -m llmadapt.runtime RUN_DIR``: training, the micro-benchmarks,
+offline serving; llmadapt.runtime.kinds) and the client-side load generator.
 
 - worker: the training/fine-tuning worker: its loop, its records, how it ends
 - microbench: the micro-benchmark worker (operators, peak, collectives)

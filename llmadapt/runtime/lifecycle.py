@@ -30,9 +30,11 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from llmadapt.contract.records import End, Failure
+from llmadapt.contract.rundir import RunDir
 from llmadapt.host import node_name, utc_now
 
 ORCHESTRATOR_VAR = "LLMADAPT_ORCHESTRATOR"
@@ -44,6 +46,18 @@ RUN_TOKEN_VAR = "LLMADAPT_RUN_TOKEN"
 
 ORPHAN_GRACE_S = 10.0
 """After its orchestrator is gone, how long a rank may take to write why it stopped before it is ended."""
+
+
+def launch_record(run_dir: Path) -> Any:
+    """The run's launch record (a LaunchRequest); a Slurm job carries it in LLMADAPT_LAUNCH (nodes need not share a
+    disk): written into the run folder first."""
+    path = RunDir(run_dir).launch_file
+    if not path.is_file() and os.environ.get("LLMADAPT_LAUNCH"):
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".launch-{os.getpid()}.json")  # several ranks of one node may race here
+        tmp.write_text(os.environ["LLMADAPT_LAUNCH"])
+        os.replace(tmp, path)
+    return RunDir(run_dir).read_launch()
 
 
 class Stopped(BaseException):

@@ -1,7 +1,7 @@
 """Micro-benchmark worker: runs inside the core's tools environment (imports torch).
 
-    python -m llmadapt.runtime.microbench RUN_DIR                    # ops or peak: one process
-    python -m torch.distributed.run ... -m llmadapt.runtime.microbench RUN_DIR   # comm: one process per rank
+    python -m llmadapt.runtime RUN_DIR                    # a worker of kind 'micro'; ops or peak: one process
+    python -m torch.distributed.run ... -m llmadapt.runtime RUN_DIR   # comm: one process per rank
 
 Reads ``RUN_DIR/launch.json`` (written by llmadapt.micro), writes ``rank-NNNNN.jsonl``: a
 header, then one record per measurement (``op_bench`` for operators and peaks, ``metric`` for
@@ -15,14 +15,13 @@ worker's shell is llmadapt.runtime.lifecycle's); each suite is a function of its
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from llmadapt.contract.jsonl import JsonlWriter
 from llmadapt.contract.perf import OpBench
-from llmadapt.contract.launch import LaunchRequest, run_header
+from llmadapt.contract.launch import LaunchRequest, OpCost, OpSpec, run_header
 from llmadapt.contract.records import Comm, Metric, bandwidths
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.stats import describe
@@ -112,7 +111,7 @@ def _eager_attention(q, k, v, mask):
     return torch.matmul(probs, v).transpose(1, 2).contiguous()
 
 
-def _build(spec: dict[str, Any], device, dtype) -> tuple[Callable[[], Any], list, Any]:
+def _build(spec: OpSpec, device, dtype) -> tuple[Callable[[], Any], list, Any]:
     """(forward function, inputs that need gradients, a function making the output) for one op spec."""
     import torch
     import torch.nn.functional as F
@@ -123,14 +122,14 @@ def _build(spec: dict[str, Any], device, dtype) -> tuple[Callable[[], Any], list
         t = (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
         return t.requires_grad_(grad)
 
-    op, sh = spec["op"], spec["shape"]
-    if spec["kind"] == "gemm" and op != "moe_router":
-        trainable = spec.get("trainable", True)
+    op, sh = spec.op, spec.shape
+    if spec.kind == "gemm" and op != "moe_router":
+        trainable = spec.trainable
         x, wt = rand(sh["m"], sh["k"]), rand(sh["n"], sh["k"], scale=sh["k"] ** -0.5, grad=trainable)
         return (lambda: F.linear(x, wt)), [x, wt] if trainable else [x], None
     if op == "moe_router":
         x, wt = rand(sh["m"], sh["k"]), rand(sh["n"], sh["k"], scale=sh["k"] ** -0.5)
-        k = spec["extra"]["k"]
+        k = spec.extra["k"]
 
         def router():
             logits = F.linear(x, wt)
@@ -178,7 +177,7 @@ def _build(spec: dict[str, Any], device, dtype) -> tuple[Callable[[], Any], list
     if op == "attention":
         b, heads, kvh, s, d = sh["b"], sh["heads"], sh["kv_heads"], sh["s"], sh["d"]
         q, k, v = rand(b, heads, s, d), rand(b, kvh, s, d), rand(b, kvh, s, d)
-        backend = spec["backend"]
+        backend = spec.backend
         if backend == "eager":
             mask = torch.full((s, s), float("-inf"), device=device, dtype=dtype).triu(1)[None, None]
             return (lambda: _eager_attention(q, k, v, mask)), [q, k, v], None
@@ -201,10 +200,9 @@ def _build(spec: dict[str, Any], device, dtype) -> tuple[Callable[[], Any], list
 def run_ops(launch: LaunchRequest, device, writer: JsonlWriter, timer: Timer) -> None:
     import torch
 
-    for spec in launch.spec["ops"]:
-        dtype_name = spec["dtype"]
-        dtype = _torch_dtype(dtype_name)
-        directions = spec["directions"]
+    for spec in launch.spec.ops:
+        dtype = _torch_dtype(spec.dtype)
+        directions = spec.directions
         try:
             fwd, inputs, _ = _build(spec, device, dtype)
             fwd()  # raises here when a backend cannot run these inputs
@@ -213,7 +211,7 @@ def run_ops(launch: LaunchRequest, device, writer: JsonlWriter, timer: Timer) ->
                 writer.write(_op_record(spec, direction, [], status="unsupported", note=_one_line(exc)))
             continue
         for direction in directions:
-            d = spec["cost"][direction]
+            d = spec.cost[direction]
             try:
                 if direction == "forward":
                     with torch.no_grad() if "backward" not in directions else _null():
@@ -224,7 +222,7 @@ def run_ops(launch: LaunchRequest, device, writer: JsonlWriter, timer: Timer) ->
                     grads = [torch.randn_like(o) if o.dim() else torch.ones_like(o) for o in outs]
                     times = timer.run(lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True,
                                                                   allow_unused=True))
-                writer.write(_op_record(spec, direction, times, flops=d["flops"], bytes_=d["bytes"]))
+                writer.write(_op_record(spec, direction, times, flops=d.flops, bytes_=d.bytes))
             except Exception as exc:
                 writer.write(_op_record(spec, direction, [], status="error", note=_one_line(exc)))
 
@@ -237,27 +235,27 @@ class _null:
         return False
 
 
-def _op_record(spec, direction, times, *, status="ok", note=None, flops=None, bytes_=None) -> OpBench:
-    d = spec["cost"].get(direction, {})
-    flops = d.get("flops", 0.0) if flops is None else flops
-    bytes_ = d.get("bytes", 0.0) if bytes_ is None else bytes_
+def _op_record(spec: OpSpec, direction, times, *, status="ok", note=None, flops=None, bytes_=None) -> OpBench:
+    d = spec.cost.get(direction, OpCost())
+    flops = d.flops if flops is None else flops
+    bytes_ = d.bytes if bytes_ is None else bytes_
     stats = describe(times)
     p50 = stats.p50 if stats else None
-    return OpBench(rank=0, op=spec["op"], direction=direction, dtype=spec["dtype"], shape=spec["shape"],
+    return OpBench(rank=0, op=spec.op, direction=direction, dtype=spec.dtype, shape=spec.shape,
                    flops=float(flops), bytes=float(bytes_), seconds=stats, times_s=times,
                    flops_per_s=flops / p50 if p50 and flops else None,
-                   bytes_per_s=bytes_ / p50 if p50 and bytes_ else None, backend=spec.get("backend"),
-                   launches=d.get("launches"), status=status, note=note)
+                   bytes_per_s=bytes_ / p50 if p50 and bytes_ else None, backend=spec.backend,
+                   launches=d.launches, status=status, note=note)
 
 
 def run_peak(launch: LaunchRequest, device, writer: JsonlWriter, timer: Timer) -> None:
     """Best GEMM FLOP/s per dtype over a few square sizes, and copy bandwidth of a large buffer."""
     import torch
 
-    spec = launch.spec["peak"]
+    spec = launch.spec.peak
     gpu = device.type == "cuda"
-    dtypes = spec["dtypes"] or (["fp32", "tf32", "bf16", "fp16"] if gpu else ["fp32", "bf16"])
-    sizes = spec["gemm_sizes_gpu"] if gpu else spec["gemm_sizes_cpu"]
+    dtypes = spec.dtypes or (["fp32", "tf32", "bf16", "fp16"] if gpu else ["fp32", "bf16"])
+    sizes = spec.gemm_sizes_gpu if gpu else spec.gemm_sizes_cpu
     for dtype_name in dtypes:
         dtype = _torch_dtype(dtype_name)
         if device.type == "cuda":
@@ -285,7 +283,7 @@ def run_peak(launch: LaunchRequest, device, writer: JsonlWriter, timer: Timer) -
                                 source="llmadapt.micro peak: best GEMM over sizes and repeats"))
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False
-    n = (spec["copy_bytes_gpu"] if gpu else spec["copy_bytes_cpu"]) // 4
+    n = (spec.copy_bytes_gpu if gpu else spec.copy_bytes_cpu) // 4
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
     times = timer.run(lambda: dst.copy_(src))
@@ -302,16 +300,16 @@ def run_comm(launch: LaunchRequest, device, writer: JsonlWriter, rank: int, worl
     import torch
     import torch.distributed as dist
 
-    spec = launch.spec["comm"]
+    spec = launch.spec.comm
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     backend = dist.get_backend()
-    for op in spec["ops"]:
-        for size in spec["sizes"]:
+    for op in spec.ops:
+        for size in spec.sizes:
             elems = max(world, size // 4 // world * world)
             nbytes = elems * 4
             try:
                 fn = _collective(op, elems, world, rank, device)
-                for _ in range(spec["warmup"]):
+                for _ in range(spec.warmup):
                     fn()
                 sync()
             except Exception as exc:
@@ -323,7 +321,7 @@ def run_comm(launch: LaunchRequest, device, writer: JsonlWriter, rank: int, worl
                 dist.barrier()
                 break
             times = []
-            for _ in range(spec["iters"]):
+            for _ in range(spec.iters):
                 dist.barrier()
                 t0 = time.perf_counter()
                 fn()
@@ -372,13 +370,9 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m llmadapt.runtime.microbench RUN_DIR", file=sys.stderr)
-        return 2
-    run_dir = Path(argv[0])
-    launch = RunDir(run_dir).read_launch()
+def run_micro(run_dir: Path) -> int:
+    """The micro-benchmark suite the launch record in RUN_DIR asks for; returns the process exit code."""
+    launch = lifecycle.launch_record(run_dir)
     from llmadapt.runtime.device import Place, apply_thread_policy, describe_device, pick_device, software_versions
 
     place = Place.from_env()
@@ -395,9 +389,9 @@ def main(argv: list[str] | None = None) -> int:
             framework_version=torch.__version__, device=describe_device(device), software=software_versions(),
             patches=[],
         ))
-        t = launch.spec["timing"]
-        timer = Timer(device, t["warmup"], t["repeats"], t["min_time_s"], t["max_time_s"])
-        if suite in ("ops", "peak") and launch.spec.get("peak"):
+        t = launch.spec.timing
+        timer = Timer(device, t.warmup, t.repeats, t.min_time_s, t.max_time_s)
+        if suite in ("ops", "peak") and launch.spec.peak:
             run_peak(launch, device, writer, timer)
         if suite == "ops":
             run_ops(launch, device, writer, timer)
@@ -406,5 +400,13 @@ def main(argv: list[str] | None = None) -> int:
     return worker.code
 
 
+def main(argv: list[str] | None = None) -> None:
+    """``python -m llmadapt.runtime.microbench RUN_DIR``, its name before the one entry point
+    (``python -m llmadapt.runtime``), still run by the compat path llmadapt.microbench."""
+    from llmadapt.runtime.kinds import main as run_kind
+
+    run_kind(argv)
+
+
 if __name__ == "__main__":
-    lifecycle.exit_process(main())  # no finalisers racing gloo's threads: see llmadapt.runtime.lifecycle
+    main()

@@ -1,7 +1,7 @@
 """Offline throughput (``serve.mode = "offline"``): the whole request set handed to an engine's offline API at once,
 in the adapter's environment; tokens per second, beside the online numbers of the same request plan.
 
-``python -m llmadapt.runtime.offline RUN_DIR``: builds the run's request plan (the same prompts and output lengths
+A worker of kind 'offline' (``python -m llmadapt.runtime RUN_DIR``, llmadapt.runtime.kinds): builds the run's request plan (the same prompts and output lengths
 the load generator would send), loads the adapter's offline engine (its ``offline`` role: a class with
 ``__init__(workload, checkpoint)``, ``generate(requests)`` -> per request its output token count or a
 ``Generated``, ``version()`` and
@@ -16,11 +16,10 @@ record (killed, exit code 143).
 
 from __future__ import annotations
 
-import importlib
-import sys
 import time
 from pathlib import Path
 
+from llmadapt.adapter.declaration import load_role
 from llmadapt.contract.jsonl import JsonlWriter
 from llmadapt.contract.launch import run_header
 from llmadapt.contract.records import Request
@@ -28,25 +27,23 @@ from llmadapt.contract.rundir import RunDir
 from llmadapt.runtime import lifecycle
 from llmadapt.runtime.device import Place
 from llmadapt.runtime.requests import plan_requests
-from llmadapt.spec import Workload
 
 
 def run_offline(run_dir: Path) -> int:
     """The offline run in RUN_DIR; returns the process exit code. Its shell (llmadapt.runtime.lifecycle's
     WorkerProcess) stops it on SIGTERM or when its orchestrator is gone, and writes its End or failure record."""
-    launch = RunDir(run_dir).read_launch()
+    launch = lifecycle.launch_record(run_dir)
     writer = JsonlWriter(RunDir(run_dir).rank_file(0))
     place = Place(0, 0, 1, 0, "single")  # one process, whatever its environment says
     with lifecycle.WorkerProcess(writer, place, "offline worker", describe=_described) as worker:
-        workload = Workload.from_dict(launch.workload)
+        workload = launch.require_workload()
         checkpoint = Path(launch.checkpoint)
         from tokenizers import Tokenizer
 
         from llmadapt.models import recorded_source
 
         plan = plan_requests(workload, Tokenizer.from_file(str(checkpoint / "tokenizer.json")))
-        module, _, name = launch.offline_class.partition(":")
-        engine = getattr(importlib.import_module(module), name)(workload, checkpoint)
+        engine = load_role(launch.offline_class)(workload, checkpoint)
         writer.write(run_header(launch, framework_version=engine.version(), workload=workload,
                                 checkpoint_hash=launch.checkpoint_hash, device=None, software={}, patches=[],
                                 model_source=recorded_source(checkpoint)))
@@ -73,16 +70,3 @@ def run_offline(run_dir: Path) -> int:
 def _described(exc: BaseException) -> str:
     """An error in one line (an engine's can be long: the record keeps its first 2000 characters)."""
     return lifecycle.short_trace(exc)[:2000]
-
-
-def main() -> None:
-    if len(sys.argv) != 2:
-        print("usage: python -m llmadapt.runtime.offline RUN_DIR", file=sys.stderr)
-        raise SystemExit(2)
-    code = run_offline(Path(sys.argv[1]))
-    sys.stdout.flush()
-    raise SystemExit(code)
-
-
-if __name__ == "__main__":
-    main()

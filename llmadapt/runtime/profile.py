@@ -6,7 +6,10 @@ runs outside any forward range: it goes, through the autograd node's sequence nu
 operator that made the node. Collectives go to 'communication', the optimizer's step and zero_grad (torch.optim's
 own ranges) to 'optimizer', the rest to 'other'. On CUDA the basis is the kernel time of what each operator
 launched, and the operator classes are the kernels' own (runtime.timeline's device_breakdown, which reads others'
-traces too); on CPU, self CPU time. Hooks exist only during profiled steps."""
+traces too); on CPU, self CPU time. Hooks exist only during profiled steps.
+
+Size: over 400 lines because attribution (the ranges, the autograd nodes' makers, the gaps that are waits) is
+one algorithm over one profiler trace; the timeline's analysis lives in runtime.timeline."""
 
 from __future__ import annotations
 
@@ -224,6 +227,47 @@ def _backward_node(e) -> str:
     return ""
 
 
+def _gaps(events, comm_spans: list[tuple[float, float, str]] | None
+          ) -> tuple[dict[int, float], dict[int, dict[str, float]]]:
+    """(time added to or taken from each event's own time, each event's waits for collectives by kind), on the CPU
+    basis.
+
+    A range's own time is the gaps between its children. A gap that leads to a backward node is the autograd
+    engine's own work: it goes to that node, not to the range (the step's own code is 'other'). Any other gap
+    of the step or of a framework call (Trainer.profiled_calls) while a collective ran is waiting for it: DDP
+    waits for its last bucket after backward, DeepSpeed's backward for its gradient all-reduce. (Gaps inside
+    the model's modules are left to them: there, Python runs beside a collective the framework prefetches.)
+    """
+    lead_in: dict[int, float] = defaultdict(float)
+    waited: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    by_kind: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for start, end, kind in comm_spans or []:
+        by_kind[kind].append((start, end))
+    comm_unions = {kind: union(spans) for kind, spans in by_kind.items()}
+    for parent in events:
+        waits = parent.name.startswith((_STEP_EVENT, CALL_RANGE)) or _framework_function(parent.name)
+        if not waits and not any(c.name.startswith(_BACKWARD) for c in parent.cpu_children):
+            continue
+        end = parent.time_range.start
+        for child in [*sorted(parent.cpu_children, key=lambda c: c.time_range.start), None]:
+            gap_end = child.time_range.start if child is not None else parent.time_range.end
+            if gap_end > end:
+                if child is not None and child.name.startswith(_BACKWARD):
+                    lead_in[id(child)] += (gap_end - end) / 1e6
+                    lead_in[id(parent)] -= (gap_end - end) / 1e6
+                elif waits:
+                    gap = [(end, gap_end)]
+                    for kind, spans in comm_unions.items():  # a gap beside two kinds: each its share, once
+                        gap_wait = length(intersect(gap, spans))
+                        if gap_wait:
+                            gap = subtract(gap, spans)
+                            waited[id(parent)][kind] += gap_wait / 1e6
+                            lead_in[id(parent)] -= gap_wait / 1e6
+            if child is not None:
+                end = max(end, child.time_range.end)
+    return lead_in, waited
+
+
 def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float, str]] | None = None):
     """Each profiled event with where its own time goes: (event, class or None, layer or None, phase, seconds,
     operator class or None); phase is 'forward' (the modules, a loss on their output), 'backward' or 'step'
@@ -272,39 +316,7 @@ def attribute(events, basis: str = "cpu", comm_spans: list[tuple[float, float, s
             node, below = node.cpu_parent, node
         return ("communication" if comm else cls), layer, backward_key, forward
 
-    # A range's own time is the gaps between its children. A gap that leads to a backward node is the autograd
-    # engine's own work: it goes to that node, not to the range (the step's own code is 'other'). Any other gap
-    # of the step or of a framework call (Trainer.profiled_calls) while a collective ran is waiting for it: DDP
-    # waits for its last bucket after backward, DeepSpeed's backward for its gradient all-reduce. (Gaps inside
-    # the model's modules are left to them: there, Python runs beside a collective the framework prefetches.)
-    lead_in: dict[int, float] = defaultdict(float)
-    waited: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    by_kind: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for start, end, kind in comm_spans or []:
-        by_kind[kind].append((start, end))
-    comm_unions = {kind: union(spans) for kind, spans in by_kind.items()}
-    if basis == "cpu":
-        for parent in events:
-            waits = parent.name.startswith((_STEP_EVENT, CALL_RANGE)) or _framework_function(parent.name)
-            if not waits and not any(c.name.startswith(_BACKWARD) for c in parent.cpu_children):
-                continue
-            end = parent.time_range.start
-            for child in [*sorted(parent.cpu_children, key=lambda c: c.time_range.start), None]:
-                gap_end = child.time_range.start if child is not None else parent.time_range.end
-                if gap_end > end:
-                    if child is not None and child.name.startswith(_BACKWARD):
-                        lead_in[id(child)] += (gap_end - end) / 1e6
-                        lead_in[id(parent)] -= (gap_end - end) / 1e6
-                    elif waits:
-                        gap = [(end, gap_end)]
-                        for kind, spans in comm_unions.items():  # a gap beside two kinds: each its share, once
-                            gap_wait = length(intersect(gap, spans))
-                            if gap_wait:
-                                gap = subtract(gap, spans)
-                                waited[id(parent)][kind] += gap_wait / 1e6
-                                lead_in[id(parent)] -= gap_wait / 1e6
-                if child is not None:
-                    end = max(end, child.time_range.end)
+    lead_in, waited = _gaps(events, comm_spans) if basis == "cpu" else ({}, {})
     made: dict[tuple[int, int], tuple[str | None, int | None]] = {}  # autograd node -> where its op ran
     contexts = []
     for e in sorted(events, key=lambda e: e.time_range.start):

@@ -8,21 +8,20 @@ per step to this rank's JSONL file. The adapter only does one global step.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import os
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import attrs
 
 from llmadapt.adapter.context import StepBatch, WorkerContext
+from llmadapt.adapter.declaration import load_role
 from llmadapt.adapter.interfaces import Trainer
 from llmadapt.contract.jsonl import JsonlWriter
-from llmadapt.contract.launch import LaunchRequest, run_header
+from llmadapt.contract.launch import Fault, run_header
 from llmadapt.contract.records import Failure, Metric, Phase, Step
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.stream import StreamingWriter
@@ -44,17 +43,6 @@ from llmadapt.runtime.device import (
 from llmadapt.runtime.profile import StepProfiler
 from llmadapt.runtime.telemetry import Sampler
 from llmadapt.spec import Workload
-
-
-def _launch_record(run_dir: Path) -> LaunchRequest:
-    """The run's launch.json; a Slurm job carries it in LLMADAPT_LAUNCH (nodes need not share a disk)."""
-    path = RunDir(run_dir).launch_file
-    if not path.is_file() and os.environ.get("LLMADAPT_LAUNCH"):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".launch-{os.getpid()}.json")  # several ranks of one node may race here
-        tmp.write_text(os.environ["LLMADAPT_LAUNCH"])
-        os.replace(tmp, path)
-    return RunDir(run_dir).read_launch()
 
 
 def _open_records(run_dir: Path, place: Place, run_id: str):
@@ -82,12 +70,12 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
     run, only warn. llmadapt.runtime.lifecycle.WorkerProcess is the shell that does both.
     """
     run_dir = Path(run_dir)
-    launch = _launch_record(run_dir)
+    launch = lifecycle.launch_record(run_dir)
     inline = place is not None
     place = place or Place.from_env()
     writer = _open_records(run_dir, place, launch.run_id)
     with lifecycle.WorkerProcess(writer, place, "worker", signals=not inline) as worker:
-        workload = Workload.from_dict(launch.workload)
+        workload = launch.require_workload()
         if not inline:
             apply_thread_policy(workload.parallelism.threads_per_rank)
         device = pick_device(place)
@@ -100,8 +88,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
         checkpoint = canonical_checkpoint(workload.model, workload.seed)
         # Named by the orchestrator: adapters are found through installed entry points there, not here
         # (the environment holds no llmadapt packages; they come on PYTHONPATH).
-        module_name, _, class_name = launch.worker_class.partition(":")
-        cls = getattr(importlib.import_module(module_name), class_name)
+        cls = load_role(launch.worker_class)
         ctx = WorkerContext(workload, place.rank, place.local_rank, place.world_size, device, checkpoint, run_dir)
         trainer = cls(ctx)
         worker.role = lambda: trainer.rank_role()  # looked up when a failure is written, as the layout may not exist
@@ -131,14 +118,14 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
     return worker.code
 
 
-def _train(worker: lifecycle.WorkerProcess, fault: dict[str, Any] | None, workload: Workload, trainer: Trainer,
+def _train(worker: lifecycle.WorkerProcess, fault: Fault | None, workload: Workload, trainer: Trainer,
            ctx: WorkerContext, data: TokenData, dp: tuple[int, int], run_dir: Path) -> None:
     """The measured loop: warm-up and measured steps, one record each with what the adapter reported, the
     telemetry and interference beside them, and the evaluations workload.eval asks for. What a step does between
     two clock readings is the loop's own cost: benchmarks/profile_overhead.py measures it."""
     writer, place, dist_started = worker.writer, worker.place, worker.distributed
     dp_rank, dp_size = dp
-    slow = fault["seconds"] if fault and fault.get("kind") == "slow" else 0  # decided here, not in the clock
+    slow = fault.seconds if fault and fault.kind == "slow" else 0  # decided here, not in the clock
     delay = interference.StepDelay()  # this thread's waits for a core, per step
     worker.at_close(delay.close)
     profiled = set(workload.profile.steps)
@@ -298,13 +285,13 @@ def _barrier() -> None:
     dist.barrier()
 
 
-def _maybe_fault(fault: dict[str, Any] | None, rank: int, step: int | str) -> None:
-    """Fault injection for testing failure handling: {'kind': ..., 'step': N, 'rank': R}.
+def _maybe_fault(fault: Fault | None, rank: int, step: int | str) -> None:
+    """Fault injection for testing failure handling: ``fault.kind`` at ``fault.step`` of ``fault.rank``.
 
     ``step`` "teardown": after the rank's last record (the run is complete; the launcher must say so)."""
-    if not fault or fault.get("step") != step or fault.get("rank", 0) != rank:
+    if not fault or fault.step != step or fault.rank != rank:
         return
-    kind = fault["kind"]
+    kind = fault.kind
     if kind == "error":
         raise RuntimeError(f"injected error at step {step}")
     if kind == "exit":
@@ -323,13 +310,12 @@ def _maybe_fault(fault: dict[str, Any] | None, rank: int, step: int | str) -> No
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m llmadapt.runtime.worker RUN_DIR", file=sys.stderr)
-        raise SystemExit(2)
-    lifecycle.exit_process(run_worker(Path(argv[0])))  # no finalisers: see llmadapt.runtime.lifecycle
+    """``python -m llmadapt.runtime.worker RUN_DIR``, the name adapters' own launchers may still give (the one entry
+    point, ``python -m llmadapt.runtime``, picks this worker from the launch record)."""
+    from llmadapt.runtime.kinds import main as run_kind
+
+    run_kind(argv)
 
 
 if __name__ == "__main__":
     main()
-

@@ -66,7 +66,7 @@ def read_run(run_dir: str | Path, statistic: str = "p50") -> MeasuredRun:
     if summary.get("status") != "ok" or not summary.get("step_time_s"):
         raise LlmadaptError(f"{run_dir}: the run did not complete its steps (status {summary.get('status')}): "
                             "only completed runs can calibrate or validate")
-    w = Workload.from_dict(launch.workload)
+    w = launch.require_workload()
     if w.kind == "serve":
         raise LlmadaptError(f"{run_dir}: a serving run; calibration and validation use training runs")
     if statistic not in ("p50", "mean", "min"):

@@ -266,7 +266,6 @@ def _is_number(v: Any) -> bool:
 
 def throughput_points_from_runs(run_dirs: Iterable[str | Path]) -> list[tuple[float, float, float]]:
     """(batch, sparsity, queries/s) of measured runs: global batch, active/total experts, mean samples/s."""
-    from llmadapt.spec import Workload
 
     out = []
     for d in run_dirs:
@@ -277,7 +276,7 @@ def throughput_points_from_runs(run_dirs: Iterable[str | Path]) -> list[tuple[fl
         summary, launch = json.loads(summary_p.read_text()), RunDir(d).read_launch()
         if summary.get("status") != "ok" or not summary.get("samples_per_s"):
             raise LlmadaptError(f"{d}: the run did not complete (status {summary.get('status')})")
-        w = Workload.from_dict(launch.workload)
+        w = launch.require_workload()
         out.append((float(w.train.global_batch), sparsity_of(w.model), float(summary["samples_per_s"]["mean"])))
     return out
 

@@ -36,12 +36,12 @@ HOSTFILE = "hostfile"
 
 
 def deepspeed_launch_command(python: str | Path, run_dir: str | Path, world: int, port: int, *,
-                             cpu: bool = True, module: str = "llmadapt.runtime.worker") -> list[str]:
+                             cpu: bool = True, module: str = "llmadapt.runtime") -> list[str]:
     """The command that starts ``world`` ranks of ``python -m MODULE run_dir`` through DeepSpeed's launcher.
 
     Writes ``run_dir/hostfile`` (``localhost slots=world``), which the command names. ``cpu``: pin the
     runner and the workers to CPU (see the module docstring); pass ``cpu=not cuda_visible()``.
-    ``module``: what each rank runs (llmadapt's worker; launch.worker_command's ``module``).
+    ``module``: what each rank runs (llmadapt's one worker entry point, which reads the run's kind).
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
