@@ -187,9 +187,6 @@ class Comparison:
     """The stopping rule's share: rounds were added until every headline interval was narrower than this."""
     unsettled: list[str] = attrs.Factory(list)
     """Rows whose interval never got that narrow before the last round."""
-    stopped: str | None = None
-    """``repeat='auto'``: why the rounds stopped ('decided after 4 repeats: ...', 'budget spent after 10 repeats:
-    ...'); None otherwise."""
     partial: bool = False
     """Some planned runs have not run (the comparison was interrupted, or is still going): the rows are those
     with a run so far, ``pending`` names the others."""
@@ -200,6 +197,9 @@ class Comparison:
     problem_notes: dict[str, str] = attrs.Factory(dict)
     """What to say of a problem instead of how it differs from P1: a problem as an imported file states it
     (llmadapt.contract.foreign.AS_FILE_STATES), which no llmadapt run shares."""
+    stopped: str | None = None
+    """``repeat='auto'``: why the rounds stopped ('decided after 5 repeats: ...', 'budget spent after 10 repeats:
+    ...'); None otherwise."""
 
     def reference(self, problem: str) -> Row | None:
         """The row of ``problem`` the others are set against: the baseline's where it is in the problem, else

@@ -159,11 +159,12 @@ class LaunchRequest:
     framework: str = ""
     worker_class: str | None = None
     """'module:Class' of the adapter's role class, imported by the worker (training and fine-tuning)."""
-    workload: Workload | None = None
-    """The resolved workload; None for a micro-benchmark without one."""
+    workload: Workload | None = attrs.field(default=None, converter=lambda v: _typed(Workload, v))
+    """The resolved workload; None for a micro-benchmark without one. Given as a dict (as before it was typed), it
+    is built here."""
     workload_hash: str = ""
     problem_hash: str = ""
-    fault: Fault | None = None
+    fault: Fault | None = attrs.field(default=None, converter=lambda v: _typed(Fault, v))
     """Fault injection for tests."""
     memory_limit_bytes: int | None = None
     python: str | None = None
@@ -179,7 +180,7 @@ class LaunchRequest:
     """Offline serving: 'module:Class' of the adapter's offline engine."""
     suite: str | None = None
     """Micro-benchmarks: 'ops', 'peak' or 'comm'."""
-    spec: MicroSpec | None = None
+    spec: MicroSpec | None = attrs.field(default=None, converter=lambda v: _typed(MicroSpec, v))
     """Micro-benchmarks: what to measure and how."""
     created: float | None = None
     """Wall-clock time (Unix seconds) the request was made."""
@@ -236,6 +237,11 @@ def structure(cls: Any, data: Any, where: str = "launch") -> Any:
         return cls(**fields)
     except TypeError as exc:
         raise ContractError(f"{where}: {exc}") from None
+
+
+def _typed(cls: type, value: Any) -> Any:
+    """A field given as plain data (a dict, as code written before the record was typed passes it), built."""
+    return structure(cls, value, cls.__name__.lower()) if isinstance(value, dict) else value
 
 
 def _workload(data: Any, where: str) -> Workload | None:

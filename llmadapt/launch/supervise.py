@@ -33,10 +33,16 @@ WORKER_MODULE = "llmadapt.runtime"
 
 
 def worker_command(launcher: str, python: Path | str, worker_dir: Path | str, *, per_node: int = 1,
-                   nodes: NodeSettings | None = None) -> list[str]:
+                   nodes: NodeSettings | None = None, module: str | None = None) -> list[str]:
     """The command that starts one node's workers: the one place that maps a launcher to a command line. Each rank
-    runs the one worker entry point, which picks its kind from the launch record (llmadapt.runtime.kinds)."""
-    worker = ["-m", WORKER_MODULE, str(worker_dir)]
+    runs the one worker entry point, which picks its kind from the launch record (llmadapt.runtime.kinds).
+    ``module``: deprecated (the entry point is one now; its old names still run it), removed in 0.3.0."""
+    if module is not None:
+        import warnings
+
+        warnings.warn("worker_command's module is deprecated and will be removed in 0.3: every worker starts as "
+                      f"{WORKER_MODULE}, which picks its kind from the launch record", DeprecationWarning, stacklevel=2)
+    worker = ["-m", module or WORKER_MODULE, str(worker_dir)]
     if launcher == "subprocess":
         return [str(python), *worker]
     nodes = nodes or NodeSettings()
