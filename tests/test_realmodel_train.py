@@ -41,6 +41,10 @@ VOCAB = 49_152
 # A trained model on English instruction text: SmolLM2 gives about 2 nats on the first batch here. 6 leaves room
 # for any text, yet a model that knew nothing (random or zero output layer) gives ln(vocab) = 10.8.
 TRAINED_LOSS = 6.0
+# SGD, not the example's AdamW: Adam's first step moves each weight by lr whatever its gradient's size, which hides
+# a gradient missing a part (one stage's share of the tied embedding's gradient moved the second loss by < 1e-5
+# under AdamW at lr 1e-5, by 5e-3 under SGD at lr 0.01). lr 0.01 moves the second loss by about a nat.
+SGD = ["train.optimizer=sgd", "train.lr=0.01"]
 
 
 def _real_model_missing() -> str | None:
@@ -68,7 +72,8 @@ LAYOUTS = {
 def problem() -> Workload:
     """The example's problem at global batch 2 (two micro-batches of 1x32 tokens: pp2 has two to schedule)."""
     return Workload.from_file(EXAMPLE).with_overrides(["train.global_batch=2", "train.micro_batch=1",
-                                                       "train.seq_len=32", "train.steps=2", "telemetry.interval_s=0"])
+                                                       "train.seq_len=32", "train.steps=2", "telemetry.interval_s=0",
+                                                       *SGD])
 
 
 def _ready(*adapters: str):
