@@ -107,6 +107,10 @@ LAYOUTS = {
     "pp2-dp2": (SGD, ["parallelism.pp=2", *DP2], "HybridParallelPlugin", {"is-hccl-available-stub"}),
     "tp2-pp2": (SGD, ["parallelism.tp=2", "parallelism.pp=2"], "HybridParallelPlugin",
                 {"cpu-accelerator-rng", "is-hccl-available-stub"}),
+    # tied embeddings: the checkpoint holds the matrix once (no lm_head.weight); the last stage's lm_head must be
+    # loaded from the embedding, and its gradient summed with the first stage's
+    "pp2-tied": ([*SGD, "model.tie_embeddings=true"], ["parallelism.pp=2"], "HybridParallelPlugin",
+                 {"is-hccl-available-stub"}),
 }
 
 

@@ -79,10 +79,7 @@ class ColossalAITrainer(Trainer):
         optimizer = self._make_optimizer([q for q in model.parameters() if q.requires_grad])
         self.model, self.optimizer, *_ = self.booster.boost(model, optimizer)
         if lazy:
-            from llmadapt.adapter.weights import INDEX, WEIGHTS
-
-            index = ctx.checkpoint / INDEX
-            self.booster.load_model(self.model, str(index if index.is_file() else ctx.checkpoint / WEIGHTS))
+            self._load_slices()
             self.model_loaded()  # lazily built: boost (the slicing and the optimizer's wrapping) came first
         plugin = self.booster.plugin
 
@@ -111,6 +108,27 @@ class ColossalAITrainer(Trainer):
         # Train mode once: nothing in a run switches it off (evaluation loads the saved model apart),
         # and train() walks every module: a cost in every step, not in a bare loop.
         self.model.train()
+
+    def _load_slices(self) -> None:
+        """Each rank's slices from the checkpoint's shards (ColossalAI's checkpoint IO cuts whole tensors for the
+        tensor-parallel layers). A checkpoint with tied embeddings holds the matrix once, as
+        model.embed_tokens.weight (transformers writes no lm_head.weight): with pp > 1 the last stage holds lm_head
+        without the embedding, so load_model leaves it as built (random, a loss of ln(vocab)). That stage's lm_head
+        is given the embedding through the same loader; ColossalAI keeps the two copies equal from there by
+        all-reducing their gradients between the stages (HybridParallelModule.sync_shared_params)."""
+        from colossalai.checkpoint_io.utils import load_state_dict_into_model
+
+        from llmadapt.adapter.weights import INDEX, WEIGHTS, CheckpointWeights
+
+        ctx, w = self.ctx, self.ctx.workload
+        index = ctx.checkpoint / INDEX
+        self.booster.load_model(self.model, str(index if index.is_file() else ctx.checkpoint / WEIGHTS))
+        stages = self.booster.plugin.stage_manager
+        weights = CheckpointWeights(ctx.checkpoint)
+        if w.model.tie_embeddings and stages is not None and stages.is_last_stage() and "lm_head.weight" not in weights:
+            load_state_dict_into_model(self.model.unwrap(), {"lm_head.weight": weights["model.embed_tokens.weight"]},
+                                       missing_keys=[])
+            self.model.update_master_params()  # a ZeRO optimizer's master copy follows the weights it was given
 
     def _patch_for_cpu(self) -> None:
         w = self.ctx.workload
