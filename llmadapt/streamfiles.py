@@ -129,8 +129,8 @@ _SPACE = re.compile(r"\s*")
 
 
 def _complete_prefix(text: str, error: json.JSONDecodeError) -> tuple[int, list[Any]]:
-    """Where the last complete entry of a JSON list cut short ends, and the complete entries; ValueError naming the damage for text that is
-    not such a list (cut before its first entry ends, or damaged anywhere but at its end)."""
+    """Where the last complete entry of a JSON list cut short ends, and the complete entries; ValueError naming the
+    damage for text that is not such a list (cut before its first entry ends, or damaged anywhere but at its end)."""
     damaged = ValueError(f"is not JSON ({error.msg} at line {error.lineno}): {_LAYOUT}")
     decoder = json.JSONDecoder()
     i = _SPACE.match(text).end()

@@ -21,7 +21,7 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.17"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.18"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
@@ -732,6 +732,14 @@ class ServingStats:
     """The engine's prefix-cache hits over its lookups, in tokens, between the first and last scrape of the run
     (vLLM's prefix_cache_hits / prefix_cache_queries; None: the engine reports none). It finds whole KV blocks only,
     so it stays below stream_prefix_share."""
+    output_tokens: Stats | None = None
+    """Output tokens per completed request (None in older traces). Forced (output_length_forced), they are the
+    lengths asked; otherwise the lengths the engine chose, each at most the one asked (the cap)."""
+    stopped_at_eos_share: float | None = None
+    """Of the completed requests whose end is known, the share that ended before the cap: at end-of-sequence (or a
+    stop the engine applies); None where no end is known."""
+    hit_cap_share: float | None = None
+    """Of the same requests, the share that ended at the cap (max_tokens: the length asked). The two add to 1."""
 
 
 @attrs.frozen
