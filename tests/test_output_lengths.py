@@ -70,3 +70,16 @@ def test_compare_and_show_print_them_only_where_lengths_were_not_forced():
     text = render_summary(attrs.asdict(free))
     assert "50% stopped at end-of-sequence, 50% at the cap" in text and "max 20" in text
     assert "stopped at end-of-sequence" not in render_summary(attrs.asdict(forced))
+
+
+def test_offline_runs_which_force_every_length_refuse_natural_stopping():
+    """The offline engines (vLLM's LLM.generate, transformers' generate) force the lengths and record them forced:
+    asked to stop at end-of-sequence, the run would be forced lengths read as free ones."""
+    import pytest
+
+    from llmadapt.errors import WorkloadError
+
+    with pytest.raises(WorkloadError, match="serve.ignore_eos.*forces every output length") as err:
+        Workload.from_dict({"kind": "serve", "serve": {"mode": "offline", "ignore_eos": False}})
+    assert "\n" not in str(err.value)
+    assert Workload.from_dict({"kind": "serve", "serve": {"mode": "offline"}}).serve.ignore_eos
