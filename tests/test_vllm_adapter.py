@@ -81,6 +81,27 @@ def test_command_line(tmp_path):
     assert chat[chat.index("--chat-template") + 1] == vllm_server.CHAT_TEMPLATE
 
 
+def test_a_checkpoint_with_its_own_chat_template_is_served_with_it(tmp_path):
+    """A trained model (the real SmolLM2's GGUF conversion) answers chat in its own template, so that it ends its
+    answer with its end-of-turn token; only a checkpoint without one gets the plain template."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    assert "--chat-template" not in server(tmp_path, serve={"api": "chat"}).command(2**20)
+    (tmp_path / "ckpt" / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "ckpt" / "chat_template.jinja").write_text("{{ messages }}")
+    assert "--chat-template" not in server(tmp_path, serve={"api": "chat"}).command(2**20)
+
+
+def test_the_default_kv_cache_holds_one_sequence_of_the_models_whole_length():
+    """vLLM refuses to start where one max_position_embeddings-long sequence does not fit its KV cache (the real
+    SmolLM2: 8192 positions, 30 layers, 3 key-value heads of 64, fp32 = 360 MiB, above the 256 MiB default)."""
+    real = workload({"preset": "tiny-llama", "hidden_size": 576, "num_heads": 9, "num_kv_heads": 3,
+                     "num_layers": 30, "max_position_embeddings": 8192, "intermediate_size": 64})
+    needed = 2 * 30 * 3 * 64 * 4 * 8192
+    assert needed < vllm_server.default_kv_bytes(real) <= needed * 1.1 + 2**20
+    assert vllm_server.default_kv_bytes(workload()) == vllm_server.KV_CACHE_BYTES  # a tiny model: as before
+
+
 def test_requests_force_the_length_and_ask_for_token_ids(tmp_path):
     s = server(tmp_path)
     assert s.forces_output_length

@@ -77,6 +77,12 @@ SERVE_COLUMNS = [
 ]
 
 
+# Serving with output lengths not forced (serve.ignore_eos = false): the answers' lengths each engine chose
+OUTPUT_COLUMNS = [("out_tokens_p50", "out tok p50", ".0f"), ("out_tokens_p90", "out tok p90", ".0f"),
+                  ("out_tokens_mean", "out tok mean", ".1f"), ("out_tokens_max", "out tok max", ".0f"),
+                  ("eos_share", "EOS share", ".0%"), ("cap_share", "cap share", ".0%")]
+
+
 def row_metrics(summary, baseline_losses: list[float | None] | None) -> dict[str, float | int | str | None]:
     """The comparison columns of one run, from its summary."""
     s = summary
@@ -94,6 +100,10 @@ def row_metrics(summary, baseline_losses: list[float | None] | None) -> dict[str
             st = getattr(v, f"{metric}_ms")
             out[f"{metric}_p50_ms"] = st.p50 if st else None
             out[f"{metric}_p99_ms"] = st.p99 if st else None
+        if not v.output_length_forced and v.output_tokens:
+            n = v.output_tokens
+            out.update(out_tokens_p50=n.p50, out_tokens_p90=n.p90, out_tokens_mean=n.mean, out_tokens_max=n.max,
+                       eos_share=v.stopped_at_eos_share, cap_share=v.hit_cap_share)
         return out
     delta = loss_parity(baseline_losses, s.losses).max_abs_delta if s.losses and baseline_losses else None
     return {
@@ -120,8 +130,8 @@ EXPERT_COLUMNS = [("expert_cv", "expert CV", ".3f"), ("expert_max_over_mean", "e
 
 
 # A narrow terminal: the columns left out first, in this order, until the table fits (--columns chooses instead)
-NARROW_DROP = ["step_p90_s", "samples_per_s", "first_loss", "hfu", "eval_expert_cv", "expert_idle",
-               "expert_max_over_mean", "peak_memory_mib", "eval_loss_before",
+NARROW_DROP = ["step_p90_s", "samples_per_s", "out_tokens_p90", "out_tokens_max", "first_loss", "hfu",
+               "eval_expert_cv", "expert_idle", "expert_max_over_mean", "peak_memory_mib", "eval_loss_before",
                "ttft_p99_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2el_p99_ms", "e2el_p50_ms",
                "tpot_p50_ms", "valid"]
 
@@ -130,7 +140,7 @@ def column_keys(names: list[str]) -> list[str]:
     """The metric keys of columns named by key or by title (``tokens_per_s`` or ``tokens/s``, any case); an
     unknown name is one line listing the known ones."""
     known = {}
-    for key, title, _ in TRAIN_COLUMNS + SERVE_COLUMNS + EXPERT_COLUMNS + EVAL_COLUMNS + UTILISATION_COLUMNS:
+    for key, title, _ in TRAIN_COLUMNS + SERVE_COLUMNS + OUTPUT_COLUMNS + EXPERT_COLUMNS + EVAL_COLUMNS + UTILISATION_COLUMNS:
         known[key.lower()] = known[title.lower()] = key
     unknown = [n for n in names if n.strip().lower() not in known]
     if unknown:
@@ -226,13 +236,15 @@ class Comparison:
         (NARROW_DROP's order), saying which."""
         serve = any("request_throughput" in r.metrics for r in self.rows)
         shown = SERVE_COLUMNS if serve else TRAIN_COLUMNS
+        if any("out_tokens_p50" in r.metrics for r in self.rows):
+            shown = shown + OUTPUT_COLUMNS
         if any("expert_cv" in r.metrics for r in self.rows):
             shown = shown + EXPERT_COLUMNS
         shown = shown + [c for c in EVAL_COLUMNS if any(c[0] in r.metrics for r in self.rows)]
         shown = shown + [c for c in UTILISATION_COLUMNS if any(r.metrics.get(c[0]) is not None for r in self.rows)]
         if columns is not None:
             chosen = column_keys(columns)
-            every = TRAIN_COLUMNS + SERVE_COLUMNS + EXPERT_COLUMNS + EVAL_COLUMNS + UTILISATION_COLUMNS
+            every = TRAIN_COLUMNS + SERVE_COLUMNS + OUTPUT_COLUMNS + EXPERT_COLUMNS + EVAL_COLUMNS + UTILISATION_COLUMNS
             shown = [next(c for c in every if c[0] == key) for key in dict.fromkeys(chosen)]
         lines, left_out = self._lines(shown), []
         for key in NARROW_DROP if width is not None and columns is None else []:
@@ -240,8 +252,8 @@ class Comparison:
                 break
             if any(c[0] == key for c in shown):
                 shown = [c for c in shown if c[0] != key]
-                left_out.append(next(title for k, title, _ in TRAIN_COLUMNS + SERVE_COLUMNS + EXPERT_COLUMNS
-                                     + EVAL_COLUMNS + UTILISATION_COLUMNS if k == key))
+                left_out.append(next(title for k, title, _ in TRAIN_COLUMNS + SERVE_COLUMNS + OUTPUT_COLUMNS
+                                     + EXPERT_COLUMNS + EVAL_COLUMNS + UTILISATION_COLUMNS if k == key))
                 lines = self._lines(shown)
         if left_out:
             lines.insert(len(self.rows) + 2, f"left out to fit {width} columns: {', '.join(left_out)} "

@@ -113,6 +113,11 @@ def render_summary(s: dict[str, Any]) -> str:
         lines.append(f"output     {'forced (ignore_eos)' if v['output_length_forced'] else 'not forced: lengths as the engine chose'}"
                      + (f"; {per_chunk:.2f} tokens per chunk: ITL is per chunk, not per token"
                         if per_chunk and per_chunk > 1.01 else ""))
+        if not v["output_length_forced"] and v.get("output_tokens"):
+            n = v["output_tokens"]
+            lines.append(f"out tokens p50 {n['p50']:.0f}  p90 {n['p90']:.0f}  mean {n['mean']:.1f}  max {n['max']:.0f} "
+                         f"per request; {v['stopped_at_eos_share']:.0%} stopped at end-of-sequence, "
+                         f"{v['hit_cap_share']:.0%} at the cap (the length asked)")
         lines.append(f"validity   {v['validity']}")
         shared, hits = v.get("stream_prefix_share"), v.get("engine_prefix_cache_hit_share")
         if shared or hits:  # a stream with shared prefixes, or an engine that found some

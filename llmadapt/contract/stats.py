@@ -418,7 +418,19 @@ def serving_stats(records: list[dict[str, Any]], workload: Workload):
         client_cpu_ms_per_request=cpu_per_request, engine_itl_ms=engine_itl, bunched_share=bunched,
         tokens_per_chunk=tokens_per_chunk, stream_prefix_share=client.get("stream_prefix_share") if client else None,
         engine_prefix_cache_hit_share=_engine_counter_share(records, (client or {}).get("prefix_cache_metrics")),
+        **_output_lengths(ok),
     )
+
+
+def _output_lengths(ok: list[dict[str, Any]]) -> dict[str, Any]:
+    """The output-length distribution of completed requests, and how they ended: at the cap (finish reason
+    'length', or as many tokens as asked where the engine gives no reason) or before it (end-of-sequence)."""
+    counted = [r for r in ok if r["output_tokens"] is not None]
+    capped = [r["finish_reason"] == "length" if r.get("finish_reason") is not None
+              else r["output_tokens"] >= r.get("requested_output_tokens", r["output_tokens"]) for r in counted]
+    return {"output_tokens": describe([r["output_tokens"] for r in counted]),
+            "stopped_at_eos_share": capped.count(False) / len(capped) if capped else None,
+            "hit_cap_share": capped.count(True) / len(capped) if capped else None}
 
 
 def _stall_cause(client: dict[str, Any]) -> str:

