@@ -99,19 +99,36 @@ def check_data_fits(workload: Workload, checkpoint: Path) -> None:
             not (checkpoint / "tokenizer.json").is_file():
         return
     from llmadapt.adapter.context import IGNORE
+    from llmadapt.chattemplate import read_chat_template
     from llmadapt.runtime.data import TokenData
 
-    data, seq_len = TokenData(workload, CheckpointTokenizer(checkpoint)), workload.train.seq_len
-    for step in range(workload.train.total_steps if workload.data.source == "jsonl" else 0):
-        if not data.loss_tokens(step):
-            raise WorkloadError("train.seq_len", seq_len, f"no answer token of step {step}'s samples fits within it "
-                                f"(each of their prompts takes more than {seq_len} tokens of the model's tokenizer): "
-                                "raise train.seq_len, or give shorter prompts")
+    chat = read_chat_template(checkpoint)
+    formats = {workload.data.format if workload.data.source == "jsonl" else None,
+               (workload.eval.format or workload.data.format) if workload.eval.path else None}
+    if "sharegpt" in formats and chat is None:
+        raise WorkloadError("data.format", "sharegpt", f"renders conversations in the model's chat template, and "
+                            f"{workload.model.path or 'preset ' + repr(workload.model.preset)} has none "
+                            "(chat_template.jinja or tokenizer_config.json's chat_template)")
+    try:
+        data, seq_len = TokenData(workload, CheckpointTokenizer(checkpoint), chat), workload.train.seq_len
+        for step in range(workload.train.total_steps if workload.data.source == "jsonl" else 0):
+            _check_step(data, step, seq_len)
+    except WorkloadError:
+        raise
+    except ValueError as exc:  # a chat template that cannot be rendered, or no conversation that fits
+        raise WorkloadError("data.format", workload.data.format, str(exc)) from None
     # held-out examples are cut to seq_len too: with no answer token left, their loss would be NaN
     if data.has_answers and not any(t != IGNORE for e in data.eval_examples() for t in e.sample.labels):
         raise WorkloadError("train.seq_len", seq_len, f"no answer token of the {workload.eval.examples} held-out "
                             f"examples (eval) fits within it (each of their prompts takes more than {seq_len} tokens "
                             "of the model's tokenizer): raise train.seq_len, or give shorter prompts")
+
+
+def _check_step(data, step: int, seq_len: int) -> None:
+    if not data.loss_tokens(step):
+        raise WorkloadError("train.seq_len", seq_len, f"no answer token of step {step}'s samples fits within it "
+                            f"(each of their prompts takes more than {seq_len} tokens of the model's tokenizer): "
+                            "raise train.seq_len, or give shorter prompts")
 
 
 class CheckpointTokenizer:
