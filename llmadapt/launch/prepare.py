@@ -107,7 +107,7 @@ def check_data_fits(workload: Workload, checkpoint: Path) -> None:
                (workload.eval.format or workload.data.format) if workload.eval.path else None}
     if "sharegpt" in formats and chat is None:
         raise WorkloadError("data.format", "sharegpt", f"renders conversations in the model's chat template, and "
-                            f"{workload.model.path or 'preset ' + repr(workload.model.preset)} has none "
+                            f"{workload.model.path or 'model ' + repr(workload.model.name)} has none "
                             "(chat_template.jinja or tokenizer_config.json's chat_template)")
     try:
         data, seq_len = TokenData(workload, CheckpointTokenizer(checkpoint), chat), workload.train.seq_len
