@@ -16,9 +16,19 @@ from llmadapt.errors import WorkloadError
 
 # A ChatML-like template on the tiny tokenizer's own special tokens (<s>, </s>), with a default system turn as
 # SmolLM2's has: template text before, between and after the answers.
-TEMPLATE = ("{% if messages[0]['role'] != 'system' %}<s>system\nBrief.</s>\n{% endif %}"
-            "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+# Written as templates are, a tag a line: transformers renders with trim_blocks and lstrip_blocks, so the newlines
+# after the tags are not in the text.
+TEMPLATE = """{% if messages[0]['role'] != 'system' %}
+<s>system
+Brief.</s>
+{% endif %}
+{% for m in messages %}
+<s>{{ m['role'] }}
+{{ m['content'] }}{{ eos_token }}
+  {% endfor %}
+{% if add_generation_prompt %}
+<s>assistant
+{% endif %}"""
 TINY = ["kind=finetune", "data.source=jsonl", "data.format=sharegpt", "train.seq_len=64", "train.global_batch=2",
         "train.steps=2", "train.warmup_steps=0", "telemetry.interval_s=0"]
 
@@ -168,7 +178,7 @@ def test_eval_share_is_refused_where_it_cannot_split(tmp_path):
         assert caught.value.field == field, settings
 
 
-def test_a_model_without_a_chat_template_is_refused_before_launch(tmp_path):
+def test_a_model_without_a_usable_chat_template_is_refused_before_launch(tmp_path):
     """The tiny presets' tokenizer has no chat template: refused in one line naming data.format, nothing run."""
     from llmadapt.launch.prepare import check_data_fits
     from llmadapt.models import build_tokenizer
@@ -177,7 +187,14 @@ def test_a_model_without_a_chat_template_is_refused_before_launch(tmp_path):
     w = Workload().with_overrides([*TINY, f"data.path={write(tmp_path / 'c.json', conversations())}"])
     with pytest.raises(WorkloadError) as caught:
         check_data_fits(w, tmp_path / "tok")
-    assert caught.value.field == "data.format" and "chat template" in str(caught.value)
+    assert caught.value.field == "data.format" and "has none" in str(caught.value)
+    # a template whose turns differ by what follows them (here an indent before each turn but the generation
+    # prompt's) cannot tell the answers' tokens from the rest: refused too
+    (tmp_path / "tok" / "chat_template.jinja").write_text(TEMPLATE.replace("<s>{{ m['role'] }}", "  <s>{{ m['role'] }}"))
+    with pytest.raises(WorkloadError) as caught:
+        check_data_fits(w, tmp_path / "tok")
+    assert caught.value.field == "data.format" and "earlier turns followed by the next" in str(caught.value)
+    assert "\n" not in str(caught.value)
 
 
 # -- the real model ------------------------------------------------------------------------------------------------
