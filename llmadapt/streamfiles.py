@@ -13,10 +13,16 @@ Nothing here tokenizes: lengths in tokens are the planner's (llmadapt.runtime.st
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
+import re
+import tempfile
+from pathlib import Path
 from typing import Any
+
+from llmadapt.host import state_dir
 
 HUMAN = ("human", "user")
 ASSISTANT = ("gpt", "assistant", "chatgpt", "bard", "model")
@@ -56,19 +62,133 @@ def _jsonl(path: str):
 
 
 # -- ShareGPT -----------------------------------------------------------------------------------
+COPIES = "sharegpt"
+"""The state folder's sub-folder of completed ShareGPT files (``complete_sharegpt``), named by the source's
+sha256."""
+_LAYOUT = "the ShareGPT layout is one JSON list of conversations"
+
+
 def read_sharegpt(path: str) -> list[list[tuple[str, str]]]:
     """Every conversation as its (human text, assistant text) pairs, in file order; a conversation whose turns do
-    not start with a human turn followed by an assistant one gives the pairs before that point (possibly none)."""
-    return _read_sharegpt(*_stamp(path))
+    not start with a human turn followed by an assistant one gives the pairs before that point (possibly none).
+    A file cut short is read from its completed copy (``complete_sharegpt``)."""
+    return _read_sharegpt(*_stamp(path))[0]
+
+
+def complete_sharegpt(path: str) -> tuple[str, dict[str, Any]]:
+    """The ShareGPT file to read for ``path``, and what was done to it. A complete file is itself. A JSON list cut
+    short (complete entries, then a partial one, as a download or a package may ship it) is completed once: its
+    complete entries are written, atomically, as a valid ShareGPT file under the state folder, named by the
+    source's sha256 (``<state>/sharegpt/<sha12>.json``), so that every reader (llmadapt's planner, a worker, another
+    tool such as ``vllm bench serve --dataset-path``) reads the same file. ``facts``: the source's file name,
+    sha256 and bytes, the conversations kept, the bytes dropped and ``path_used``. Any other layout problem
+    raises ValueError (one line)."""
+    _, used, facts = _read_sharegpt(*_stamp(path))
+    return used, dict(facts)
 
 
 @functools.lru_cache(maxsize=4)
-def _read_sharegpt(path: str, size: int, mtime: int) -> list[list[tuple[str, str]]]:
+def _read_sharegpt(path: str, size: int, mtime: int):
+    from llmadapt.modelfolder import file_sha256
+
+    text = _sharegpt_text(path)
+    if not text.strip():
+        raise ValueError(f"is empty: {_LAYOUT}")
+    used, dropped = path, 0
     try:
-        data = json.loads(_text(path))
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"is not JSON ({exc.msg} at line {exc.lineno}): the ShareGPT layout is one JSON list of "
-                         "conversations") from None
+        end, entries = _complete_prefix(text, exc)
+        _pairs(entries)  # a layout problem in the kept entries is refused before anything is written
+        sha = file_sha256(Path(path))
+        used = str(state_dir() / COPIES / f"{sha[:12]}.json")
+        _write_once(Path(used), text[:end] + "\n]\n")
+        dropped = size - len(text[:end].encode("utf-8"))
+        data = json.loads(Path(used).read_text(encoding="utf-8"))  # what every other reader reads
+    pairs = _pairs(data)
+    facts = {"format": "sharegpt", "file": os.path.basename(path), "sha256": file_sha256(Path(path)),
+             "bytes": size, "conversations": len(data), "bytes_dropped": dropped, "path_used": used}
+    return pairs, used, facts
+
+
+def _sharegpt_text(path: str) -> str:
+    """The file's text; a file cut inside a multi-byte character loses that character's bytes."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot be read: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.reason == "unexpected end of data" and exc.start >= len(data) - 3:
+            return data[:exc.start].decode("utf-8")
+        raise ValueError(f"is not UTF-8 text (byte {exc.start})") from None
+
+
+_SPACE = re.compile(r"\s*")
+
+
+def _complete_prefix(text: str, error: json.JSONDecodeError) -> tuple[int, list[Any]]:
+    """Where the last complete entry of a JSON list cut short ends, and the complete entries; ValueError naming the damage for text that is
+    not such a list (cut before its first entry ends, or damaged anywhere but at its end)."""
+    damaged = ValueError(f"is not JSON ({error.msg} at line {error.lineno}): {_LAYOUT}")
+    decoder = json.JSONDecoder()
+    i = _SPACE.match(text).end()
+    if not text.startswith("[", i):
+        raise damaged
+    i, end, entries = i + 1, None, []
+    while True:
+        i = _SPACE.match(text, i).end()
+        if entries:
+            if i == len(text):
+                break  # cut just after an entry
+            if not text.startswith(",", i):
+                raise damaged
+            i = _SPACE.match(text, i + 1).end()
+        try:
+            entry, j = decoder.raw_decode(text, i)
+        except json.JSONDecodeError as exc:
+            if not _cut_there(text, exc):
+                raise ValueError(f"is not JSON ({exc.msg} at line {exc.lineno}): {_LAYOUT}") from None
+            break
+        i, end = j, j
+        entries.append(entry)
+    if end is None:
+        raise ValueError(f"is cut short before its first complete conversation ({len(text)} characters): {_LAYOUT}")
+    return end, entries
+
+
+def _cut_there(text: str, exc: json.JSONDecodeError) -> bool:
+    """A decoding error that only the end of the text explains: a string, or a last token (a word, a number, an
+    escape) cut short; a closing bracket or brace in what is left means damage (a trailing comma, say)."""
+    rest = text[exc.pos:].rstrip()
+    return exc.msg.startswith("Unterminated string") or (len(rest) < 7 and not any(c in rest for c in "]},"))
+
+
+def _write_once(target: Path, text: str) -> None:
+    """``text`` as ``target``, atomically (a temporary file renamed): a reader sees the whole file or none. A
+    writer killed before the rename leaves a hidden temporary file, which the next writer removes."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{target}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one writer; the others find the file written
+        if target.is_file():
+            return
+        for stale in target.parent.glob(f".{target.name}.*"):
+            stale.unlink(missing_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        try:
+            os.fchmod(fd, 0o644)  # readable as any data file (mkstemp makes it the owner's only)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def _pairs(data: Any) -> list[list[tuple[str, str]]]:
     if not isinstance(data, list):
         raise ValueError("must be a JSON list of conversations, each {\"conversations\": [{\"from\": \"human\", "
                          "\"value\": ...}, {\"from\": \"gpt\", \"value\": ...}]}")

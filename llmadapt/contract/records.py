@@ -21,7 +21,7 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.17"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.18"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
@@ -35,7 +35,8 @@ SCHEMA_VERSION = "1.17"  # 1.1: end records, summary warnings; 1.2: client_load 
 # engine_prefix_cache_hit_share; 1.12: the step's sample_length_squares (the attention term's context); 1.13: the
 # header's model_source (a GGUF model's file hash, tensor types, dequantized); 1.14: the header's and the summary's
 # weights (per module class: stored format, count and bytes); 1.15: the summary's topology (rank 0's); 1.16: the interference
-# record's run_delay_threads; 1.17: the evaluation's split and split_counts
+# record's run_delay_threads; 1.17: the header's request_source (a request-stream file: its sha256, what was read of it);
+# 1.18: the evaluation's split and split_counts
 
 
 @attrs.frozen
@@ -98,6 +99,27 @@ class ModelSource:
     """The dtype the weights were dequantized to for the run ('float32'); None where they were not."""
     converted_hash: str | None = None
     """The content hash of the model folder the file was converted to (what the stacks loaded)."""
+
+
+@attrs.frozen
+class RequestSource:
+    """The request-stream file a serving run read (serve.source.path of a ShareGPT source): the file as given, and
+    the file read, which is a completed copy where the given one was cut short (llmadapt.streamfiles)."""
+
+    format: Literal["sharegpt"]
+    file: str
+    """The given file's name."""
+    sha256: str
+    """The given file's sha256 (all 64 hex digits)."""
+    bytes: int
+    """The given file's size."""
+    conversations: int
+    """The conversations read (all of a complete file; the complete ones of a file cut short)."""
+    bytes_dropped: int
+    """The bytes of the given file left out: 0 for a complete file; the partial conversation at the end of one cut
+    short."""
+    path_used: str
+    """The file read: the given one, or its completed copy in the state folder (what another tool should read)."""
 
 
 @attrs.frozen
@@ -203,6 +225,8 @@ class Header:
     weights: list[WeightClass] = attrs.field(factory=list)
     """Training workers whose adapter reports it: the model's weights per module class and storage format, after
     loading (before LoRA); empty where not reported."""
+    request_source: RequestSource | None = None
+    """Serving runs that read a ShareGPT file: its hash and what of it was read; None otherwise."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["header"] = "header"
 

@@ -31,6 +31,7 @@ from llmadapt.launch.supervise import interrupt_text
 from llmadapt.runtime import interference, lifecycle
 from llmadapt.runtime.loadgen import LoadGenerator, redact, sent_secrets
 from llmadapt.runtime.requests import plan_requests
+from llmadapt.runtime.streams import completed_note, request_source
 from llmadapt.spec import Workload
 
 
@@ -101,6 +102,9 @@ def new_point(workload: Workload, info, out, run_id: str | None, progress) -> Lo
     if progress:
         progress({"type": "start", "run_dir": str(run_dir), "adapter": info.name, "label": workload.label,
                   "world_size": 1, "launcher": launcher})
+        note = completed_note(request_source(workload))
+        if note:
+            progress({"type": "warning", "message": note})
     return LoadPoint(workload, launch.run_id, run_dir, launch)
 
 
@@ -349,6 +353,7 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
                 p.launch, framework_version=redact(server.engine_version(), secrets), device=None,
                 software=software_versions(("aiohttp", "tokenizers")), patches=list(server.patches), workload=w,
                 checkpoint_hash=_recorded_hash(w, checkpoint), model_source=_recorded_source(checkpoint),
+                request_source=request_source(w),
                 notes=list(getattr(server, "notes", []))))  # a server written before notes may not call our __init__
             run = LoadGenerator(server, w, plan_requests(w, tokenizer), writer, progress).run(session)
             engine = _engine_group(engine_dir)

@@ -28,6 +28,7 @@ from llmadapt.contract.rundir import RunDir
 from llmadapt.runtime import lifecycle
 from llmadapt.runtime.device import Place
 from llmadapt.runtime.requests import plan_requests
+from llmadapt.runtime.streams import request_source
 from llmadapt.spec import Workload
 
 
@@ -49,7 +50,7 @@ def run_offline(run_dir: Path) -> int:
         engine = getattr(importlib.import_module(module), name)(workload, checkpoint)
         writer.write(run_header(launch, framework_version=engine.version(), workload=workload,
                                 checkpoint_hash=launch.checkpoint_hash, device=None, software={}, patches=[],
-                                model_source=recorded_source(checkpoint)))
+                                model_source=recorded_source(checkpoint), request_source=request_source(workload)))
         warmup = [r for r in plan if r.warmup]
         measured = [r for r in plan if not r.warmup]
         if warmup:

@@ -15,9 +15,10 @@ import random
 import attrs
 
 from llmadapt.adapter.context import PlannedRequest
+from llmadapt.contract.records import RequestSource
 from llmadapt.errors import LlmadaptError
 from llmadapt.spec import Workload
-from llmadapt.streamfiles import read_mooncake, read_prompts, read_sharegpt
+from llmadapt.streamfiles import complete_sharegpt, read_mooncake, read_prompts, read_sharegpt
 
 
 @attrs.frozen
@@ -79,6 +80,23 @@ def plan_stream(workload: Workload, tokenizer, rng: random.Random, pool: list[st
                 history = prompt + ("\n" if s.source.path else "") + answer
         return plan
     raise ValueError(f"serve.source.kind {kind!r} has no planner")
+
+
+def request_source(workload: Workload) -> RequestSource | None:
+    """What the header records of the ShareGPT file a serve workload reads (None for other sources)."""
+    src = workload.serve.source
+    if src.kind not in ("sharegpt", "multi_turn") or not src.path:
+        return None
+    return RequestSource(**complete_sharegpt(src.path)[1])
+
+
+def completed_note(source: RequestSource | None) -> str | None:
+    """The line that tells the user a ShareGPT file was cut short and which copy is read instead."""
+    if source is None or not source.bytes_dropped:
+        return None
+    return (f"serve.source.path {source.file} is cut short ({source.bytes:,} bytes, sha256 {source.sha256[:12]}): "
+            f"reading its {source.conversations:,} complete conversations ({source.bytes_dropped:,} bytes of a partial "
+            f"one dropped) from {source.path_used}")
 
 
 def _range(mean: int, ratio: float) -> tuple[int, int]:
