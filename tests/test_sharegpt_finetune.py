@@ -149,19 +149,16 @@ def test_held_out_conversations_never_train(folder, tmp_path):
 
 
 def test_a_file_not_in_the_sharegpt_layout_is_refused_in_one_line(tmp_path):
-    """JSONL rows, one object, entries without conversations or turns without text, a file cut short: each named
-    in one line on data.path, before anything starts."""
+    """JSONL rows, one object, entries without conversations, turns without text: each named in one line on
+    data.path, before anything starts (a list cut short is read from its completed copy: llmadapt.streamfiles)."""
     jsonl = tmp_path / "rows.jsonl"
     jsonl.write_text('{"instruction": "a", "answer": "b"}\n{"instruction": "c", "answer": "d"}\n')
     one = tmp_path / "one.json"
     one.write_text('{"conversations": []}')
     no_turns = write(tmp_path / "no-turns.json", [{"id": "x", "turns": []}])
     bad_turn = write(tmp_path / "bad-turn.json", [{"conversations": [{"from": "human", "text": "hi"}]}])
-    cut = tmp_path / "cut.json"
-    cut.write_text(json.dumps(conversations())[:-200])
     for path, why in ((jsonl, "is not JSON"), (one, "must be a JSON list of conversations"),
-                      (no_turns, 'entry 0 has no "conversations" list'), (bad_turn, "entry 0, turn 0 needs"),
-                      (cut, "is not JSON")):
+                      (no_turns, 'entry 0 has no "conversations" list'), (bad_turn, "entry 0, turn 0 needs")):
         with pytest.raises(WorkloadError) as caught:
             Workload().with_overrides([*TINY, f"data.path={path}"])
         assert caught.value.field == "data.path" and why in str(caught.value) and "\n" not in str(caught.value)
@@ -171,7 +168,8 @@ def test_eval_share_is_refused_where_it_cannot_split(tmp_path):
     path = write(tmp_path / "c.json", conversations())
     for settings, field in ((["eval.examples=5", "eval.share=1"], "eval.share"),
                             (["eval.share=0.3"], "eval.share"),
-                            (["eval.examples=5", "eval.share=0.0000001"], "eval.share"),
+                            (["eval.examples=5", "eval.share=0.0000001"], "eval.share"),  # holds out none
+                            (["eval.examples=5", "eval.share=0.9999999"], "eval.share"),  # holds out all
                             (["eval.examples=5", "eval.match=number"], "eval.match")):
         with pytest.raises(WorkloadError) as caught:
             Workload().with_overrides([*TINY, f"data.path={path}", *settings])

@@ -102,20 +102,14 @@ def check_data_fits(workload: Workload, checkpoint: Path) -> None:
     from llmadapt.chattemplate import read_chat_template
     from llmadapt.runtime.data import TokenData
 
-    chat = read_chat_template(checkpoint)
-    formats = {workload.data.format if workload.data.source == "jsonl" else None,
-               (workload.eval.format or workload.data.format) if workload.eval.path else None}
-    if "sharegpt" in formats and chat is None:
-        raise WorkloadError("data.format", "sharegpt", f"renders conversations in the model's chat template, and "
-                            f"{workload.model.path or 'model ' + repr(workload.model.name)} has none "
-                            "(chat_template.jinja or tokenizer_config.json's chat_template)")
     try:
-        data, seq_len = TokenData(workload, CheckpointTokenizer(checkpoint), chat), workload.train.seq_len
+        data = TokenData(workload, CheckpointTokenizer(checkpoint), read_chat_template(checkpoint))
+        seq_len = workload.train.seq_len
         for step in range(workload.train.total_steps if workload.data.source == "jsonl" else 0):
             _check_step(data, step, seq_len)
     except WorkloadError:
         raise
-    except ValueError as exc:  # a chat template that cannot be rendered, or no conversation that fits
+    except ValueError as exc:  # conversations: no chat template, one that cannot be rendered, none that fits
         raise WorkloadError("data.format", workload.data.format, str(exc)) from None
     # held-out examples are cut to seq_len too: with no answer token left, their loss would be NaN
     if data.has_answers and not any(t != IGNORE for e in data.eval_examples() for t in e.sample.labels):

@@ -122,8 +122,9 @@ class TokenData:
 
     def _need_chat(self):
         if self._chat is None:
-            raise ValueError("data.format 'sharegpt' renders conversations in the model's chat template, and this "
-                             "model has none (chat_template.jinja or tokenizer_config.json's chat_template)")
+            m = self.w.model
+            raise ValueError(f"renders conversations in the model's chat template, and {m.path or repr(m.name)} has "
+                             "none (chat_template.jinja or tokenizer_config.json's chat_template)")
         return self._chat
 
     @staticmethod
