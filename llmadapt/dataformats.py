@@ -147,8 +147,8 @@ def held_out(content: object, share: float) -> bool:
 
 def split_rule(share: float) -> str:
     """The content-hash split's rule, as the trace records it."""
-    return (f"content hash: held out when the first 64 bits of sha256(canonical JSON of the row or conversation's "
-            f"exchanges) / 2^64 < eval.share = {share:g}; evaluated in hash order")
+    return (f"content hash: held out where sha256 of its canonical JSON (first 64 bits / 2^64) < eval.share = "
+            f"{share:g}; evaluated in hash order")
 
 
 def _label(value: object) -> int | None:

@@ -141,6 +141,17 @@ def test_the_held_out_split_depends_on_each_conversations_content_alone(folder, 
                                   "without_exchange": 1, "held_out_too_long": 0}
 
 
+def test_show_prints_the_split_beside_the_evaluations(folder, tmp_path):
+    from llmadapt.analysis.report import render_evaluations
+
+    data = token_data(folder, write(tmp_path / "c.json", conversations()), "eval.examples=20", "eval.share=0.3")
+    point = {"step": 0, "examples": 12, "tokens": 90, "loss": 1.0, "perplexity": 2.7, "token_accuracy": 0.5,
+             "exact_match": 0.0, "choice_accuracy": None, "seconds": 1.0, "split": data.split_rule,
+             "split_counts": data.split_counts}
+    line = next(x for x in render_evaluations([point]) if x.startswith("split"))
+    assert data.split_rule in line and f"held out {data.split_counts['held_out']}" in line
+
+
 def test_held_out_conversations_never_train(folder, tmp_path):
     """No training sample of any epoch is a held-out conversation's."""
     data = token_data(folder, write(tmp_path / "c.json", conversations()), "eval.examples=20", "eval.share=0.3")
