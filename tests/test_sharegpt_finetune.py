@@ -159,6 +159,22 @@ def test_held_out_conversations_never_train(folder, tmp_path):
     assert held and not held & {tuple(data.sample(i).input_ids) for i in range(80)}
 
 
+def test_eval_path_may_be_another_sharegpt_file(folder, tmp_path):
+    """eval.path in the ShareGPT layout: its first eval.examples conversations (with an exchange), in file order;
+    data.path then trains whole."""
+    train = write(tmp_path / "train.json", conversations(10))
+    held = write(tmp_path / "held.json", [{"conversations": []}, *conversations(40)[30:]])
+    data = token_data(folder, train, f"eval.path={held}", "eval.examples=3")
+    expected = token_data(folder, write(tmp_path / "first.json", conversations(40)[30:33]))
+    assert [e.prompt for e in data.eval_examples()] == \
+        [expected._chats.example(i).prompt for i in range(3)]
+    assert data.split_counts == {"held_out": 3, "evaluated": 3}
+    assert len(data._chats) == 10 and data.split_rule.startswith("eval.path")
+    with pytest.raises(WorkloadError) as caught:
+        Workload().with_overrides([*TINY, f"data.path={train}", f"eval.path={held}", "eval.examples=11"])
+    assert caught.value.field == "eval.examples"
+
+
 def test_a_file_not_in_the_sharegpt_layout_is_refused_in_one_line(tmp_path):
     """JSONL rows, one object, entries without conversations, turns without text: each named in one line on
     data.path, before anything starts (a list cut short is read from its completed copy: llmadapt.streamfiles)."""
