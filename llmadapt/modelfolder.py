@@ -11,9 +11,9 @@ with the shape the config gives; the tokenizer and generation files are JSON, an
 tokenizer whose vocabulary fits the model's. Only headers are read, so checking a 140 GB folder takes
 milliseconds.
 
-The content hash covers the config, the weights index, each shard's sha256 and the tokenizer files (the chat template too). Hashing
-shards reads every byte once; the result is cached in the state folder by path, size and modification time,
-so the next workload on the same folder costs a stat per shard.
+The content hash covers the config, the weights index, each shard's sha256 and the tokenizer files (the chat
+template too). Hashing shards reads every byte once; the result is cached in the state folder by path, size and
+modification time, so the next workload on the same folder costs a stat per shard.
 
 Light (json, struct, hashlib; ``tokenizers`` for the vocabulary), so the workload spec can use it.
 It is over 400 lines because it is the one place that knows how a folder's weights are laid out (the tensor

@@ -215,7 +215,8 @@ def test_a_model_without_a_usable_chat_template_is_refused_before_launch(tmp_pat
     assert caught.value.field == "data.format" and "has none" in str(caught.value)
     # a template whose turns differ by what follows them (here an indent before each turn but the generation
     # prompt's) cannot tell the answers' tokens from the rest: refused too
-    (tmp_path / "tok" / "chat_template.jinja").write_text(TEMPLATE.replace("<s>{{ m['role'] }}", "  <s>{{ m['role'] }}"))
+    indented = TEMPLATE.replace("<s>{{ m['role'] }}", "  <s>{{ m['role'] }}")
+    (tmp_path / "tok" / "chat_template.jinja").write_text(indented)
     with pytest.raises(WorkloadError) as caught:
         check_data_fits(w, tmp_path / "tok")
     assert caught.value.field == "data.format" and "earlier turns followed by the next" in str(caught.value)

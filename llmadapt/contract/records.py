@@ -35,8 +35,8 @@ SCHEMA_VERSION = "1.18"  # 1.1: end records, summary warnings; 1.2: client_load 
 # engine_prefix_cache_hit_share; 1.12: the step's sample_length_squares (the attention term's context); 1.13: the
 # header's model_source (a GGUF model's file hash, tensor types, dequantized); 1.14: the header's and the summary's
 # weights (per module class: stored format, count and bytes); 1.15: the summary's topology (rank 0's); 1.16: the interference
-# record's run_delay_threads; 1.17: the header's request_source (a request-stream file: its sha256, what was read of it);
-# 1.18: the evaluation's split and split_counts
+# record's run_delay_threads; 1.17: the header's request_source (a request-stream file: its sha256, what was read of
+# it); 1.18: the evaluation's split and split_counts
 
 
 @attrs.frozen

@@ -287,7 +287,8 @@ class TokenData:
         out = []
         for x in self._held:
             options = [self._pack(x.prompt, c) for c in x.choices] if x.choices else None
-            out.append(EvalExample(self._pack(x.prompt, x.answer, x.loss_mask), options, x.answer_index if x.choices else None,
+            out.append(EvalExample(self._pack(x.prompt, x.answer, x.loss_mask), options,
+                                   x.answer_index if x.choices else None,
                                    x.prompt, x.number))
         return out
 
