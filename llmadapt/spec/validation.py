@@ -4,6 +4,7 @@ before anything starts. A field's own check is its validator (``llmadapt.spec.fi
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -170,8 +171,6 @@ def _check_eval(w, data_rows: int | None) -> None:
 
 def _check_share(w, data_rows: int | None) -> None:
     """eval.share: a content-hash split of data.path that leaves rows on both sides."""
-    from llmadapt.dataformats import held_out
-
     e = w.eval
     if not e.share < 1:
         raise WorkloadError("eval.share", e.share, "must be below 1 (the share of data.path held out of training)")
@@ -181,20 +180,29 @@ def _check_share(w, data_rows: int | None) -> None:
     if e.format is not None:
         raise WorkloadError("eval.format", e.format, "is the layout of eval.path: held-out rows of data.path are "
                             "read with data.format")
-    if w.data.format == "sharegpt":
-        from llmadapt.streamfiles import read_sharegpt
-
-        contents = [pairs for pairs in read_sharegpt(w.data.path) if pairs]
-    else:
-        contents = [json.loads(line) for line in Path(w.data.path).read_text(encoding="utf-8").splitlines()
-                    if line.strip()]
-    held = sum(held_out(c, e.share) for c in contents)
+    stat = Path(w.data.path).stat()
+    held, rows = _held_out_count(w.data.path, stat.st_size, stat.st_mtime_ns, w.data.format, e.share)
     if not held:
         raise WorkloadError("eval.share", e.share, f"holds out none of data.path's {data_rows} examples (by content "
                             "hash): raise it")
-    if held == len(contents):
+    if held == rows:
         raise WorkloadError("eval.share", e.share, f"holds out all of data.path's {data_rows} examples (by content "
                             "hash): training needs at least one")
+
+
+@functools.lru_cache(maxsize=8)
+def _held_out_count(path: str, size: int, mtime: int, fmt: str, share: float) -> tuple[int, int]:
+    """How many of the file's rows eval.share holds out, of how many: cached by the file's size and time, as a
+    workload is built again for every override and adapter."""
+    from llmadapt.dataformats import held_out
+
+    if fmt == "sharegpt":
+        from llmadapt.streamfiles import read_sharegpt
+
+        contents = [pairs for pairs in read_sharegpt(path) if pairs]
+    else:
+        contents = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return sum(held_out(c, share) for c in contents), len(contents)
 
 
 def _check_jsonl(d: DataSpec, path: str, field_name: str, choices: bool = False, fmt: str | None = None,
