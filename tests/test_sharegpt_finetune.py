@@ -159,6 +159,16 @@ def test_held_out_conversations_never_train(folder, tmp_path):
     assert held and not held & {tuple(data.sample(i).input_ids) for i in range(80)}
 
 
+def test_a_conversation_whose_answer_starts_beyond_seq_len_is_passed_over(folder, tmp_path):
+    """Its samples would train nothing: training's order and evaluation skip it, on every epoch."""
+    long = {"conversations": [{"from": "human", "value": "tell me " * 40}, {"from": "gpt", "value": "No."}]}
+    data = token_data(folder, write(tmp_path / "c.json", [long, *conversations(6)]))
+    assert data._chats.example(0) is None
+    samples = [data.sample(i) for i in range(18)]  # three epochs of the six that fit
+    assert all(any(t != IGNORE for t in s.labels) for s in samples)
+    assert len({tuple(s.input_ids) for s in samples}) == 6
+
+
 def test_eval_path_may_be_another_sharegpt_file(folder, tmp_path):
     """eval.path in the ShareGPT layout: its first eval.examples conversations (with an exchange), in file order;
     data.path then trains whole."""

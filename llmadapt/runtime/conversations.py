@@ -64,9 +64,9 @@ class ChatExamples:
                 out.append(example)
         return out
 
-    def nth(self, index: int, order: Callable[[int, int], list[int]]):
-        """The index-th fitting conversation of the global order: epoch after epoch of ``order(epoch, n)`` (a
-        permutation of range(n)), conversations that do not fit passed over."""
+    def nth(self, index: int, order: Callable[[int], list[int]]):
+        """The index-th fitting conversation of the global order: epoch after epoch of ``order(epoch)`` (a
+        permutation of the conversations' indices), conversations that do not fit passed over."""
         found = self._walk(0, index, order)
         if index < len(found):
             return self.example(found[index])
@@ -75,9 +75,9 @@ class ChatExamples:
         epoch, pos = divmod(index, len(found))  # epoch 0 walked to its end: every epoch has this many
         return self.example(self._walk(epoch, pos, order)[pos])
 
-    def _walk(self, epoch: int, upto: int, order: Callable[[int, int], list[int]]) -> list[int]:
+    def _walk(self, epoch: int, upto: int, order: Callable[[int], list[int]]) -> list[int]:
         found, at = self._walks.get(epoch, ([], 0))
-        permutation = order(epoch, len(self))
+        permutation = order(epoch)
         while len(found) <= upto and at < len(permutation):
             if self.example(permutation[at]) is not None:
                 found.append(permutation[at])

@@ -144,7 +144,7 @@ class TokenData:
             example = self._examples[self._order(epoch)[pos]]
         return self._pack(example.prompt, example.answer, example.loss_mask)
 
-    def _order(self, epoch: int, _n: int | None = None) -> list[int]:
+    def _order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
             order = list(range(len(self._examples)))
             random.Random(f"{self.w.seed}:epoch:{epoch}").shuffle(order)
