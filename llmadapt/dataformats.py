@@ -12,14 +12,23 @@ launch (llmadapt.spec), the workers tokenize what it returns (llmadapt.runtime.d
   a number or its text as the published files have it); the prompt is the context, each ending a continuation.
 - ``gsm8k``: ``question``, ``answer`` whose last line is '#### <number>' (the reasoning before it is trained on
   too); exact match compares that number with the last number of the generated text.
+- ``sharegpt``: not JSONL but one JSON list of ShareGPT conversations (llmadapt.streamfiles.read_sharegpt), each
+  rendered in the model's chat template with its answers trained on (llmadapt.chattemplate); no row functions.
+
+``held_out``: the content-hash split (eval.share): whether a row or conversation is held out depends on its text
+alone, not on the file's order or on which other rows are there.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from typing import NamedTuple
 
-FORMATS = ("prompt-answer", "instruction-input-output", "hellaswag", "gsm8k")
+FORMATS = ("prompt-answer", "instruction-input-output", "hellaswag", "gsm8k", "sharegpt")
+WHOLE_FILE = ("sharegpt",)
+"""Formats read as one JSON document, not line by line: ``problem`` and ``parse`` do not apply."""
 
 TEMPLATE = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
             "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
@@ -122,6 +131,24 @@ def parse(row: dict, fmt: str, prompt_field: str = "instruction", answer_field: 
     if fmt == "gsm8k":
         return Row(row["question"] + "\n", row["answer"], None, None, gsm8k_number(row["answer"]))
     raise ValueError(f"unknown data format {fmt!r}")
+
+
+def content_hash(content: object) -> float:
+    """Where CONTENT (a parsed row, a conversation's exchanges) falls in [0, 1): the first 64 bits of the sha256 of
+    its canonical JSON. The same for the same text whatever file, order or machine."""
+    text = json.dumps(content, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2.0 ** 64
+
+
+def held_out(content: object, share: float) -> bool:
+    """The content-hash split: CONTENT is held out of training when its hash falls below SHARE."""
+    return content_hash(content) < share
+
+
+def split_rule(share: float) -> str:
+    """The content-hash split's rule, as the trace records it."""
+    return (f"content hash: held out where sha256 of its canonical JSON (first 64 bits / 2^64) < eval.share = "
+            f"{share:g}; evaluated in hash order")
 
 
 def _label(value: object) -> int | None:

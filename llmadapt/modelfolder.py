@@ -11,9 +11,9 @@ with the shape the config gives; the tokenizer and generation files are JSON, an
 tokenizer whose vocabulary fits the model's. Only headers are read, so checking a 140 GB folder takes
 milliseconds.
 
-The content hash covers the config, the weights index, each shard's sha256 and the tokenizer files. Hashing
-shards reads every byte once; the result is cached in the state folder by path, size and modification time,
-so the next workload on the same folder costs a stat per shard.
+The content hash covers the config, the weights index, each shard's sha256 and the tokenizer files (the chat
+template too). Hashing shards reads every byte once; the result is cached in the state folder by path, size and
+modification time, so the next workload on the same folder costs a stat per shard.
 
 Light (json, struct, hashlib; ``tokenizers`` for the vocabulary), so the workload spec can use it.
 It is over 400 lines because it is the one place that knows how a folder's weights are laid out (the tensor
@@ -38,6 +38,7 @@ from llmadapt.host import state_dir
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 4.51+ saves a tokenizer's chat template
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HEADER_LIMIT = 100 << 20  # safetensors' own limit on a header
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "C64": 8, "I32": 4, "U32": 4,
@@ -422,10 +423,11 @@ def _tokenizer_size(folder: Path) -> int:
 
 
 def content_hash(folder: str | Path) -> str:
-    """sha256 over config, weights index, each shard's sha256 and the tokenizer files (first 20 hex digits)."""
+    """sha256 over config, weights index, each shard's sha256 and the tokenizer files, chat template included (first
+    20 hex digits)."""
     folder = Path(folder)
     digest = hashlib.sha256()
-    for name in ("config.json", INDEX, *TOKENIZER_FILES):
+    for name in ("config.json", INDEX, *TOKENIZER_FILES, CHAT_TEMPLATE_FILE):
         if (folder / name).is_file():
             digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
     for shard in shards(folder):

@@ -203,6 +203,9 @@ def render_evaluations(points: list[dict[str, Any]]) -> list[str]:
 
     lines = [f"evaluation {points[0]['examples']} held-out examples, {points[0]['tokens']} scored tokens "
              "(step 0: before training)"]
+    if points[0].get("split"):
+        counts = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in (points[0].get("split_counts") or {}).items())
+        lines.append(f"split      {points[0]['split']}" + (f" ({counts})" if counts else ""))
     head = ["step", "loss", "perplexity", "token acc", "exact match", "choice acc", "seconds"]
     rows = [[str(e["step"]), f"{e['loss']:.4f}", f"{e['perplexity']:.3g}", f"{e['token_accuracy']:.3f}",
              fmt(e.get("exact_match"), ".3f"), fmt(e.get("choice_accuracy"), ".3f"), f"{e['seconds']:.2f}"]

@@ -21,7 +21,7 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.18"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.19"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
@@ -35,7 +35,9 @@ SCHEMA_VERSION = "1.18"  # 1.1: end records, summary warnings; 1.2: client_load 
 # engine_prefix_cache_hit_share; 1.12: the step's sample_length_squares (the attention term's context); 1.13: the
 # header's model_source (a GGUF model's file hash, tensor types, dequantized); 1.14: the header's and the summary's
 # weights (per module class: stored format, count and bytes); 1.15: the summary's topology (rank 0's); 1.16: the interference
-# record's run_delay_threads; 1.17: the header's request_source (a request-stream file: its sha256, what was read of it)
+# record's run_delay_threads; 1.17: the header's request_source (a request-stream file: its sha256, what was read of
+# it); 1.18: the serving stats' output_tokens, stopped_at_eos_share and hit_cap_share; 1.19: the evaluation's split
+# and split_counts
 
 
 @attrs.frozen
@@ -615,6 +617,12 @@ class Evaluation:
     """MoE models: tokens per expert per layer over the examples' real tokens (padding left out)."""
     expert_near_ties: list[int] | None = None
     """Per layer, tokens routed by a near-tie (llmadapt.adapter.moe): where two stacks' loads may differ."""
+    split: str | None = None
+    """How the held-out examples were chosen (the file's last rows, eval.path, or eval.share's content-hash rule);
+    None for synthetic data."""
+    split_counts: dict[str, int] | None = None
+    """The split's counts: train, held_out, evaluated; for conversations also without_exchange (no human/gpt
+    exchange to train on) and held_out_too_long (held out, but no answer token within train.seq_len)."""
     type: Literal["evaluation"] = "evaluation"
 
 

@@ -99,19 +99,30 @@ def check_data_fits(workload: Workload, checkpoint: Path) -> None:
             not (checkpoint / "tokenizer.json").is_file():
         return
     from llmadapt.adapter.context import IGNORE
+    from llmadapt.chattemplate import read_chat_template
     from llmadapt.runtime.data import TokenData
 
-    data, seq_len = TokenData(workload, CheckpointTokenizer(checkpoint)), workload.train.seq_len
-    for step in range(workload.train.total_steps if workload.data.source == "jsonl" else 0):
-        if not data.loss_tokens(step):
-            raise WorkloadError("train.seq_len", seq_len, f"no answer token of step {step}'s samples fits within it "
-                                f"(each of their prompts takes more than {seq_len} tokens of the model's tokenizer): "
-                                "raise train.seq_len, or give shorter prompts")
+    try:
+        data = TokenData(workload, CheckpointTokenizer(checkpoint), read_chat_template(checkpoint))
+        seq_len = workload.train.seq_len
+        for step in range(workload.train.total_steps if workload.data.source == "jsonl" else 0):
+            _check_step(data, step, seq_len)
+    except WorkloadError:
+        raise
+    except ValueError as exc:  # conversations: no chat template, one that cannot be rendered, none that fits
+        raise WorkloadError("data.format", workload.data.format, str(exc)) from None
     # held-out examples are cut to seq_len too: with no answer token left, their loss would be NaN
     if data.has_answers and not any(t != IGNORE for e in data.eval_examples() for t in e.sample.labels):
         raise WorkloadError("train.seq_len", seq_len, f"no answer token of the {workload.eval.examples} held-out "
                             f"examples (eval) fits within it (each of their prompts takes more than {seq_len} tokens "
                             "of the model's tokenizer): raise train.seq_len, or give shorter prompts")
+
+
+def _check_step(data, step: int, seq_len: int) -> None:
+    if not data.loss_tokens(step):
+        raise WorkloadError("train.seq_len", seq_len, f"no answer token of step {step}'s samples fits within it "
+                            f"(each of their prompts takes more than {seq_len} tokens of the model's tokenizer): "
+                            "raise train.seq_len, or give shorter prompts")
 
 
 class CheckpointTokenizer:

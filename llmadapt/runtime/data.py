@@ -1,7 +1,9 @@
 """Token data for training workers: synthetic or from a file, cut into the same global batches in the same
 order whatever the data-parallel layout (each rank takes its share of every global step); and the held-out
 examples evaluation reads (workload.eval), the same on every stack. Files are read in their layout
-(data.format, eval.format: llmadapt.dataformats), already checked row by row when the workload was built.
+(data.format, eval.format: llmadapt.dataformats), already checked row by row when the workload was built;
+ShareGPT conversations in the model's chat template (llmadapt.runtime.conversations). Which rows are held out, and
+how many on each side, is ``split_rule`` and ``split_counts`` (the evaluation records carry them).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import NamedTuple
 import attrs
 
 from llmadapt.adapter.context import IGNORE, MicroBatch, Sample, StepBatch
-from llmadapt.dataformats import parse
+from llmadapt.dataformats import content_hash, parse, split_rule
+from llmadapt.runtime.conversations import ChatExamples
 from llmadapt.spec import Workload
 
 RESERVED = 4  # token ids below this are special tokens; synthetic data avoids them
@@ -29,6 +32,9 @@ class Example(NamedTuple):
     choices: list[list[int]] | None = None
     answer_index: int | None = None
     number: str | None = None
+    loss_mask: tuple[bool, ...] | None = None
+    """Which answer tokens are trained on (a conversation: its answers, not the user's turns between them); None:
+    all of them."""
 
 
 @attrs.frozen
@@ -46,7 +52,8 @@ class EvalExample:
 
 
 class TokenData:
-    def __init__(self, workload: Workload, tokenizer=None) -> None:
+    def __init__(self, workload: Workload, tokenizer=None, chat=None) -> None:
+        """``chat``: the model's chat template (llmadapt.chattemplate.read_chat_template), for conversations."""
         self.w = workload
         self.seq_len = workload.train.seq_len
         self._examples: list[Example] | None = None
@@ -54,6 +61,10 @@ class TokenData:
         self._tokenizer = tokenizer
         self._orders: dict[int, list[int]] = {}
         self._row_starts = [0]  # packing: the global index of each packed row's first sample, and the next row's
+        self._chat = chat
+        self._chats: ChatExamples | None = None
+        self.split_rule: str | None = None
+        self.split_counts: dict[str, int] | None = None
         e = workload.eval
         if workload.data.source == "jsonl" or e.path:
             if tokenizer is None:
@@ -61,19 +72,77 @@ class TokenData:
             # Many published tokenizers (Llama's) have no pad token: padding is masked out of the loss anyway.
             self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
         if workload.data.source == "jsonl":
-            self._examples = self._load_jsonl(Path(workload.data.path), tokenizer, workload.data.format)
-            if e.examples and not e.path:  # the file's last rows are held out of training
-                self._examples, self._held = self._examples[: -e.examples], self._examples[-e.examples:]
+            self._load_training(Path(workload.data.path), tokenizer)
         if e.examples and e.path:
-            self._held = self._load_jsonl(Path(e.path), tokenizer, e.format or workload.data.format)[: e.examples]
+            fmt = e.format or workload.data.format
+            if fmt == "sharegpt":
+                conversations = [p for p in self._conversations(Path(e.path)) if p]
+                self._held = ChatExamples(conversations, tokenizer, self._need_chat(), self.seq_len,
+                                          Example).fitting(range(len(conversations)), e.examples)
+            else:
+                self._held = self._load_jsonl(Path(e.path), tokenizer, fmt)[: e.examples]
+            self.split_rule = f"eval.path: its first {e.examples} examples"
+            self.split_counts = {"held_out": len(self._held), "evaluated": len(self._held)}
+
+    def _load_training(self, path: Path, tokenizer) -> None:
+        """data.path's examples, less the held-out ones: by content hash (eval.share), or the file's last rows."""
+        e, sharegpt = self.w.eval, self.w.data.format == "sharegpt"
+        if sharegpt:
+            everything = self._conversations(path)
+            contents = examples = [pairs for pairs in everything if pairs]
+        else:
+            examples = self._load_jsonl(path, tokenizer, self.w.data.format)
+            contents = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        held: list = []
+        if e.examples and e.share:
+            hashes = [content_hash(c) for c in contents]
+            # in hash order: the same examples evaluated whatever the file's order
+            held = [examples[i] for i in sorted((i for i, h in enumerate(hashes) if h < e.share),
+                                                key=hashes.__getitem__)]
+            examples = [x for x, h in zip(examples, hashes) if h >= e.share]
+            self.split_rule = split_rule(e.share)
+        elif e.examples and not e.path:
+            examples, held = examples[: -e.examples], examples[-e.examples:]
+            self.split_rule = f"the file's last {e.examples} examples"
+        if sharegpt:
+            self._chats = ChatExamples(examples, tokenizer, self._need_chat(), self.seq_len, Example)
+            self._examples = self._chats
+        else:
+            self._examples = examples
+        if not self.split_rule:
+            return
+        counts = {"train": len(examples), "held_out": len(held)}
+        if sharegpt:
+            chats = ChatExamples(held, tokenizer, self._need_chat(), self.seq_len, Example)
+            self._held = chats.fitting(range(len(held)), e.examples)
+            counts.update(without_exchange=len(everything) - len(contents), held_out_too_long=chats.passed_over)
+        else:
+            self._held = held[: e.examples]
+        self.split_counts = {**counts, "evaluated": len(self._held)}
+
+    def _need_chat(self):
+        if self._chat is None:
+            m = self.w.model
+            raise ValueError(f"renders conversations in the model's chat template, and {m.path or repr(m.name)} has "
+                             "none (chat_template.jinja or tokenizer_config.json's chat_template)")
+        return self._chat
+
+    @staticmethod
+    def _conversations(path: Path) -> list:
+        from llmadapt.streamfiles import read_sharegpt
+
+        return read_sharegpt(str(path))
 
     # -- global order ---------------------------------------------------------------
     def sample(self, index: int) -> Sample:
         if self._examples is None:
             return self._synthetic(index)
-        epoch, pos = divmod(index, len(self._examples))
-        example = self._examples[self._order(epoch)[pos]]
-        return self._pack(example.prompt, example.answer)
+        if self._chats is not None:
+            example = self._chats.nth(index, self._order)
+        else:
+            epoch, pos = divmod(index, len(self._examples))
+            example = self._examples[self._order(epoch)[pos]]
+        return self._pack(example.prompt, example.answer, example.loss_mask)
 
     def _order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
@@ -218,7 +287,8 @@ class TokenData:
         out = []
         for x in self._held:
             options = [self._pack(x.prompt, c) for c in x.choices] if x.choices else None
-            out.append(EvalExample(self._pack(x.prompt, x.answer), options, x.answer_index if x.choices else None,
+            out.append(EvalExample(self._pack(x.prompt, x.answer, x.loss_mask), options,
+                                   x.answer_index if x.choices else None,
                                    x.prompt, x.number))
         return out
 
@@ -256,10 +326,13 @@ class TokenData:
             raise ValueError(f"{path}: no examples")
         return examples
 
-    def _pack(self, prompt: list[int], answer: list[int]) -> Sample:
+    def _pack(self, prompt: list[int], answer: list[int], mask: tuple[bool, ...] | None = None) -> Sample:
         x = (prompt + answer)[: self.seq_len + 1]
-        # label position t predicts x[t+1]: no loss while x[t+1] is still part of the prompt
-        labels = [tok if t + 1 >= len(prompt) else IGNORE for t, tok in enumerate(x[1:])]
+        # label position t predicts x[t+1]: no loss while x[t+1] is still part of the prompt, nor where the answer's
+        # mask leaves it out (a conversation's user turns)
+        n = len(prompt)
+        labels = [tok if t + 1 >= n and (mask is None or mask[t + 1 - n]) else IGNORE for t, tok in enumerate(x[1:])]
         length = len(x) - 1
         pad = self.seq_len - length
         return Sample(input_ids=x[:-1] + [self._pad] * pad, labels=labels + [IGNORE] * pad, length=length)
+

@@ -110,6 +110,7 @@ def evaluate_folder(folder: Path, data: TokenData, device) -> dict:
         "token_accuracy": hits / tokens if tokens else float("nan"),
         "exact_match": exact / len(examples) if answers else None,
         "choice_accuracy": choice_right / choice_total if choice_total else None,
+        "split": data.split_rule, "split_counts": data.split_counts,
     }
     if counter is not None:
         out["expert_load"] = counter.counts.tolist()

@@ -83,6 +83,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
             os.environ["NCCL_P2P_DISABLE"] = "1"
         worker.join_group(device)
 
+        from llmadapt.chattemplate import read_chat_template
         from llmadapt.models import canonical_checkpoint, recorded_source, recorded_weights_hash
 
         checkpoint = canonical_checkpoint(workload.model, workload.seed)
@@ -95,7 +96,7 @@ def run_worker(run_dir: Path, place: Place | None = None) -> int:
         worker.at_teardown(lambda: _maybe_fault(launch.fault, place.rank, "teardown"))
         worker.at_teardown(lambda: trainer.teardown())
         setup = _set_up(trainer, place.rank, ctx.is_cuda)
-        data = TokenData(workload, _tokenizer(workload, checkpoint))
+        data = TokenData(workload, _tokenizer(workload, checkpoint), read_chat_template(checkpoint))
         dp_rank, dp_size = trainer.data_rank()
 
         writer.write(run_header(
@@ -263,6 +264,7 @@ def _save(trainer: Trainer, workload, checkpoint: Path, rank: int) -> Metric:
     the tokenizer and generation config of the checkpoint it started from; every rank waits for the folder."""
     import shutil
 
+    from llmadapt.chattemplate import TEMPLATE_FILE
     from llmadapt.modelfolder import TOKENIZER_FILES
 
     start = time.perf_counter()
@@ -271,7 +273,7 @@ def _save(trainer: Trainer, workload, checkpoint: Path, rank: int) -> Metric:
         folder.mkdir(parents=True, exist_ok=True)
     trainer.save_pretrained(folder, adapter_only=workload.save.lora == "adapter")
     if rank == 0:
-        for name in (*TOKENIZER_FILES, "generation_config.json"):
+        for name in (*TOKENIZER_FILES, TEMPLATE_FILE, "generation_config.json"):
             if (checkpoint / name).is_file():
                 shutil.copyfile(checkpoint / name, folder / name)
     if workload.world_size > 1:

@@ -73,11 +73,12 @@ class EvalSpec:
     the last (docs/workloads.md). The same examples, order and metric code on every stack (llmadapt.runtime.evaluation)."""
 
     examples: int = attrs.field(default=0, validator=at_least(0))
-    """Held-out examples; 0: no evaluation. Without ``path``, a jsonl data set's last ``examples`` rows are held out
-    of training, and synthetic data gets a stream of its own (other seeds than training's)."""
+    """Held-out examples; 0: no evaluation. Without ``path`` or ``share``, a jsonl data set's last ``examples`` rows
+    are held out of training, and synthetic data gets a stream of its own (other seeds than training's)."""
     path: str | None = None
     """A JSONL file of held-out examples (its first ``examples`` rows), with data's prompt and answer fields and an
-    optional ``choices`` list (multiple choice: the answer is one of them)."""
+    optional ``choices`` list (multiple choice: the answer is one of them); for eval.format 'sharegpt', a ShareGPT
+    file (its first ``examples`` conversations with an answer token within train.seq_len)."""
     every: int = attrs.field(default=0, validator=at_least(0))
     """Also evaluate after every N steps (warm-up steps count: they train too); 0: before and after only."""
     batch: int = attrs.field(default=16, validator=at_least(1))
@@ -88,6 +89,11 @@ class EvalSpec:
     """What exact match compares: 'tokens' (every answer token is the greedy one, teacher-forced) or 'number' (the
     last number greedy generation writes against the answer's number, GSM8K's rule); default: 'number' for the
     gsm8k format, else 'tokens'. Left out of the hashes when unset."""
+    share: float = attrs.field(default=0.0, validator=at_least(0.0))
+    """Hold out rows of data.path by content hash: a row (a conversation, for data.format 'sharegpt') is held out
+    of training when the hash of its content falls below ``share`` (in [0, 1)), whatever the file's order or the
+    other rows; the held-out rows are evaluated in hash order, at most ``examples`` of them. 0: the file's last
+    ``examples`` rows instead. Left out of the hashes when 0."""
 
     def resolved_match(self, data_format: str) -> str:
         return self.match or ("number" if (self.format or data_format) == "gsm8k" else "tokens")

@@ -4,6 +4,7 @@ before anything starts. A field's own check is its validator (``llmadapt.spec.fi
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -91,11 +92,36 @@ def check_workload(w) -> None:
             raise WorkloadError("data.path", w.data.path, "data.source = 'jsonl' needs a path to a JSONL file")
         if not Path(w.data.path).is_file():
             raise WorkloadError("data.path", w.data.path, not_a_file(w.data.path))
-        # held-out rows are scored as eval says (eval.format without eval.path is refused below)
-        held_here = bool(w.eval.examples) and w.eval.path is None and w.eval.format is None
-        rows = _check_jsonl(w.data, w.data.path, "data.path",
-                            number=held_here and w.eval.resolved_match(w.data.format) == "number")
+        if w.data.format == "sharegpt":
+            rows = _check_sharegpt(w.data.path, "data.path")
+        else:
+            # held-out rows are scored as eval says (eval.format without eval.path is refused below)
+            held_here = bool(w.eval.examples) and w.eval.path is None and w.eval.format is None
+            rows = _check_jsonl(w.data, w.data.path, "data.path",
+                                number=held_here and w.eval.resolved_match(w.data.format) == "number")
+    if "sharegpt" in (w.data.format, w.eval.format):
+        _check_chats(w)
     _check_eval(w, rows)
+
+
+def _check_chats(w) -> None:
+    """Conversations (data.format or eval.format 'sharegpt') are trained on and scored token by token."""
+    if w.kind == "serve":
+        raise WorkloadError("data.format", "sharegpt", "conversations are training data: a serve workload reads a "
+                            "ShareGPT file as serve.source.kind = 'sharegpt'")
+    if w.eval.match == "number":
+        raise WorkloadError("eval.match", "number", "conversations have no final number to match: use 'tokens'")
+
+
+def _check_sharegpt(path: str, field_name: str) -> int:
+    """A ShareGPT file (one JSON list of conversations): its layout checked, in one line naming the entry.
+    Returns the number of conversations with at least one human/gpt exchange."""
+    from llmadapt.streamfiles import read_sharegpt
+
+    try:
+        return sum(1 for pairs in read_sharegpt(path) if pairs)
+    except ValueError as exc:
+        raise WorkloadError(field_name, path, f"{exc} (data.format 'sharegpt')") from None
 
 
 def _check_packing(w) -> None:
@@ -113,13 +139,22 @@ def _check_packing(w) -> None:
 def _check_eval(w, data_rows: int | None) -> None:
     e = w.eval
     if not e.examples:
-        for name in ("path", "every"):
+        for name in ("path", "every", "share"):
             if getattr(e, name):
                 raise WorkloadError(f"eval.{name}", getattr(e, name), "needs eval.examples > 0 (how many to evaluate)")
         return
+    if e.share:
+        _check_share(w, data_rows)
+        return
     if w.kind == "serve":
         raise WorkloadError("eval.examples", e.examples, "evaluation is for train and finetune workloads")
-    if e.path is not None:
+    if e.path is not None and (e.format or w.data.format) == "sharegpt":
+        if not Path(e.path).is_file():
+            raise WorkloadError("eval.path", e.path, not_a_file(e.path))
+        rows = _check_sharegpt(e.path, "eval.path")
+        if e.examples > rows:
+            raise WorkloadError("eval.examples", e.examples, f"more than the {rows} conversations in eval.path")
+    elif e.path is not None:
         if not Path(e.path).is_file():
             raise WorkloadError("eval.path", e.path, not_a_file(e.path))
         rows = _check_jsonl(w.data, e.path, "eval.path", choices=True, fmt=e.format or w.data.format,
@@ -132,6 +167,42 @@ def _check_eval(w, data_rows: int | None) -> None:
     elif data_rows is not None and e.examples >= data_rows:
         raise WorkloadError("eval.examples", e.examples, f"holds out too many of data.path's {data_rows} examples: "
                             "training needs at least one (or give eval.path)")
+
+
+def _check_share(w, data_rows: int | None) -> None:
+    """eval.share: a content-hash split of data.path that leaves rows on both sides."""
+    e = w.eval
+    if not e.share < 1:
+        raise WorkloadError("eval.share", e.share, "must be below 1 (the share of data.path held out of training)")
+    if e.path is not None or w.data.source != "jsonl":
+        raise WorkloadError("eval.share", e.share, "holds out rows of data.path (data.source = 'jsonl'), not with "
+                            "eval.path")
+    if e.format is not None:
+        raise WorkloadError("eval.format", e.format, "is the layout of eval.path: held-out rows of data.path are "
+                            "read with data.format")
+    stat = Path(w.data.path).stat()
+    held, rows = _held_out_count(w.data.path, stat.st_size, stat.st_mtime_ns, w.data.format, e.share)
+    if not held:
+        raise WorkloadError("eval.share", e.share, f"holds out none of data.path's {data_rows} examples (by content "
+                            "hash): raise it")
+    if held == rows:
+        raise WorkloadError("eval.share", e.share, f"holds out all of data.path's {data_rows} examples (by content "
+                            "hash): training needs at least one")
+
+
+@functools.lru_cache(maxsize=8)
+def _held_out_count(path: str, size: int, mtime: int, fmt: str, share: float) -> tuple[int, int]:
+    """How many of the file's rows eval.share holds out, of how many: cached by the file's size and time, as a
+    workload is built again for every override and adapter."""
+    from llmadapt.dataformats import held_out
+
+    if fmt == "sharegpt":
+        from llmadapt.streamfiles import read_sharegpt
+
+        contents = [pairs for pairs in read_sharegpt(path) if pairs]
+    else:
+        contents = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return sum(held_out(c, share) for c in contents), len(contents)
 
 
 def _check_jsonl(d: DataSpec, path: str, field_name: str, choices: bool = False, fmt: str | None = None,

@@ -214,10 +214,12 @@ def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
         data.pop(key)
     if not data["eval"]["examples"]:
         data.pop("eval")
-    else:  # eval.format and eval.match unset, data.format at its default: left out, so older hashes stay
+    else:  # eval.format, eval.match and eval.share unset, data.format at its default: left out, so older hashes stay
         for key in ("format", "match"):
             if data["eval"][key] is None:
                 data["eval"].pop(key)
+        if not data["eval"]["share"]:
+            data["eval"].pop("share")
     if data["data"]["format"] == "prompt-answer":
         data["data"].pop("format")
     if not data["data"]["packing"]:
