@@ -101,6 +101,7 @@ def run_bare(workload, device) -> dict:
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
+    from llmadapt.chattemplate import read_chat_template
     from llmadapt.models import canonical_checkpoint
     from llmadapt.runtime.data import TokenData
 
@@ -114,7 +115,12 @@ def run_bare(workload, device) -> dict:
     model.train()
     cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[w.train.optimizer]
     optimizer = cls(model.parameters(), lr=w.train.lr, weight_decay=w.train.weight_decay)
-    data = TokenData(w)
+    tokenizer = None
+    if w.data.source == "jsonl":  # text: the canonical tokenizer, as llmadapt's worker reads it
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(checkpoint))
+    data = TokenData(w, tokenizer, read_chat_template(checkpoint))
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     steps, losses = [], []

@@ -178,3 +178,37 @@ def test_slurm_options_that_cannot_work_are_one_line_before_anything_runs(tmp_pa
     with pytest.raises(LlmadaptError, match="needs Slurm's sbatch"):
         tune(small(), ["torch"], slurm=[], out=tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_race_that_settles_early_spends_the_rest_of_its_budget_on_the_candidates_not_yet_probed(tmp_path):
+    """Round 1 stops at half the budget; when the race then ends with one candidate standing, the budget left goes
+    to the candidates round 1 could not afford (before, tune stopped there with half its budget unspent), raced
+    against the one standing. Probes here cost 10 s each and the verdict drops every candidate but 'fast'."""
+    import random
+
+    from llmadapt.experiments.tune import _Search
+    from llmadapt.experiments.tunespace import Candidate
+
+    w = small()
+    order = [Candidate("torch", (f"train.lr={i}",), w, f"c{i}") for i in range(10)]
+    order[2] = Candidate("torch", ("train.lr=fast",), w, "fast")
+
+    class Planted(_Search):
+        def probe(self, c):
+            self.used[c.key] = self.used.get(c.key, 0) + 1
+            self.results.setdefault(c.key, []).append(("", {"status": "ok"}, 10.0))
+
+        def _cut(self, alive, round_index):
+            for c in alive:
+                if c.label != "fast":
+                    self.dropped[c.key] = (round_index, "slower")
+            return [c for c in alive if c.label == "fast"]
+
+    search = Planted(found=None, state={"probes": []}, folder=tmp_path, objective="tokens_per_s", budget_s=100,
+                     probe_steps=None, max_memory=None, max_step_s=None, price=None, log=lambda m: None,
+                     run_options={})
+    search.race(order, max_runs=3, rng=random.Random(0), model=False)
+    assert search.spent() == 100  # the whole budget: 10 probes of 10 s
+    assert {c.key for c in order} <= set(search.results)  # every candidate probed once ...
+    assert search.unprobed == set()
+    assert len(search.results[order[2].key]) == 1  # ... and the one standing never raced alone

@@ -268,9 +268,24 @@ class _Search:
 
     # -- strategies ----------------------------------------------------------------------------------
     def race(self, order: list[Candidate], max_runs: int, rng: random.Random, model: bool = False) -> None:
-        alive = []
+        """Round 1 probes every candidate once while half the budget lasts (the other half is for the survivors'
+        repeats). A race that settles with budget left (one candidate standing, or every round run) goes on: the
+        candidates round 1 could not afford are probed with what is left, and raced against those still standing."""
+        alive = self._race(order, max_runs, rng, model, [], 0.5)
+        while alive is not None:
+            rest = [c for c in order if c.key in self.unprobed]
+            if not rest or not self.affordable():
+                return
+            self.unprobed -= {c.key for c in rest}
+            alive = self._race(rest, max_runs, rng, model, alive, 1.0)
+
+    def _race(self, order: list[Candidate], max_runs: int, rng: random.Random, model: bool,
+              standing: list[Candidate], share: float) -> list[Candidate] | None:
+        """Round 1 over ORDER (within SHARE of the budget), then rounds of repeats over those standing with the
+        STANDING ones; returns who stands at the end, or None when the budget ran out in a round of repeats."""
+        alive = list(standing)
         for c in order if model else ():  # round 1 of ``model``: each probe decided on those before it
-            if not (self._has_finished_run(c) or self.affordable(0.5)):
+            if not (self._has_finished_run(c) or self.affordable(share)):
                 self.unprobed.add(c.key)
                 continue
             skip = self._predicted_slower(c, alive)
@@ -280,19 +295,21 @@ class _Search:
             self.probe(c)
             if self._failed(c, 1) is None:
                 alive.append(c)
-        if not model:  # round 1: every candidate once, while the first half of the budget lasts
-            probed = self.run_round(order, 0.5)
+        if not model:
+            probed = self.run_round(order, share)
             self.unprobed |= {c.key for c in order if c not in probed}
-            alive = [c for c in probed if self._failed(c, 1) is None]
+            alive += [c for c in probed if self._failed(c, 1) is None]
         alive = self._cut(alive, 1)
         for round_index in range(2, max_runs + 1):
             if len(alive) < 2:
                 break
-            rng.shuffle(alive)
-            if len(self.run_round(alive)) < len(alive):
-                return  # the budget is spent
-            alive = [c for c in alive if self._failed(c, round_index) is None]
+            todo = [c for c in alive if self.used.get(c.key, 0) < round_index]  # the standing ones have theirs
+            rng.shuffle(todo)
+            if len(self.run_round(todo)) < len(todo):
+                return None  # the budget is spent
+            alive = [c for c in alive if c not in todo or self._failed(c, round_index) is None]
             alive = self._cut(alive, round_index)
+        return alive
 
     def _predicted_slower(self, c: Candidate, alive: list[Candidate]) -> str | None:
         """``model``: why the estimate, corrected by the measured/estimated ratio of the stack's probes so far (all
