@@ -210,6 +210,15 @@ class Server(abc.ABC):
     def engine_version(self) -> str:
         return ""
 
+    def engine_weights(self) -> str | None:
+        """The weights the engine runs, in words for a row's label (the header's ``engine_weights``): their
+        precision and quantization type, and where they came from where an adapter knows better than the workload
+        (llama.cpp: the GGUF type it serves). Called once the engine is ready; None when attached."""
+        if self.ctx.workload.serve.url:
+            return None
+        q = self.ctx.workload.serve.engine.quantization
+        return self.ctx.workload.precision + (f", quantization {q}" if q != "none" else "")
+
     def metrics_source(self) -> str:
         """Label for scraped metrics, e.g. 'vllm' or 'tgi'."""
         return self.ctx.adapter

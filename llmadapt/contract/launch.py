@@ -130,7 +130,7 @@ def run_header(launch: LaunchRequest, *, framework_version: str, device: Device 
                patches: list[Patch], rank: int = 0, local_rank: int = 0, world_size: int = 1,
                workload: Any = None, checkpoint_hash: str | None = None, topology: Topology | None = None,
                notes: list[str] | None = None, model_source: ModelSource | None = None,
-               weights: list[Any] | None = None) -> Header:
+               weights: list[Any] | None = None, engine_weights: str | None = None) -> Header:
     """The header of a process that starts measuring now, for the run ``launch`` asked for. ``workload``: the
     Workload this process resolved (its hashes and form are the header's); without it, the request's."""
     if workload is not None:
@@ -144,4 +144,5 @@ def run_header(launch: LaunchRequest, *, framework_version: str, device: Device 
         adapter=launch.adapter, adapter_version=launch.adapter_version, framework=launch.framework,
         framework_version=framework_version, launcher=launch.launcher, checkpoint_hash=checkpoint_hash,
         device=device, software=software, patches=patches, topology=topology, notes=list(notes or []),
-        model_source=model_source, weights=list(weights or []), **hashes)
+        model_source=model_source, weights=list(weights or []), engine_weights=engine_weights,
+        **hashes)

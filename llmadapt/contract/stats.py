@@ -29,6 +29,7 @@ from llmadapt.contract.records import (
     Evaluation,
     Failure,
     Patch,
+    Quality,
     Stats,
     Summary,
     WeightClass,
@@ -194,7 +195,16 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest,
         notes=_notes(headers.values()),
         weights=[WeightClass(**w) for w in head.get("weights", [])] if head else [],
         topology=_topology(headers),
+        quality=_last(records, "quality", Quality),
+        engine_weights=head.get("engine_weights") if head else None,
     )
+
+
+def _last(records: list[dict[str, Any]], kind: str, cls: type):
+    from llmadapt.contract.jsonl import from_json  # contract.jsonl imports this module
+
+    found = [r for r in records if r["type"] == kind]
+    return from_json(cls, found[-1]) if found else None
 
 
 def _evaluations(records: list[dict[str, Any]]) -> list[Evaluation] | None:

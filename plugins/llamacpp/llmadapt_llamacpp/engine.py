@@ -55,6 +55,20 @@ def gguf_for(checkpoint: Path, kind: str, cache: Path) -> tuple[Path, dict]:
         return target, {**summary, "converted_now": True}
 
 
+def as_shipped(source: Path) -> tuple[Path, dict]:
+    """model.path's GGUF file served as it is: what it holds, from its own header."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    counts: dict[str, int] = {}
+    for tensor in reader.tensors:
+        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    field = reader.get_field("general.file_type")
+    file_type = gguf.LlamaFileType(int(field.parts[-1][0])).name.removeprefix("MOSTLY_") if field else None
+    return source, {"path": str(source), "bytes": source.stat().st_size, "type": "source", "as_shipped": True,
+                    "file_type": file_type, "tensor_types": dict(sorted(counts.items())), "converted_now": False}
+
+
 def bounded_and_counted() -> None:
     """Completions stop at max_tokens, and streams end with usage: the tokens each completion generated (its
     end-of-generation token not counted, as llama-cpp-python's own non-streamed usage does not count it) and its
@@ -96,7 +110,8 @@ def bounded_and_counted() -> None:
 def main(settings_path: str) -> None:
     s = json.loads(Path(settings_path).read_text())
     try:
-        path, summary = gguf_for(Path(s["checkpoint"]), s["type"], Path(s["cache"]))
+        path, summary = as_shipped(Path(s["source"])) if s.get("source") else \
+            gguf_for(Path(s["checkpoint"]), s["type"], Path(s["cache"]))
     except ConversionError as exc:
         sys.exit(f"cannot write {s['checkpoint']} as GGUF: {exc}")
     Path(s["run_dir"], "gguf.json").write_text(json.dumps(summary, indent=2))
