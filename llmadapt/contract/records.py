@@ -632,6 +632,9 @@ class Quality:
     note: str | None = None
     """Why a figure is missing (an engine that returns no log-probabilities, texts it tokenized differently)."""
     seconds: float = 0.0
+    gate_min_share: float = 0.99
+    gate_output_tolerance: float = 0.10
+    """The gate the run was asked to judge by (serve.quality.min_share, output_tolerance; analysis.verdict)."""
     type: Literal["quality"] = "quality"
 
 

@@ -195,8 +195,6 @@ def aggregate(run_id: str, records: list[dict[str, Any]], launch: LaunchRequest,
         notes=_notes(headers.values()),
         weights=[WeightClass(**w) for w in head.get("weights", [])] if head else [],
         topology=_topology(headers),
-        quality=_last(records, "quality", Quality),
-        engine_weights=head.get("engine_weights") if head else None,
     )
 
 
@@ -270,6 +268,8 @@ def _aggregate_serve(run_id, records, launch, workload, headers, failures) -> Su
         breakdown=breakdown_summary([r for r in records if r["type"] == "breakdown"], 1),  # the engine's own steps
         notes=_notes(headers.values()),  # e.g. the reference server run under the profiler launcher
         topology=_topology(headers),
+        quality=_last(records, "quality", Quality),
+        engine_weights=head.get("engine_weights") if head else None,
     )
 
 

@@ -10,6 +10,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import attrs
+
 from llmadapt.contract.records import Quality
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
@@ -28,7 +30,8 @@ async def measure(server, session, workload, checkpoint: Path | None, run_dir: P
     given = {"checkpoint": str(Path(checkpoint).absolute()), "output_tokens": spec.output_tokens,
              "top_logprobs": spec.top_logprobs, "entries": entries}
     RunDir(run_dir).quality_file.write_text(json.dumps(given, indent=1))
-    return reference_scores(given)
+    return attrs.evolve(reference_scores(given), gate_min_share=spec.min_share,
+                        gate_output_tolerance=spec.output_tolerance)
 
 
 def reference_scores(given: dict) -> Quality:

@@ -12,7 +12,8 @@ engine's settings, such as llama.cpp's repeat penalty, hold here too), not strea
 The reference (``llmadapt.runtime.quality_reference``, in the tools environment, with torch) decodes and scores the
 same texts and compares. Engines name their top-k tokens by text, not id: both sides are bucketed by each token's
 text (U+FFFD removed, as llama-cpp-python drops an unfinished character's bytes), and the engine's mass outside its
-top-k is one more bucket. By the log-sum inequality the KL over these buckets is a lower bound of the full KL.
+top-k is one more bucket, and so are texts that several tokens read as (the byte pieces of one character). By the
+log-sum inequality the KL over these buckets is a lower bound of the full KL.
 
 This module runs in the orchestrator (no torch); the arithmetic here is shared with the reference.
 """
@@ -92,13 +93,16 @@ async def probe(server, session, spec) -> list[dict[str, Any]]:
 
 
 # -- the arithmetic, over buckets named by token text ---------------------------------------------------------------
-def engine_buckets(top: dict[str, float]) -> dict[str, float]:
+def engine_buckets(top: dict[str, float], known=None) -> dict[str, float]:
     """The engine's top-k log-probabilities as probabilities by plain text (tokens of one text summed), and the rest
-    of its mass as the TAIL bucket."""
+    of its mass as the TAIL bucket. ``known``: the texts that name one token alone; the others (the byte pieces of
+    a character, all of which read as '', or a text the reference has no token for) go to the TAIL, since the engine
+    names one of their tokens and the reference would sum them all."""
     out: dict[str, float] = {}
     for token, logprob in top.items():
         key = plain(token)
-        out[key] = out.get(key, 0.0) + math.exp(logprob)
+        if known is None or key in known:
+            out[key] = out.get(key, 0.0) + math.exp(logprob)
     out[TAIL] = max(0.0, 1.0 - sum(out.values()))
     return out
 

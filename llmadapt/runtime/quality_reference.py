@@ -18,12 +18,13 @@ from typing import Any
 from llmadapt.runtime.quality import TAIL, engine_buckets, first_divergence, lumped_kl, perplexity, plain
 
 
-def bucket_index(tokenizer, vocab_size: int) -> dict[str, list[int]]:
-    """Each plain token text -> the ids that decode to it (several ids can: byte pieces of one character)."""
+def bucket_index(tokenizer, vocab_size: int) -> dict[str, int]:
+    """Each plain token text that one token alone reads as -> that token's id (the byte pieces of a character all
+    read as '', and some texts several tokens read as: those are left out, lumped into the rest)."""
     index: dict[str, list[int]] = {}
     for i in range(vocab_size):
         index.setdefault(plain(tokenizer.decode([i])), []).append(i)
-    return index
+    return {text: ids[0] for text, ids in index.items() if len(ids) == 1}
 
 
 def greedy(model, tokenizer, prompt: str, max_tokens: int) -> list[int]:
@@ -48,8 +49,9 @@ def score_text(model, tokenizer, index, text: str, scored: dict[str, Any]) -> tu
     ids = tokenizer(text, return_tensors="pt").input_ids
     n = ids.shape[1]
     tokens, token_logprobs, tops = scored["tokens"], scored["token_logprobs"], scored["top_logprobs"]
-    if len(tokens) < n:
-        return [], f"the engine echoed {len(tokens)} tokens of a text the reference tokenizes into {n}"
+    if len(tokens) < n or any(plain(tokens[j]) != plain(tokenizer.decode(ids[0, j : j + 1])) for j in range(n)
+                              if plain(tokens[j]) and plain(tokenizer.decode(ids[0, j : j + 1]))):
+        return [], "the engine tokenized a held-out text unlike the reference's tokenizer: its log-probabilities left out"
     with torch.no_grad():
         logp = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
     out = []
@@ -58,10 +60,14 @@ def score_text(model, tokenizer, index, text: str, scored: dict[str, Any]) -> tu
         if not top or token_logprobs[j] is None:
             continue
         row = logp[j - 1].exp()
-        reference = {k: float(row[index[k]].sum()) for k in engine_buckets(top) if k != TAIL and k in index}
-        engine_top = max(top.items(), key=lambda kv: kv[1])[0]
-        out.append({"kl": lumped_kl(reference, engine_buckets(top)),
-                    "same_top": plain(engine_top) == plain(tokenizer.decode([int(row.argmax())])),
+        buckets = engine_buckets(top, index)
+        reference = {k: float(row[index[k]]) for k in buckets if k != TAIL}
+        engine_top = plain(max(top.items(), key=lambda kv: kv[1])[0])
+        reference_top = plain(tokenizer.decode([int(row.argmax())]))
+        out.append({"kl": lumped_kl(reference, buckets),
+                    # judged where the reference's top token has a text of its own (not a byte piece, which the
+                    # engine's top-k, keyed by text, may have kept another piece of)
+                    "same_top": engine_top == reference_top if reference_top in index else None,
                     "engine_logprob": float(token_logprobs[j]), "reference_logprob": float(logp[j - 1, ids[0, j]])})
     return out, None
 
@@ -109,7 +115,8 @@ def compare(checkpoint: Path, output_tokens: int, entries: list[dict[str, Any]])
         "note": "; ".join(dict.fromkeys(notes))[:300] or None,
     }
     if positions:
-        out.update(same_top_share=sum(p["same_top"] for p in positions) / len(positions),
+        judged = [p["same_top"] for p in positions if p["same_top"] is not None]
+        out.update(same_top_share=sum(judged) / len(judged) if judged else None,
                    kl_mean=statistics.fmean(p["kl"] for p in positions),
                    perplexity=perplexity([p["engine_logprob"] for p in positions]),
                    reference_perplexity=perplexity([p["reference_logprob"] for p in positions]))

@@ -145,6 +145,12 @@ class LlamaCppServer(OpenAICompatibleServer):
         if ctx.workload.serve.quality.texts:
             self.notes.append("logits_all on for the quality probe's log-probabilities: the prompt's every position "
                               "gets its logits computed, in the measured requests too")
+        self.patches.append(Patch(
+            framework="llama.cpp", name="echo-logprobs", kind="fix",
+            description="llama-cpp-python gives an echoed prompt's token i the log-probabilities of the logits computed "
+                        "at token i (the next token's distribution) when no BOS token comes first: the engine process "
+                        "recomputes them from row i-1 (the quality probe's perplexity and KL read them)",
+        ))
         found = self.installed()
         self._version = found.get("llama_cpp_python") or ""
         settings = self.settings()

@@ -1,0 +1,82 @@
+"""Quality beside speed (serve.quality): the top-k arithmetic, the gate, the spec, and the probe on real engines."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from llmadapt.analysis.verdict import quality_gate
+from llmadapt.contract.records import Quality
+from llmadapt.runtime.quality import TAIL, engine_buckets, first_divergence, held_out_texts, lumped_kl, plain
+from llmadapt.spec import QualitySpec, Workload
+from llmadapt.spec.serving import QUALITY_TEXTS
+
+
+def _distribution(rng: random.Random, n: int, spread: float) -> list[float]:
+    logits = [rng.gauss(0, spread) for _ in range(n)]
+    top = max(logits)
+    weights = [math.exp(x - top) for x in logits]
+    return [w / sum(weights) for w in weights]
+
+
+def _top(dist: list[float], k: int) -> dict[str, float]:
+    best = sorted(range(len(dist)), key=lambda i: -dist[i])[:k]
+    return {f"t{i}": math.log(dist[i]) for i in best}
+
+
+def test_the_reference_against_its_own_top_k_is_zero_and_the_lumped_kl_is_a_lower_bound():
+    """The floor of the arithmetic: a distribution's own top-k against itself gives KL 0 (within 1e-12: sums of
+    exp(log p) in float64). Against another, the KL over the top-k buckets plus the rest never exceeds the full KL
+    (the log-sum inequality), and reaches it as k covers the vocabulary (within 1e-9)."""
+    rng = random.Random(0)
+    for _ in range(20):
+        p, q = _distribution(rng, 64, 2.0), _distribution(rng, 64, 2.0)
+        reference = {f"t{i}": p[i] for i in range(64)}
+        assert lumped_kl(reference, engine_buckets(_top(p, 8))) == pytest.approx(0.0, abs=1e-12)
+        full = sum(pi * math.log(pi / qi) for pi, qi in zip(p, q))
+        for k in (1, 8, 20):
+            assert lumped_kl(reference, engine_buckets(_top(q, k))) <= full + 1e-12
+        assert lumped_kl(reference, engine_buckets(_top(q, 64))) == pytest.approx(full, abs=1e-9)
+
+
+def test_tokens_of_one_text_share_a_bucket_and_the_rest_of_the_mass_is_the_tail():
+    buckets = engine_buckets({"a\ufffd": math.log(0.25), "a": math.log(0.25), "b": math.log(0.25)})
+    assert buckets == pytest.approx({"a": 0.5, "b": 0.25, TAIL: 0.25})
+    assert plain("x\ufffdy") == "xy"
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2  # a shorter answer parts where it stops
+
+
+def _quality(**given) -> Quality:
+    fields = dict(texts=4, reference="transformers fp32", identical=4, identical_share=1.0,
+                  first_divergence_median=None, output_tokens_mean=16.0, reference_output_tokens_mean=16.0,
+                  positions=100, top_logprobs=20, same_top_share=1.0, kl_mean=1e-6)
+    return Quality(**{**fields, **given})
+
+
+def test_the_quality_gate_marks_a_worse_or_shorter_row_and_passes_the_rest():
+    assert quality_gate(_quality()) == "pass"
+    assert quality_gate(_quality(same_top_share=0.995)) == "pass"  # 99.5% >= 99%
+    assert "same top token 98.0% < 99%" in quality_gate(_quality(same_top_share=0.98))
+    # without log-probabilities the identical-response share is judged
+    assert "identical responses" in quality_gate(_quality(same_top_share=None, identical_share=0.5))
+    assert "output tokens 14.0 vs reference 16.0" in quality_gate(_quality(output_tokens_mean=14.0))  # -12.5%
+    assert quality_gate(_quality(output_tokens_mean=17.5)) == "pass"  # +9.4%
+    assert quality_gate(_quality(same_top_share=0.5, gate_min_share=0.4)) == "pass"  # the share the run asked
+
+
+def test_the_setting_is_off_by_default_and_a_bad_one_is_one_line():
+    assert Workload.from_dict({"kind": "serve"}).serve.quality == QualitySpec()
+    assert len(held_out_texts(QUALITY_TEXTS)) == QUALITY_TEXTS  # every text the spec allows is shipped
+    with pytest.raises(Exception, match="texts"):
+        Workload.from_dict({"kind": "serve", "serve": {"quality": {"texts": QUALITY_TEXTS + 1}}})
+    off, gated = (Workload.from_dict({"kind": "serve", "serve": {"quality": q}}) for q in ({}, {"min_share": 0.9}))
+    assert off.content_hash == Workload.from_dict({"kind": "serve"}).content_hash == gated.content_hash
+    on = Workload.from_dict({"kind": "serve", "serve": {"quality": {"texts": 4}}})
+    assert on.content_hash != off.content_hash
