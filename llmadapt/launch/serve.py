@@ -24,7 +24,7 @@ from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, Terminated
 from llmadapt.host import exit_cause, exit_text, node_name, software_versions
-from llmadapt.launch import quality
+from llmadapt.launch.quality import measure as measure_quality
 from llmadapt.launch.environments import process_env, python_for
 from llmadapt.launch.settings import launch_request
 from llmadapt.launch.summary import RunResult, summarise
@@ -368,7 +368,7 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
                                                          interference.group_cpu_s(engine), node_name()))
             if w.serve.quality.texts and server.alive():  # after the speed measurement, outside its window
                 try:
-                    writer.write(await quality.measure(server, session, w, checkpoint, p.run_dir))
+                    writer.write(await measure_quality(server, session, w, checkpoint, p.run_dir))
                 except LlmadaptError as exc:
                     fail("error", str(exc))
         finally:

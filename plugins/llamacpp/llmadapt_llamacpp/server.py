@@ -142,15 +142,16 @@ class LlamaCppServer(OpenAICompatibleServer):
             description="llama-cpp-python's stream has no usage: the engine process counts the tokens each completion "
                         "generates (wrapping Llama.generate) and adds OpenAI's usage object to the stream's last chunk",
         ))
-        if ctx.workload.serve.quality.texts:
+        if ctx.workload.serve.quality.texts:  # log-probabilities asked for: logits_all, and the fix that reads them
+            self.patches.append(Patch(
+                framework="llama.cpp", name="echo-logprobs", kind="fix",
+                description="llama-cpp-python gives an echoed prompt's token i the log-probabilities of the logits "
+                            "computed at token i (the next token's distribution) when no BOS token comes first: the "
+                            "engine process recomputes them from row i-1 (the quality probe's perplexity and KL read "
+                            "them)",
+            ))
             self.notes.append("logits_all on for the quality probe's log-probabilities: the prompt's every position "
                               "gets its logits computed, in the measured requests too")
-        self.patches.append(Patch(
-            framework="llama.cpp", name="echo-logprobs", kind="fix",
-            description="llama-cpp-python gives an echoed prompt's token i the log-probabilities of the logits computed "
-                        "at token i (the next token's distribution) when no BOS token comes first: the engine process "
-                        "recomputes them from row i-1 (the quality probe's perplexity and KL read them)",
-        ))
         found = self.installed()
         self._version = found.get("llama_cpp_python") or ""
         settings = self.settings()
