@@ -41,6 +41,17 @@ def test_the_reference_against_its_own_top_k_is_zero_and_the_lumped_kl_is_a_lowe
         assert lumped_kl(reference, engine_buckets(_top(q, 64))) == pytest.approx(full, abs=1e-9)
 
 
+def test_the_lumped_kl_by_hand():
+    """p = (0.5, 0.3, 0.2), q = (0.4, 0.4, 0.2), the engine's top-1 alone: buckets {t0} and the rest, so
+    KL = 0.5 ln(0.5/0.4) + 0.5 ln(0.5/0.6) (1e-12: float64 arithmetic of a few terms)."""
+    reference = {"t0": 0.5, "t1": 0.3, "t2": 0.2}
+    expected = 0.5 * math.log(0.5 / 0.4) + 0.5 * math.log(0.5 / 0.6)
+    assert lumped_kl(reference, engine_buckets({"t0": math.log(0.4)})) == pytest.approx(expected, abs=1e-12)
+    # a text several tokens read as ('' for byte pieces) is not a bucket of its own: its mass joins the rest
+    top = {"t0": math.log(0.4), "": math.log(0.1)}
+    assert engine_buckets(top, known={"t0"}) == pytest.approx({"t0": 0.4, TAIL: 0.6})
+
+
 def test_tokens_of_one_text_share_a_bucket_and_the_rest_of_the_mass_is_the_tail():
     buckets = engine_buckets({"a\ufffd": math.log(0.25), "a": math.log(0.25), "b": math.log(0.25)})
     assert buckets == pytest.approx({"a": 0.5, "b": 0.25, TAIL: 0.25})
