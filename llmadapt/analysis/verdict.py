@@ -160,6 +160,21 @@ def quality_gate(q: Any) -> str:
     return "; ".join(why) or "pass"
 
 
+def quality_line(q: dict) -> str:
+    """``show``'s line for a serving run's quality (the summary's, as JSON), and its gate."""
+    from llmadapt.contract.jsonl import from_json
+    from llmadapt.contract.records import Quality
+
+    line = (f"quality    {q['identical']}/{q['texts']} greedy responses identical to {q['reference']}'s; output "
+            f"tokens {q['output_tokens_mean'] or 0:.1f} vs {q['reference_output_tokens_mean']:.1f}")
+    if q.get("kl_mean") is not None:
+        line += (f"; same top token {q['same_top_share']:.1%}, KL {q['kl_mean']:.2e} (top-{q['top_logprobs']}, a "
+                 f"lower bound), ppl {q['perplexity']:.3f} vs {q['reference_perplexity']:.3f} over {q['positions']} "
+                 "positions")
+    line += f"; gate: {quality_gate(from_json(Quality, q))}"
+    return line + (f" ({q['note']})" if q.get("note") else "")
+
+
 # -- scaling ----------------------------------------------------------------------------------------------------
 @attrs.frozen
 class ScalingPoint:
