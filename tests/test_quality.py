@@ -109,6 +109,9 @@ def test_the_setting_is_off_by_default_and_a_bad_one_is_one_line():
     assert off.content_hash == Workload.from_dict({"kind": "serve"}).content_hash == gated.content_hash
     on = Workload.from_dict({"kind": "serve", "serve": {"quality": {"texts": 4}}})
     assert on.content_hash != off.content_hash
+    for elsewhere in ({"url": "http://127.0.0.1:9"}, {"mode": "offline"}):  # no server of ours to probe
+        with pytest.raises(Exception, match="serve.quality.texts.*not with serve.url"):
+            Workload.from_dict({"kind": "serve", "serve": {"quality": {"texts": 2}, **elsewhere}})
 
 
 # -- on real engines: the tiny preset for the mechanics, the real model for what only a trained model shows ----------
