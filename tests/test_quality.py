@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -164,11 +165,12 @@ def test_a_comparison_shows_quality_columns_and_gates_a_worse_row(tmp_path):
     from llmadapt.contract.schema import to_json
     from llmadapt import run
 
-    rows = []
+    rows, folders = [], []
     for q in ("none", "q4_0"):
         r = run(_serve(TINY, {"texts": 4}, engine={"quantization": q}), "llamacpp", out=tmp_path, timeout=900)
         assert r.ok, r.summary.failures
         rows.append(row_of_runs(q, "llamacpp", q, f"llamacpp:{q}", [(str(r.run_dir), to_json(r.summary))], {}))
+        folders.append(r.run_dir)
     table = Comparison(rows).table()
     for title in ("weights", "identical", "same top", "KL (top-k)", "ppl", "ppl fp32", "out/ref", "quality gate"):
         assert title in table, table
@@ -176,6 +178,11 @@ def test_a_comparison_shows_quality_columns_and_gates_a_worse_row(tmp_path):
     assert "GGUF Q4_0" in rows[1].metrics["weights"]
     assert rows[1].metrics["quality_kl"] > 100 * rows[0].metrics["quality_kl"]
     assert rows[1].metrics["quality_gate"] != "pass", rows[1].metrics
+    from llmadapt.analysis.htmlreport import build
+
+    html, _, _ = build([Path(f) for f in folders])
+    for title in ("same top", "KL (top-k)", "quality gate", "GGUF Q4_0"):
+        assert title in html
 
 
 
