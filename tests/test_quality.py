@@ -227,3 +227,20 @@ def test_on_the_real_model_f32_agrees_with_fp32_and_quantized_types_are_measured
     assert f32.perplexity == pytest.approx(f32.reference_perplexity, rel=1e-5)
     assert shipped.kl_mean > 10 * f32.kl_mean and q4.kl_mean > shipped.kl_mean, (f32, shipped, q4)
     assert q4.perplexity > q4.reference_perplexity
+
+
+def test_every_serving_row_says_what_weights_its_engine_ran(tmp_path):
+    """The Server's default: the workload's precision and engine quantization (an adapter that knows better, as
+    llama.cpp with its GGUF types, says more); nothing for an attached server, whose weights are its own."""
+    from llmadapt.adapter.context import ServeContext
+    from llmadapt.adapter.interfaces import Server
+
+    class Plain(Server):
+        start = stop = ready = stream = None
+
+    def said(**serve):
+        return Plain(ServeContext(_serve(TINY, {}, **serve), "x", tmp_path, None, None, 0, None)).engine_weights()
+
+    assert said() == "fp32"
+    assert said(engine={"quantization": "fp8"}) == "fp32, quantization fp8"
+    assert said(url="http://127.0.0.1:9") is None

@@ -216,8 +216,11 @@ class Server(abc.ABC):
         (llama.cpp: the GGUF type it serves). Called once the engine is ready; None when attached."""
         if self.ctx.workload.serve.url:
             return None
-        q = self.ctx.workload.serve.engine.quantization
-        return self.ctx.workload.precision + (f", quantization {q}" if q != "none" else "")
+        w = self.ctx.workload
+        q = w.serve.engine.quantization
+        source = Path(w.model.path).name if w.model.path and Path(w.model.path).suffix.lower() == ".gguf" else None
+        return (w.precision + (f", quantization {q}" if q != "none" else "")
+                + (f", from the fp32 folder of {source}" if source else ""))
 
     def metrics_source(self) -> str:
         """Label for scraped metrics, e.g. 'vllm' or 'tgi'."""
