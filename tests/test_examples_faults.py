@@ -264,6 +264,8 @@ def small_serving(workload: Workload) -> list[str]:
     settings = ["serve.requests=4", "serve.warmup_requests=1", "serve.scrape_interval_s=0.2"]
     if workload.serve.arrival.process in ("constant", "poisson", "gamma"):
         settings.append("serve.arrival.rate=50")
+    if workload.serve.quality.texts:  # attached by URL: no checkpoint of ours for the fp32 reference to load
+        settings.append("serve.quality.texts=0")
     return settings
 
 

@@ -210,6 +210,18 @@ class Server(abc.ABC):
     def engine_version(self) -> str:
         return ""
 
+    def engine_weights(self) -> str | None:
+        """The weights the engine runs, in words for a row's label (the header's ``engine_weights``): their
+        precision and quantization type, and where they came from where an adapter knows better than the workload
+        (llama.cpp: the GGUF type it serves). Called once the engine is ready; None when attached."""
+        if self.ctx.workload.serve.url:
+            return None
+        w = self.ctx.workload
+        q = w.serve.engine.quantization
+        source = Path(w.model.path).name if w.model.path and Path(w.model.path).suffix.lower() == ".gguf" else None
+        return (w.precision + (f", quantization {q}" if q != "none" else "")
+                + (f", from the fp32 folder of {source}" if source else ""))
+
     def metrics_source(self) -> str:
         """Label for scraped metrics, e.g. 'vllm' or 'tgi'."""
         return self.ctx.adapter

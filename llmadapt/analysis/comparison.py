@@ -83,6 +83,29 @@ OUTPUT_COLUMNS = [("out_tokens_p50", "out tok p50", ".0f"), ("out_tokens_p90", "
                   ("eos_share", "EOS share", ".0%"), ("cap_share", "cap share", ".0%")]
 
 
+# Serving runs with serve.quality (llmadapt.runtime.quality): the held-out texts against transformers' fp32
+QUALITY_COLUMNS = [("weights", "weights", ""), ("quality_identical", "identical", ".0%"),
+                   ("quality_divergence", "diverges at", ".0f"), ("quality_same_top", "same top", ".1%"),
+                   ("quality_kl", "KL (top-k)", ".2e"), ("quality_ppl", "ppl", ".3f"),
+                   ("quality_ppl_ref", "ppl fp32", ".3f"), ("quality_out_ratio", "out/ref", ".2f"),
+                   ("quality_gate", "quality gate", "")]
+
+
+def _quality_columns(s) -> dict[str, float | str | None]:
+    from llmadapt.analysis.verdict import quality_gate
+
+    out: dict[str, float | str | None] = {"weights": s.engine_weights} if s.engine_weights else {}
+    q = s.quality
+    if q is None:
+        return out
+    ref = q.reference_output_tokens_mean
+    return {**out, "quality_identical": q.identical_share, "quality_divergence": q.first_divergence_median,
+            "quality_same_top": q.same_top_share, "quality_kl": q.kl_mean, "quality_ppl": q.perplexity,
+            "quality_ppl_ref": q.reference_perplexity,
+            "quality_out_ratio": q.output_tokens_mean / ref if ref and q.output_tokens_mean is not None else None,
+            "quality_gate": quality_gate(q)}
+
+
 def row_metrics(summary, baseline_losses: list[float | None] | None) -> dict[str, float | int | str | None]:
     """The comparison columns of one run, from its summary."""
     s = summary
@@ -104,7 +127,7 @@ def row_metrics(summary, baseline_losses: list[float | None] | None) -> dict[str
             n = v.output_tokens
             out.update(out_tokens_p50=n.p50, out_tokens_p90=n.p90, out_tokens_mean=n.mean, out_tokens_max=n.max,
                        eos_share=v.stopped_at_eos_share, cap_share=v.hit_cap_share)
-        return out
+        return {**out, **_quality_columns(s)}
     delta = loss_parity(baseline_losses, s.losses).max_abs_delta if s.losses and baseline_losses else None
     return {
         "devices": s.world_size,
@@ -140,7 +163,7 @@ def column_keys(names: list[str]) -> list[str]:
     """The metric keys of columns named by key or by title (``tokens_per_s`` or ``tokens/s``, any case); an
     unknown name is one line listing the known ones."""
     known = {}
-    for key, title, _ in TRAIN_COLUMNS + SERVE_COLUMNS + OUTPUT_COLUMNS + EXPERT_COLUMNS + EVAL_COLUMNS + UTILISATION_COLUMNS:
+    for key, title, _ in EVERY_COLUMNS:
         known[key.lower()] = known[title.lower()] = key
     unknown = [n for n in names if n.strip().lower() not in known]
     if unknown:
@@ -162,6 +185,10 @@ def _expert_columns(layers) -> dict[str, float]:
 EVAL_COLUMNS = [("eval_loss_before", "eval loss before", ".4f"), ("eval_loss", "eval loss", ".4f"),
                 ("eval_exact_match", "exact match", ".3f"), ("eval_choice_accuracy", "choice acc", ".3f"),
                 ("eval_expert_cv", "eval expert CV", ".3f")]
+
+EVERY_COLUMNS = (TRAIN_COLUMNS + SERVE_COLUMNS + OUTPUT_COLUMNS + EXPERT_COLUMNS + EVAL_COLUMNS + UTILISATION_COLUMNS
+                 + QUALITY_COLUMNS)
+"""Every column a row can have, in the table's order."""
 
 
 def _eval_columns(points) -> dict[str, float]:
@@ -240,11 +267,11 @@ class Comparison:
             shown = shown + OUTPUT_COLUMNS
         if any("expert_cv" in r.metrics for r in self.rows):
             shown = shown + EXPERT_COLUMNS
-        shown = shown + [c for c in EVAL_COLUMNS if any(c[0] in r.metrics for r in self.rows)]
+        shown = shown + [c for c in EVAL_COLUMNS + QUALITY_COLUMNS if any(c[0] in r.metrics for r in self.rows)]
         shown = shown + [c for c in UTILISATION_COLUMNS if any(r.metrics.get(c[0]) is not None for r in self.rows)]
         if columns is not None:
             chosen = column_keys(columns)
-            every = TRAIN_COLUMNS + SERVE_COLUMNS + OUTPUT_COLUMNS + EXPERT_COLUMNS + EVAL_COLUMNS + UTILISATION_COLUMNS
+            every = EVERY_COLUMNS
             shown = [next(c for c in every if c[0] == key) for key in dict.fromkeys(chosen)]
         lines, left_out = self._lines(shown), []
         for key in NARROW_DROP if width is not None and columns is None else []:
@@ -252,8 +279,7 @@ class Comparison:
                 break
             if any(c[0] == key for c in shown):
                 shown = [c for c in shown if c[0] != key]
-                left_out.append(next(title for k, title, _ in TRAIN_COLUMNS + SERVE_COLUMNS + OUTPUT_COLUMNS
-                                     + EXPERT_COLUMNS + EVAL_COLUMNS + UTILISATION_COLUMNS if k == key))
+                left_out.append(next(title for k, title, _ in EVERY_COLUMNS if k == key))
                 lines = self._lines(shown)
         if left_out:
             lines.insert(len(self.rows) + 2, f"left out to fit {width} columns: {', '.join(left_out)} "

@@ -264,10 +264,10 @@ def _table(table_id: str, rows, columns, comparison: Comparison, headline: str) 
 
 
 def _columns(rows, base) -> list:
-    from llmadapt.analysis.comparison import EVAL_COLUMNS, EXPERT_COLUMNS, UTILISATION_COLUMNS
+    from llmadapt.analysis.comparison import EVAL_COLUMNS, EXPERT_COLUMNS, QUALITY_COLUMNS, UTILISATION_COLUMNS
 
     extra = EXPERT_COLUMNS if any("expert_cv" in r.metrics for r in rows) else []
-    extra = extra + [c for c in EVAL_COLUMNS + UTILISATION_COLUMNS if any(r.metrics.get(c[0]) is not None
+    extra = extra + [c for c in EVAL_COLUMNS + UTILISATION_COLUMNS + QUALITY_COLUMNS if any(r.metrics.get(c[0]) is not None
                                                                          for r in rows)]
     return base + extra
 

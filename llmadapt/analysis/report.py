@@ -14,6 +14,7 @@ from typing import Any
 
 from llmadapt.analysis.breakdown_text import weights_lines
 from llmadapt.analysis.topology import topology_line
+from llmadapt.analysis.verdict import quality_line
 from llmadapt.contract.rundir import RunDir
 from llmadapt.contract.schema import to_json, upgrade, validate
 from llmadapt.errors import ContractError, LlmadaptError
@@ -132,6 +133,8 @@ def render_summary(s: dict[str, Any]) -> str:
             if v.get("bunched_share") is not None:
                 line += f"; bunched chunks {v['bunched_share']:.0%} (engine ITL {v['engine_itl_ms']:.2f} ms)"
             lines.append(line)
+    lines += [f"weights    {s['engine_weights']}"] if s.get("engine_weights") else []
+    lines += [quality_line(s["quality"])] if s.get("quality") else []
     lines += [topology_line(s["topology"])] if s.get("topology") else []
     if s.get("interference"):
         lines.append(machine_line(s["interference"], "requests" if s.get("serving") else "steps"))

@@ -110,6 +110,8 @@ class Verdict:
     """Rows whose machine's quiet was not judged (measured steps too short)."""
     rows: int = 0
     """How many rows were judged."""
+    gated: list[str] = attrs.Factory(list)
+    """Rows below the quality gate (``quality_gate``), with why: not to be read as faster."""
 
     def text(self) -> str:
         """The verdict's line under the comparison table."""
@@ -125,6 +127,8 @@ class Verdict:
         if self.few_runs:
             line += (f"; {RUNS_TO_SEPARATE} runs a row are needed to tell rows apart over runs, fewer for "
                      f"{', '.join(self.few_runs)}")
+        if self.gated:
+            line += "; below the quality gate, so not faster for it: " + ", ".join(self.gated)
         if self.unjudged:
             which = "every row" if len(self.unjudged) == self.rows else ", ".join(self.unjudged)
             line += (f"; the machine's quiet not judged for {which}: measured steps under half a second "
@@ -139,7 +143,9 @@ def verdict(name: str, problem: str, rows: list[Any], key: str) -> Verdict | Non
     rows = [r for r in rows if r.estimates.get(key)]
     if len(rows) < 2:
         return None
-    base = dict(problem=name, problem_hash=problem, metric=key, rows=len(rows))
+    gated = [f"{r.label} ({r.metrics['quality_gate']})" for r in rows
+             if r.metrics.get("quality_gate") not in (None, "pass")]
+    base = dict(problem=name, problem_hash=problem, metric=key, rows=len(rows), gated=gated)
     disturbed = [r for r in rows if r.disturbed]
     if disturbed:
         runs = sum(len(r.disturbed) for r in disturbed)
@@ -163,6 +169,39 @@ def verdict(name: str, problem: str, rows: list[Any], key: str) -> Verdict | Non
                    few_runs=[r.label for r in rows if r.estimates[key].what == "runs"
                              and r.estimates[key].n < RUNS_TO_SEPARATE],
                    unjudged=[r.label for r in rows if not r.judged])
+
+
+# -- the quality gate ---------------------------------------------------------------------------------------------
+def quality_gate(q: Any) -> str:
+    """'pass', or why a serving row's quality (a Quality record) fails the gate, as MLPerf's accuracy targets do:
+    its same-top-token share (its identical-response share where the engine returned no log-probabilities) below
+    ``gate_min_share`` of the reference's (the reference agrees with itself fully: 1.0), or its greedy responses'
+    output tokens per request more than ``gate_output_tolerance`` away from the reference's. A row that answers
+    shorter or worse does not pass as faster."""
+    why = []
+    share, what = (q.same_top_share, "same top token") if q.same_top_share is not None else \
+        (q.identical_share, "identical responses")
+    if share < q.gate_min_share:
+        why.append(f"{what} {share:.1%} < {q.gate_min_share:.0%}")
+    ref, out = q.reference_output_tokens_mean, q.output_tokens_mean
+    if ref and out is not None and abs(out / ref - 1) > q.gate_output_tolerance:
+        why.append(f"output tokens {out:.1f} vs reference {ref:.1f} (> {q.gate_output_tolerance:.0%} apart)")
+    return "; ".join(why) or "pass"
+
+
+def quality_line(q: dict) -> str:
+    """``show``'s line for a serving run's quality (the summary's, as JSON), and its gate."""
+    from llmadapt.contract.jsonl import from_json
+    from llmadapt.contract.records import Quality
+
+    line = (f"quality    {q['identical']}/{q['texts']} greedy responses identical to {q['reference']}'s; output "
+            f"tokens {q['output_tokens_mean'] or 0:.1f} vs {q['reference_output_tokens_mean']:.1f}")
+    if q.get("kl_mean") is not None:
+        line += (f"; same top token {q['same_top_share']:.1%}, KL {q['kl_mean']:.2e} (top-{q['top_logprobs']}, a "
+                 f"lower bound), ppl {q['perplexity']:.3f} vs {q['reference_perplexity']:.3f} over {q['positions']} "
+                 "positions")
+    line += f"; gate: {quality_gate(from_json(Quality, q))}"
+    return line + (f" ({q['note']})" if q.get("note") else "")
 
 
 # -- scaling ----------------------------------------------------------------------------------------------------

@@ -280,7 +280,7 @@ def run_header(launch: LaunchRequest, *, framework_version: str, device: Device 
                workload: Any = None, checkpoint_hash: str | None = None, topology: Topology | None = None,
                notes: list[str] | None = None, model_source: ModelSource | None = None,
                weights: list[Any] | None = None, started: datetime.datetime | None = None,
-               request_source: RequestSource | None = None) -> Header:
+               request_source: RequestSource | None = None, engine_weights: str | None = None) -> Header:
     """The header of a process that starts measuring now, for the run ``launch`` asked for. ``workload``: the
     Workload this process resolved (its hashes and form are the header's); without it, the request's. ``started``:
     a measurement that began at that (UTC) time elsewhere, on a machine not known (an imported result's)."""
@@ -295,7 +295,8 @@ def run_header(launch: LaunchRequest, *, framework_version: str, device: Device 
         adapter=launch.adapter, adapter_version=launch.adapter_version, framework=launch.framework,
         framework_version=framework_version, launcher=launch.launcher, checkpoint_hash=checkpoint_hash,
         device=device, software=software, patches=patches, topology=topology, notes=list(notes or []),
-        model_source=model_source, weights=list(weights or []), request_source=request_source, **hashes)
+        model_source=model_source, weights=list(weights or []), request_source=request_source,
+        engine_weights=engine_weights, **hashes)
     if started is None:
         return Header.starting_now(**fields)
     return Header(**fields, node="", start_time=started.isoformat(), wall_anchor_ns=round(started.timestamp() * 1e9),

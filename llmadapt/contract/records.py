@@ -21,7 +21,7 @@ import attrs
 
 from llmadapt.host import node_name, utc_now
 
-SCHEMA_VERSION = "1.19"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
+SCHEMA_VERSION = "1.20"  # 1.1: end records, summary warnings; 1.2: client_load records, client health in serving;
 # 1.3: breakdown and telemetry records, profiled steps, the summary's breakdown, expert imbalance and telemetry;
 # 1.4: evaluation records and the summary's evaluations; 1.5: serving's tokens_per_chunk;
 # 1.6: the breakdown's memory_seconds, kernel_types (GPU kernel basis) and other_operators; the summary's
@@ -37,7 +37,8 @@ SCHEMA_VERSION = "1.19"  # 1.1: end records, summary warnings; 1.2: client_load 
 # weights (per module class: stored format, count and bytes); 1.15: the summary's topology (rank 0's); 1.16: the interference
 # record's run_delay_threads; 1.17: the header's request_source (a request-stream file: its sha256, what was read of
 # it); 1.18: the serving stats' output_tokens, stopped_at_eos_share and hit_cap_share; 1.19: the evaluation's split
-# and split_counts
+# and split_counts; 1.20: quality records (serve.quality) and the summary's quality; the header's and the summary's
+# engine_weights
 
 
 @attrs.frozen
@@ -228,6 +229,9 @@ class Header:
     loading (before LoRA); empty where not reported."""
     request_source: RequestSource | None = None
     """Serving runs that read a ShareGPT file: its hash and what of it was read; None otherwise."""
+    engine_weights: str | None = None
+    """Serving: the weights the engine ran, as it says: precision, quantization type and where they came from
+    ('GGUF Q4_1 as shipped (model.gguf)', 'GGUF Q8_0 written from the fp32 folder', 'fp32'); None before 1.20."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["header"] = "header"
 
@@ -627,6 +631,45 @@ class Evaluation:
 
 
 @attrs.frozen
+class Quality:
+    """Quality beside speed (serve.quality; llmadapt.runtime.quality): after the measured requests, fixed held-out
+    texts sent to the engine greedily, scored against transformers' fp32 decoding of the same checkpoint (the
+    reference). Log-probability figures come from the engine's top-k log-probabilities (None where it returns
+    none): the mass outside its top-k is lumped into one bucket, so ``kl_mean`` is a lower bound of the true KL."""
+
+    texts: int
+    reference: str
+    """What the engine was scored against ('transformers 5.0.0 fp32')."""
+    identical: int
+    """Greedy responses identical to the reference's (texts compared without U+FFFD)."""
+    identical_share: float
+    first_divergence_median: float | None
+    """Of the responses that differ: the median index of the first token (the reference tokenizer's tokens of
+    the two texts) where they part; None when none differ."""
+    output_tokens_mean: float | None
+    """The engine's greedy responses' tokens (its usage), mean; the engine may stop at end-of-sequence."""
+    reference_output_tokens_mean: float
+    positions: int = 0
+    """Held-out text positions scored with log-probabilities (0 where the engine returned none)."""
+    top_logprobs: int = 0
+    same_top_share: float | None = None
+    """Share of positions whose most likely next token is the reference's."""
+    kl_mean: float | None = None
+    """Mean KL(reference || engine) per position (nats), over the engine's top-k tokens plus one bucket for the
+    rest: a lower bound of the full KL."""
+    perplexity: float | None = None
+    """The engine's perplexity of the held-out texts (its log-probability of each true next token)."""
+    reference_perplexity: float | None = None
+    note: str | None = None
+    """Why a figure is missing (an engine that returns no log-probabilities, texts it tokenized differently)."""
+    seconds: float = 0.0
+    gate_min_share: float = 0.99
+    gate_output_tolerance: float = 0.10
+    """The gate the run was asked to judge by (serve.quality.min_share, output_tolerance; analysis.verdict)."""
+    type: Literal["quality"] = "quality"
+
+
+@attrs.frozen
 class Failure:
     """Why a rank, a worker or the run stopped early. Written by the worker when it can, else by the launcher."""
 
@@ -880,5 +923,9 @@ class Summary:
     topology: Topology | None = None
     """Rank 0's topology (its header's): the interconnect, NUMA nodes, cores and threads, communication settings;
     each rank's own is in its header. None before schema 1.15, or where no header recorded one."""
+    quality: Quality | None = None
+    """Serving runs with serve.quality: the held-out texts' figures against the fp32 reference."""
+    engine_weights: str | None = None
+    """Serving: rank 0's header's engine_weights (precision, quantization type, where the weights came from)."""
     schema_version: str = SCHEMA_VERSION
     type: Literal["summary"] = "summary"

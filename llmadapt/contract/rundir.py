@@ -8,6 +8,7 @@
       worker.log          the workers' stdout and stderr; engine.log and engine.pid for a managed server
       engine.json         a managed server's command line and settings, as its adapter started it
       micro.json          a micro-benchmark's result, rebuilt from its records
+      quality.json        serve.quality: the engine's answers to the held-out texts, scored by the fp32 reference
       job.sbatch          a Slurm run's batch script; slurm.out its output, copied back when readable here
       profile/step-N/rank-R.json   profile.level full: each profiled step's Kineto trace per rank (HTA reads a folder)
       node-K/             across nodes: node K's own copy of its records, launch and logs
@@ -42,6 +43,7 @@ class RunDir:
     ENGINE_PID = "engine.pid"
     ENGINE_JSON = "engine.json"
     MICRO = "micro.json"
+    QUALITY = "quality.json"
     SLURM_SCRIPT = "job.sbatch"
     SLURM_OUT = "slurm.out"
     PROFILE = "profile"
@@ -74,6 +76,12 @@ class RunDir:
     @property
     def engine_json(self) -> Path:
         return self.path / self.ENGINE_JSON
+
+    @property
+    def quality_file(self) -> Path:
+        """serve.quality: the engine's answers to the held-out texts, as sent to the fp32 reference
+        (llmadapt.runtime.quality)."""
+        return self.path / self.QUALITY
 
     @property
     def micro_file(self) -> Path:

@@ -22,6 +22,7 @@ from llmadapt.contract.records import (
     Comm,
     End,
     Evaluation,
+    Quality,
     Failure,
     Header,
     Interference,
@@ -37,7 +38,7 @@ from llmadapt.errors import ContractError
 RECORD_TYPES: dict[str, type] = {
     "header": Header, "step": Step, "request": Request, "server_sample": ServerSample, "client_load": ClientLoad,
     "comm": Comm, "breakdown": Breakdown, "telemetry": Telemetry, "evaluation": Evaluation,
-    "interference": Interference,
+    "interference": Interference, "quality": Quality,
     "metric": Metric, "failure": Failure, "end": End, "summary": Summary,
     "op_bench": OpBench, "estimate": Estimate, "fit": Fit, "validation": Validation, "probe": Probe,
     "maxbatch": MaxBatch, "launch": LaunchRequest,

@@ -31,6 +31,7 @@ from llmadapt.contract.records import (
     Evaluation,
     Failure,
     Patch,
+    Quality,
     Stats,
     Summary,
     WeightClass,
@@ -233,6 +234,13 @@ def _training_status(records: list[dict[str, Any]], failures: list[Failure], com
     return status, failures, warnings
 
 
+def _last(records: list[dict[str, Any]], kind: str, cls: type):
+    from llmadapt.contract.jsonl import from_json  # contract.jsonl imports this module
+
+    found = [r for r in records if r["type"] == kind]
+    return from_json(cls, found[-1]) if found else None
+
+
 def _evaluations(records: list[dict[str, Any]]) -> list[Evaluation] | None:
     from llmadapt.contract.jsonl import from_json  # contract.jsonl imports this module
 
@@ -296,6 +304,8 @@ def _aggregate_serve(run_id, records, launch, workload, headers, failures) -> Su
         breakdown=breakdown_summary([r for r in records if r["type"] == "breakdown"], 1),  # the engine's own steps
         notes=_notes(headers.values()),  # e.g. the reference server run under the profiler launcher
         topology=_topology(headers),
+        quality=_last(records, "quality", Quality),
+        engine_weights=head.get("engine_weights") if head else None,
     )
 
 

@@ -25,6 +25,7 @@ from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, Terminated
 from llmadapt.host import exit_cause, exit_text, node_name, software_versions
+from llmadapt.launch.quality import measure as measure_quality
 from llmadapt.launch.environments import process_env, python_for
 from llmadapt.launch.settings import launch_request
 from llmadapt.contract.readback import RunResult, summarise
@@ -339,21 +340,27 @@ def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, pr
                 software=software_versions(("aiohttp", "tokenizers")), patches=list(server.patches), workload=w,
                 checkpoint_hash=_recorded_hash(w, checkpoint), model_source=_recorded_source(checkpoint),
                 request_source=request_source(w),
-                notes=list(getattr(server, "notes", []))))  # a server written before notes may not call our __init__
+                notes=list(getattr(server, "notes", [])),  # a server written before notes may not call our __init__
+                engine_weights=getattr(server, "engine_weights", lambda: None)()))
             run = LoadGenerator(server, w, plan_requests(w, tokenizer), writer, progress).run(session)
             engine = _engine_group(engine_dir)
             quiet_start, engine_start = interference.snapshot(), interference.group_cpu_s(engine)
             try:
                 if timeout is None:
                     await run
-                    return
-                try:
-                    await asyncio.wait_for(run, timeout=max(1.0, timeout - (time.monotonic() - started)))
-                except TimeoutError:
-                    fail("timeout", f"the run exceeded its timeout of {timeout:g} s")
+                else:
+                    try:
+                        await asyncio.wait_for(run, timeout=max(1.0, timeout - (time.monotonic() - started)))
+                    except TimeoutError:
+                        fail("timeout", f"the run exceeded its timeout of {timeout:g} s")
             finally:  # what ran beside the run while it sent its requests, the engine's CPU counted as its own
                 writer.write(interference.serving_window(quiet_start, interference.snapshot(), engine_start,
                                                          interference.group_cpu_s(engine), node_name()))
+            if w.serve.quality.texts and server.alive():  # after the speed measurement, outside its window
+                try:
+                    writer.write(await measure_quality(server, session, w, checkpoint, p.run_dir))
+                except LlmadaptError as exc:
+                    fail("error", str(exc))
         finally:
             writer.close()
 

@@ -25,6 +25,7 @@ from llmadapt.spec.serving import (
     LengthSpec,
     ServeSpec,
     SloSpec,
+    QualitySpec,
     SourceSpec,
 )
 from llmadapt.spec.training import (
@@ -49,7 +50,7 @@ __all__ = [
     "TrainSpec", "LoraSpec", "EvalSpec", "SaveSpec", "ProfileSpec", "TelemetrySpec",
     "OPTIMIZERS", "OPTIMIZER_IMPLS", "EVAL_MATCHES", "PROFILE_LEVELS", "LORA_TARGETS",
     "Parallelism", "Optimizations", "OFFLOADS", "RECOMPUTES", "QUANTIZATIONS",
-    "ServeSpec", "LengthSpec", "ArrivalSpec", "SourceSpec", "SloSpec", "EngineSpec",
+    "ServeSpec", "LengthSpec", "ArrivalSpec", "SourceSpec", "SloSpec", "EngineSpec", "QualitySpec",
     "ARRIVALS", "SOURCE_KINDS", "LENGTH_DISTS", "APIS",
     "KINDS", "PRECISIONS",
 ]

@@ -128,6 +128,30 @@ class EngineSpec:
         return ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.given().items())
 
 
+QUALITY_TEXTS = 16
+"""The held-out texts shipped (llmadapt/resources/quality-texts.jsonl)."""
+
+
+@attrs.frozen
+class QualitySpec:
+    """Quality beside speed (llmadapt.runtime.quality): after the measured requests, fixed held-out texts sent to
+    the engine greedily, its answers and top-k log-probabilities scored against transformers' fp32 decoding of the
+    same checkpoint. Off (``texts = 0``) by default."""
+
+    texts: int = attrs.field(default=0, validator=[at_least(0), attrs.validators.le(QUALITY_TEXTS)])
+    """How many of the packaged held-out texts to send (0: no quality probe; at most the texts shipped)."""
+    output_tokens: int = attrs.field(default=24, validator=at_least(1))
+    """Greedy tokens asked for per text (the engine may stop earlier at its end-of-sequence token)."""
+    top_logprobs: int = attrs.field(default=20, validator=at_least(1))
+    """Log-probabilities asked for per position (vLLM allows 20 by default)."""
+    min_share: float = attrs.field(default=0.99, validator=share)
+    """The gate: a row whose same-top-token share (or, where the engine returns no log-probabilities, identical-
+    response share) falls below this share of the reference's is marked."""
+    output_tolerance: float = attrs.field(default=0.10, validator=share)
+    """The gate: a row whose output tokens per request differ from the reference's by more than this share is
+    marked."""
+
+
 @attrs.frozen
 class ServeSpec:
     """Serving: the request stream the load generator sends, the same to every engine."""
@@ -177,3 +201,5 @@ class ServeSpec:
     broken down per engine step into the training breakdown's operator classes plus sampling, the scheduler and
     the engine's Python (llmadapt.runtime.engine_profile); engines that can say so (`Supports.engine_profile`: vllm,
     and hf under its profiler launcher llmadapt.reference.profiled_serve)."""
+    quality: QualitySpec = attrs.field(factory=QualitySpec)
+    """Quality beside speed: held-out texts sent greedily after the measured requests (QualitySpec)."""

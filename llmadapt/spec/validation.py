@@ -246,6 +246,9 @@ def _check_serve(w) -> None:
                             "engines generate exactly the tokens asked): stop at end-of-sequence in an online run")
     if s.mode == "offline" and s.profile:
         raise WorkloadError("serve.profile", True, "the engine's profile is of its server (serve.mode = 'online')")
+    if s.quality.texts and (s.url or s.mode == "offline"):
+        raise WorkloadError("serve.quality.texts", s.quality.texts, "the quality probe asks a server llmadapt starts, "
+                            "whose checkpoint the fp32 reference loads: not with serve.url or serve.mode = 'offline'")
     if s.url is not None and s.engine.given():
         name, value = next(iter(s.engine.given().items()))
         raise WorkloadError(f"serve.engine.{name}", value, "an attached engine (serve.url) runs with the arguments "

@@ -209,7 +209,7 @@ def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
     folder's location (its content is the checksum; absent for a preset, so older hashes stay as they were), and
     the eval section when nothing is evaluated, data.packing off, save.lora, serve.stream, serve.mode, serve.engine, serve.source,
     parallelism.p2p, parallelism.threads_per_rank and train.on_nonfinite at their defaults (so are older hashes), and
-    serve.max_failed_share (a judgement of the result)."""
+    serve.max_failed_share and the quality gate (judgements of the result); serve.quality when off."""
     for key in ("name", "adapters", "sources"):
         data.pop(key)
     if not data["eval"]["examples"]:
@@ -233,6 +233,10 @@ def _without_labels(data: dict[str, Any]) -> dict[str, Any]:
         data["serve"].pop("mode")
     if not data["serve"]["profile"]:
         data["serve"].pop("profile")
+    for key in ("min_share", "output_tolerance"):  # the quality gate judges the result, changes nothing measured
+        data["serve"]["quality"].pop(key)
+    if not data["serve"]["quality"]["texts"]:  # off: left out, so older hashes stay
+        data["serve"].pop("quality")
     if data["serve"]["source"] == attrs.asdict(SourceSpec()):
         data["serve"].pop("source")
     if data["serve"]["engine"] == attrs.asdict(EngineSpec()):

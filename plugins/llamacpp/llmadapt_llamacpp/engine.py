@@ -55,6 +55,45 @@ def gguf_for(checkpoint: Path, kind: str, cache: Path) -> tuple[Path, dict]:
         return target, {**summary, "converted_now": True}
 
 
+def as_shipped(source: Path) -> tuple[Path, dict]:
+    """model.path's GGUF file served as it is: what it holds, from its own header."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    counts: dict[str, int] = {}
+    for tensor in reader.tensors:
+        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    field = reader.get_field("general.file_type")
+    file_type = gguf.LlamaFileType(int(field.parts[-1][0])).name.removeprefix("MOSTLY_") if field else None
+    return source, {"path": str(source), "bytes": source.stat().st_size, "type": "source", "as_shipped": True,
+                    "file_type": file_type, "tensor_types": dict(sorted(counts.items())), "converted_now": False}
+
+
+def echo_logprobs(llama, logprobs: dict, k: int) -> None:
+    """An echoed prompt's log-probabilities from the right rows (the ``echo-logprobs`` fix): llama-cpp-python pairs
+    prompt token i with the logits computed at token i, the distribution of token i+1 (unless a BOS token came
+    first), so each prompt token's figures were the next one's. Row i-1 is token i's; the positions past the rows
+    evaluated (the generated token) are left out (None)."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    n = llama.n_tokens
+    ids = [int(t) for t in llama.input_ids[:n]]
+    skip = 1 if ids and ids[0] == llama.token_bos() else 0
+    rows = Llama.logits_to_logprobs(llama._scores[:n])
+    for i, token_str in enumerate(logprobs["tokens"]):
+        r = i + skip - 1
+        if r < 0 or i + skip >= n:
+            logprobs["token_logprobs"][i] = logprobs["top_logprobs"][i] = None
+            continue
+        row, token = rows[r], ids[i + skip]
+        best = np.argpartition(row, -k)[-k:]
+        top = {llama.detokenize([int(t)], prev_tokens=ids[skip:i + skip]).decode("utf-8", errors="ignore"):
+               float(row[t]) for t in best[np.argsort(-row[best])]}
+        top[token_str] = float(row[token])
+        logprobs["token_logprobs"][i], logprobs["top_logprobs"][i] = float(row[token]), top
+
+
 def bounded_and_counted() -> None:
     """Completions stop at max_tokens, and streams end with usage: the tokens each completion generated (its
     end-of-generation token not counted, as llama-cpp-python's own non-streamed usage does not count it) and its
@@ -84,6 +123,8 @@ def bounded_and_counted() -> None:
             choices = chunk.get("choices") or []
             if self.llmadapt_cut and choices and choices[0].get("finish_reason") == "stop":
                 choices[0]["finish_reason"] = "length"
+            if kwargs.get("echo") and kwargs.get("logprobs") and choices and choices[0].get("logprobs"):
+                echo_logprobs(self, choices[0]["logprobs"], int(kwargs["logprobs"]))
             if kwargs.get("stream") and choices and choices[0].get("finish_reason") and "usage" not in chunk:
                 chunk["usage"] = {"prompt_tokens": self.llmadapt_prompt,
                                   "completion_tokens": self.llmadapt_generated,
@@ -96,7 +137,8 @@ def bounded_and_counted() -> None:
 def main(settings_path: str) -> None:
     s = json.loads(Path(settings_path).read_text())
     try:
-        path, summary = gguf_for(Path(s["checkpoint"]), s["type"], Path(s["cache"]))
+        path, summary = as_shipped(Path(s["source"])) if s.get("source") else \
+            gguf_for(Path(s["checkpoint"]), s["type"], Path(s["cache"]))
     except ConversionError as exc:
         sys.exit(f"cannot write {s['checkpoint']} as GGUF: {exc}")
     Path(s["run_dir"], "gguf.json").write_text(json.dumps(summary, indent=2))

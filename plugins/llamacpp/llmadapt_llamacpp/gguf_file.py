@@ -9,8 +9,8 @@ What it writes, as llama.cpp's own converter (convert_hf_to_gguf.py, LlamaModel)
   model's vocabulary, are unused ``[PADi]`` tokens), merges and special ids read by gguf's SpecialVocab;
 - the tensors under GGUF's names (gguf's own tensor name map), q_proj and k_proj rows permuted from Hugging
   Face's half-split RoPE layout to the interleaved one llama.cpp's Llama uses;
-- 1-D tensors (norms) in F32 always, 2-D weights in the asked type: F32, F16, BF16, Q8_0 or Q4_0 (gguf's numpy
-  quantizers); a weight whose rows do not split into the quantizer's blocks stays F16, and the file's summary
+- 1-D tensors (norms) in F32 always, 2-D weights in the asked type: F32, F16, BF16, Q8_0, Q4_1 or Q4_0 (gguf's
+  numpy quantizers; it has none for the K-quants); a weight whose rows do not split into the quantizer's blocks stays F16, and the file's summary
   says so.
 
 Tensors are read through numpy memory maps of the safetensors shards (llmadapt.modelfolder reads the headers),
@@ -34,7 +34,7 @@ from .plugin import tokenizer_problem
 CONVERTER_VERSION = 1
 """Bump when the files this writes change: the GGUF cache is keyed by it."""
 
-TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+TYPES = ("f32", "f16", "bf16", "q8_0", "q4_1", "q4_0")
 
 _SAFETENSORS = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
@@ -76,7 +76,7 @@ def encode(array: np.ndarray, kind: str) -> tuple[np.ndarray, Any, str]:
         return array, T.F32, "F32"
     if kind == "f16":
         return array.astype(np.float16), T.F16, "F16"
-    qtype = {"bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0}[kind]
+    qtype = {"bf16": T.BF16, "q8_0": T.Q8_0, "q4_1": T.Q4_1, "q4_0": T.Q4_0}[kind]
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     if array.shape[-1] % block:
         return array.astype(np.float16), T.F16, "F16"

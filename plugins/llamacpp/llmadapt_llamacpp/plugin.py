@@ -43,8 +43,10 @@ ENVIRONMENT = EnvironmentSpec(
 
 PRECISIONS = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
 """The workload's precision -> the GGUF type of the weights."""
-QUANTIZATIONS = ("q8_0", "q4_0")
-"""serve.engine.quantization: llama.cpp's block quantizations the converter writes (gguf's numpy quantizers)."""
+QUANTIZATIONS = ("q8_0", "q4_1", "q4_0", "source")
+"""serve.engine.quantization: llama.cpp's block quantizations the converter writes from the model folder (gguf's
+numpy quantizers; it has none for the K-quants), or ``source``: model.path's GGUF file itself, as shipped, at its own
+types (the stacks that need a model folder run its fp32 dequantization)."""
 
 
 def tokenizer_problem(folder: Path) -> str | None:
@@ -60,6 +62,11 @@ def tokenizer_problem(folder: Path) -> str | None:
         return ("its pre-tokenizer is not GPT-2's byte-level split (ByteLevel, regex on, no prefix space), the only "
                 "one this converter names for llama.cpp: another would tokenize prompts differently there")
     return None
+
+
+def is_gguf_path(path: str) -> bool:
+    """model.path names a GGUF file (its conversion to a model folder is checked there, not here)."""
+    return Path(path).suffix.lower() == ".gguf"
 
 
 def gguf_type(workload) -> str:
@@ -82,9 +89,12 @@ def check(workload) -> list[tuple[str, Any, str]]:
     for name in ("dp", "tp", "pp", "ep"):
         if getattr(p, name) != 1:
             out.append((f"parallelism.{name}", getattr(p, name), "supported: 1 (one llama.cpp process)"))
+    if workload.serve.engine.quantization == "source" and not (m.path and is_gguf_path(m.path)):
+        out.append(("serve.engine.quantization", "source", "serves model.path's GGUF file as shipped: model.path must "
+                    "name a .gguf file"))
     if m.is_moe:
         out.append(("model.num_experts", m.num_experts, "supported: 0 (the GGUF converter writes dense Llama models)"))
-    if m.path:
+    if m.path and not is_gguf_path(m.path):  # a GGUF's folder is written by the conversion, checked there
         problem = tokenizer_problem(Path(m.path))
         if problem:
             out.append(("model.path", m.path, f"cannot be written as GGUF: {problem}"))
@@ -103,6 +113,7 @@ def llmadapt_register_adapters(register):
                           engine_quantization=QUANTIZATIONS),
         check=check,
         description=f"llama.cpp through llama-cpp-python {LLAMA_CPP_PYTHON}'s OpenAI-compatible server, on the "
-                    "canonical checkpoint written as GGUF here (f32/f16/bf16, or q8_0/q4_0); one request at a time "
+                    "canonical checkpoint written as GGUF here (f32/f16/bf16, or q8_0/q4_1/q4_0), or a GGUF model.path as shipped "
+                    "(quantization source); one request at a time "
                     "(no batching across requests); output lengths forced with min_tokens.",
     ))

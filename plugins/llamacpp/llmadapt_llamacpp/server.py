@@ -106,6 +106,7 @@ class LlamaCppServer(OpenAICompatibleServer):
         # absolute: the engine runs in the run folder, where a path relative to the caller's folder is not found
         return {
             "checkpoint": str(Path(ctx.checkpoint).absolute()), "type": gguf_type(w),
+            "source": str(Path(w.model.path).absolute()) if gguf_type(w) == "source" else None,
             "cache": str(gguf_cache().absolute()), "run_dir": str(Path(ctx.run_dir).absolute()),
             "server": {
                 "host": "127.0.0.1", "port": ctx.port, "interrupt_requests": False,
@@ -116,7 +117,9 @@ class LlamaCppServer(OpenAICompatibleServer):
                     "n_batch": w.serve.engine.max_batched_tokens or DEFAULT_BATCH,
                     "n_threads": n, "n_threads_batch": n, "seed": w.seed,
                     "type_k": KV_CACHE_TYPES[w.precision], "type_v": KV_CACHE_TYPES[w.precision],
-                    "logits_all": False,  # the server's default computes logits for every prompt token
+                    # the server's default computes logits for every prompt token: off, but for the quality probe's
+                    # log-probabilities (llama-cpp-python refuses logprobs without it); the header's notes say so
+                    "logits_all": bool(w.serve.quality.texts),
                     "verbose": False,
                 }],
             },
@@ -139,6 +142,16 @@ class LlamaCppServer(OpenAICompatibleServer):
             description="llama-cpp-python's stream has no usage: the engine process counts the tokens each completion "
                         "generates (wrapping Llama.generate) and adds OpenAI's usage object to the stream's last chunk",
         ))
+        if ctx.workload.serve.quality.texts:  # log-probabilities asked for: logits_all, and the fix that reads them
+            self.patches.append(Patch(
+                framework="llama.cpp", name="echo-logprobs", kind="fix",
+                description="llama-cpp-python gives an echoed prompt's token i the log-probabilities of the logits "
+                            "computed at token i (the next token's distribution) when no BOS token comes first: the "
+                            "engine process recomputes them from row i-1 (the quality probe's perplexity and KL read "
+                            "them)",
+            ))
+            self.notes.append("logits_all on for the quality probe's log-probabilities: the prompt's every position "
+                              "gets its logits computed, in the measured requests too")
         found = self.installed()
         self._version = found.get("llama_cpp_python") or ""
         settings = self.settings()
@@ -174,6 +187,21 @@ class LlamaCppServer(OpenAICompatibleServer):
         stop_engine(self.proc, STOP_GRACE_S)
         self.log.close()
         self.proc = None
+
+    def engine_weights(self) -> str | None:
+        """The GGUF type served and where the file came from, from the engine's gguf.json."""
+        if self.ctx.workload.serve.url:
+            return None
+        try:
+            served = json.loads((Path(self.ctx.run_dir) / "gguf.json").read_text())
+        except (OSError, ValueError):
+            return None
+        kind = str(served.get("type", "?")).upper()
+        if served.get("as_shipped"):
+            return f"GGUF {served.get('file_type') or kind} as shipped ({Path(served['path']).name})"
+        origin = "the fp32 folder of " + Path(self.ctx.workload.model.path).name if self.ctx.workload.model.path \
+            else "the checkpoint"
+        return f"GGUF {kind} written from {origin}, KV cache {self.ctx.workload.precision}"
 
     def engine_version(self) -> str:
         return f"llama-cpp-python {self._version or LLAMA_CPP_PYTHON}" if self.proc or self._version \
