@@ -10,6 +10,9 @@ seeded shuffle of the candidates. The answer is read in ``llmadapt.analysis.tuni
 
 The tune's folder (OUT/tune-ID/) holds ``tune.json``, rewritten after each probe: an interrupted tune resumes from
 it (``resume=``), reusing every finished probe, and refuses a workload that changed.
+
+Size: over 400 lines because the strategies (race, grid, random, model) share one search: its budget, its state on
+disk and the rule by which a probe drops a candidate; apart, each would carry a copy of them.
 """
 
 from __future__ import annotations
