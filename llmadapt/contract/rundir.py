@@ -18,7 +18,7 @@
 Beside these, an adapter writes files of its own (a cache, an engine's settings): it declares them, name and what
 each holds, in ``AdapterInfo.run_files`` and joins them through ``RunDir.adapter_file``, which refuses a name not
 declared. A run folder's whole layout is then this list and each adapter's declaration (`llmadapt adapters --json`
-lists them); the core never lists them, so an adapter's file is neither read as a record nor taken for damage.
+lists them); the core reads none of them, so an adapter's file is neither read as a record nor taken for damage.
 
 Nothing else names these files: tests/test_architecture.py fails on any literal name joined onto a run folder
 elsewhere (the core's or an adapter's).
@@ -27,8 +27,8 @@ elsewhere (the core's or an adapter's).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from fnmatch import fnmatch
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Collection
 
 import attrs
@@ -64,6 +64,7 @@ class RunDir:
     PID_GLOB = "*.pid"
     """engine.pid, or an adapter's own pid file: a process still working in the run (runstatus)."""
     NODE_GLOB = "node-*"
+    """A node's own copy of its part of the run (``node``)."""
 
     @property
     def launch_file(self) -> Path:
