@@ -8,8 +8,9 @@
 - Adapters (plugins/, examples/' packages, llmadapt/reference) import llmadapt.adapter and nothing else of llmadapt.
 - analysis only reads: no module of it imports the launcher's entry points or subprocess (llmadapt.experiments
   launches).
-- A run folder's file names are written in contract/rundir.py (RunDir) only: a literal one elsewhere (the core or an
-  adapter) fails.
+- A run folder's file names are written in contract/rundir.py (RunDir) only: a literal name joined onto a run folder
+  elsewhere (the core or an adapter) fails; an adapter's own files are declared (AdapterInfo.run_files) and joined
+  with RunDir.adapter_file.
 """
 
 import ast
@@ -288,23 +289,82 @@ def _literal(node: ast.AST) -> str | None:
     return None
 
 
+# A run folder, as code names it: a variable or attribute called so (run_dir, ctx.run_dir, run_folder, out_run_dir),
+# a settings key of that name (s["run_dir"]), a RunDir's path (RunDir(d).path, run.path).
+_RUN_FOLDER = re.compile(r"(^|_)run_?(dir|folder)$")
+_PATH_CALLS = {"Path", "PurePath", "join", "joinpath"}
+
+
+def _names_run_folder(node: ast.AST) -> bool:
+    """``node`` is an expression for a run folder (above), or Path(...) / .absolute() / .resolve() of one."""
+    if isinstance(node, ast.Name):
+        return bool(_RUN_FOLDER.search(node.id))
+    if isinstance(node, ast.Attribute):
+        if node.attr == "path":
+            owner = node.value
+            return ((isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "RunDir")
+                    or (isinstance(owner, ast.Name) and owner.id in ("run", "rundir")) or _names_run_folder(owner))
+        return bool(_RUN_FOLDER.search(node.attr))
+    if isinstance(node, ast.Subscript):
+        key = _literal(node.slice)
+        return key is not None and bool(_RUN_FOLDER.search(key))
+    if isinstance(node, ast.Call):
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in ("Path", "PurePath", "str") and node.args:
+            return _names_run_folder(node.args[0])
+        if isinstance(func, ast.Attribute) and func.attr in ("absolute", "resolve", "expanduser") and not node.args:
+            return _names_run_folder(func.value)
+    return False
+
+
+def _joined_onto_run_folder(node: ast.AST, constants: dict[str, str]) -> list[str]:
+    """The literal names ``node`` joins onto a run folder: ``run_dir / "x"``, ``Path(run_dir, "x")``,
+    ``os.path.join(run_dir, "x")``, ``run_dir.joinpath("x")``, ``f"{run_dir}/x"``; a literal may stand in a module
+    constant (``NAME = "x"``, ``run_dir / NAME``)."""
+    def texts(*parts: ast.AST) -> list[str]:
+        found = [_literal(p) if not isinstance(p, ast.Name) else constants.get(p.id) for p in parts]
+        return [t for t in found if t is not None]
+
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and _names_run_folder(node.left):
+        return texts(node.right)
+    if isinstance(node, ast.Call):
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+        if name == "joinpath" and isinstance(func, ast.Attribute) and _names_run_folder(func.value):
+            return texts(*node.args)
+        if name in _PATH_CALLS and len(node.args) > 1 and _names_run_folder(node.args[0]):
+            return texts(*node.args[1:])
+    if isinstance(node, ast.JoinedStr):
+        for value, after in zip(node.values, node.values[1:]):
+            if (isinstance(value, ast.FormattedValue) and _names_run_folder(value.value)
+                    and isinstance(after, ast.Constant) and str(after.value).startswith("/")):
+                return [str(after.value)]
+    return []
+
+
 def literal_run_folder_names(source: str) -> list[str]:
-    """'LINE: TEXT' for each literal that names a run folder's file: a string that is one of RunDir's file names
-    (or a path ending in one), or the right side of a ``/`` join that names a rank file, a node folder or the
-    profile folder. A message that mentions a name ("no launch.json") is not a path and passes."""
+    """'LINE: TEXT' for each literal that names a file in a run folder: any string joined onto a run folder
+    (``_joined_onto_run_folder``), a string that is one of RunDir's file names (or a path ending in one), or the
+    right side of a ``/`` join that names a rank file, a node folder or the profile folder. A message that mentions
+    a name ("no launch.json") is not a path and passes; an adapter's own names go through RunDir.adapter_file."""
     from llmadapt.contract.rundir import RunDir
 
     files = {v for k, v in vars(RunDir).items() if k.isupper() and isinstance(v, str) and "." in v}
+    tree = ast.parse(source)
+    constants = {a.targets[0].id: a.value.value for a in tree.body if isinstance(a, ast.Assign)
+                 and len(a.targets) == 1 and isinstance(a.targets[0], ast.Name) and _literal(a.value) is not None
+                 and isinstance(a.value, ast.Constant)}
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         text = _literal(node)
         if text is not None and (text in files or ("/" in text and text.rsplit("/", 1)[1] in files)):
             found.append(f"{node.lineno}: {text}")
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
             right = _literal(node.right)
             if right is not None and _JOINED_RUN_NAME.match(right):
                 found.append(f"{node.lineno}: {right}")
-    return found
+        found += [f"{node.lineno}: {name}" for name in _joined_onto_run_folder(node, constants)]
+    return sorted(set(found), key=lambda hit: (int(hit.split(":")[0]), hit))
 
 
 def test_run_folder_names_are_written_in_rundir_only():
@@ -318,6 +378,19 @@ def test_run_folder_names_are_written_in_rundir_only():
     assert found == [], "name these through llmadapt.contract.rundir.RunDir: " + ", ".join(found)
 
 
+def test_every_adapter_file_joined_is_declared():
+    """Each name an adapter joins with RunDir.adapter_file is in an adapter's declaration (AdapterInfo.run_files),
+    so that the declarations list every file adapters write in a run folder, before any run does."""
+    import llmadapt
+
+    declared = {name for a in llmadapt.adapters().values() for name in a.run_files}
+    joined = {(str(path.relative_to(ROOT)), node.lineno, _literal(node.args[0])) for path in adapter_sources()
+              for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
+              and isinstance(node.func, ast.Attribute) and node.func.attr == "adapter_file" and node.args}
+    assert {name for _, _, name in joined} >= {"vllm-cache", "gguf.json", "hostfile"}
+    assert [j for j in joined if j[2] not in declared] == []
+
+
 @pytest.mark.parametrize("planted, caught", [
     ('run_dir / "engine.json"', True),
     ('Path(d) / f"rank-{rank:05d}.jsonl"', True),
@@ -327,6 +400,19 @@ def test_run_folder_names_are_written_in_rundir_only():
     ('settings = {"script": "job.sbatch"}', True),
     ('message = f"{d} is not a run directory (no launch.json)"', False),
     ('spec = {"profile": None}', False),
+    # any name joined onto a run folder, not only RunDir's: an adapter's own file goes through RunDir.adapter_file
+    ('cache = (ctx.run_dir / "engine-cache").absolute()', True),
+    ('Path(s["run_dir"], "served.json").write_text(text)', True),
+    ('settings = Path(settings["run_dir"]) / "engine-settings.json"', True),
+    ('json.loads((Path(self.ctx.run_dir) / "served.json").read_text())', True),
+    ('RunDir(d).path / "notes.txt"', True),
+    ('run.path.joinpath("notes.txt")', True),
+    ('os.path.join(run_dir, "hosts")', True),
+    ('open(f"{out_run_dir}/hosts")', True),
+    ('HOSTS = "hosts"\ndef f(run_dir):\n    return run_dir / HOSTS', True),
+    ('RunDir(d).adapter_file("engine-cache", RUN_FILES)', False),
+    ('checkpoint / "config.json"', False),
+    ('message = f"{run_dir} has no summary"', False),
 ])
 def test_a_planted_run_folder_name_is_caught(planted, caught):
     assert bool(literal_run_folder_names(planted)) is caught

@@ -164,6 +164,38 @@ def test_adapters_command_lists_roles_supports_and_environment():
 
     assert torch["environment_status"] == status(get_adapter("torch").environment)
     assert "dp" in torch["supports"] and "lora" in torch["supports"]
+    assert rows["vllm"]["run_files"] == dict(get_adapter("vllm").run_files) and "vllm-cache" in rows["vllm"]["run_files"]
+
+
+def test_every_adapter_declares_run_folder_files_the_core_leaves_alone():
+    """Each adapter's own run-folder files (AdapterInfo.run_files) are plain names, said what they hold, and none is
+    a file the core writes or reads: the layout of a run folder is RunDir's names and these."""
+    from llmadapt.contract.rundir import RunDir
+
+    declared = {(a.name, name): what for a in llmadapt.adapters().values() for name, what in a.run_files.items()}
+    assert {("vllm", "vllm-cache"), ("llamacpp", "gguf.json"), ("deepspeed", "hostfile")} <= set(declared)
+    assert [k for k, what in declared.items() if RunDir.adapter_name_problem(k[1]) or not what.strip()] == []
+
+
+@pytest.mark.parametrize("name, declared, refused", [
+    ("engine-cache", {"engine-cache": "a cache"}, None),
+    ("engine-cache", ("engine-cache",), None),
+    ("other.json", {"engine-cache": "a cache"}, "not among the adapter's declared run-folder files (engine-cache)"),
+    ("summary.json", {"summary.json": ""}, "one of the core's run-folder files"),
+    ("engine-profile", {"engine-profile": ""}, "one of the core's run-folder files"),
+    ("engine.jsonl", {"engine.jsonl": ""}, "read by the core as records"),
+    ("node-2", {"node-2": ""}, "a node folder"),
+    ("cache/x", {"cache/x": ""}, "not a plain file or folder name"),
+    ("..", {"..": ""}, "not a plain file or folder name"),
+])
+def test_an_adapter_file_is_one_it_declared_and_not_the_cores(tmp_path, name, declared, refused):
+    from llmadapt.contract.rundir import RunDir
+
+    if refused is None:
+        assert RunDir(tmp_path).adapter_file(name, declared) == tmp_path / name
+    else:
+        with pytest.raises(ValueError, match=re.escape(refused)):
+            RunDir(tmp_path).adapter_file(name, declared)
 
 
 def test_listing_adapters_does_not_import_torch():

@@ -432,6 +432,31 @@ def test_a_damaged_summary_is_rebuilt_from_the_records():
     assert "could not render" not in summary_text(rebuilt)
 
 
+def test_an_adapters_own_files_leave_the_run_as_it_reads():
+    """Every file an adapter declares (AdapterInfo.run_files), holding anything: `show`, the run store and the run's
+    status read the run exactly as without them, with its summary and rebuilt from its records (no summary.json)."""
+    import llmadapt
+    from llmadapt.analysis.report import read_summary
+    from llmadapt.analysis.runstatus import live_processes
+    from llmadapt.analysis.store import describe_run
+
+    names = {name for a in llmadapt.adapters().values() for name in a.run_files}
+    assert {"vllm-cache", "gguf.json", "hostfile"} <= names
+    with tempfile.TemporaryDirectory() as tmp:
+        plain, adapted = Path(tmp) / "plain" / RUN.name, Path(tmp) / "adapted" / RUN.name
+        shutil.copytree(RUN, plain)
+        shutil.copytree(RUN, adapted)
+        for name in names:
+            (adapted / name).write_text('{"type": "header", "node": "x"')  # a record's start, cut: not JSON
+        for summary_too in (True, False):
+            if not summary_too:
+                (plain / "summary.json").unlink()
+                (adapted / "summary.json").unlink()
+            assert read_summary(adapted) == read_summary(plain)
+            assert describe_run(adapted) == describe_run(plain)
+        assert live_processes([adapted]) == {adapted: []}
+
+
 def test_a_yaml_parse_error_is_one_line():
     from llmadapt.spec import Workload
 

@@ -230,6 +230,13 @@ class AdapterInfo:
     ``(python, run_dir, world, port) -> command`` that starts ``world`` ranks of
     ``python -m llmadapt.runtime.worker RUN_DIR`` on this machine, rendezvous on ``port``. Runs in the
     orchestrator: must not import the framework."""
+    run_files: dict[str, str] = attrs.Factory(dict)
+    """The files and folders the adapter writes in a run folder beside the core's, name -> what it holds (e.g.
+    ``{"vllm-cache": "VLLM_CACHE_ROOT: vLLM's compile cache for this run"}``). Its code joins them with
+    ``RunDir(run_dir).adapter_file(name, run_files)``, which refuses a name not declared here or one of the core's:
+    a run folder's layout is llmadapt.contract.rundir's list and these (`llmadapt adapters --json` lists them).
+    Declared here rather than in RunDir because the core never reads them; checked where they are joined (this
+    module stays light: it does not import the run folder's layout)."""
 
     def __attrs_post_init__(self) -> None:
         unknown = set(self.roles) - set(ROLES)

@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from llmadapt.contract.rundir import RunDir
+
 
 def settle_status(summary: dict[str, Any], run_dir: str | Path, problem: str, *, damaged: bool,
                   running: bool | None = None) -> dict[str, Any]:
@@ -42,7 +44,7 @@ def live_processes(folders: Iterable[Path]) -> dict[Path, list[int]]:
         return None
 
     for resolved, folder in wanted.items():
-        for pid_file in resolved.glob("*.pid"):
+        for pid_file in resolved.glob(RunDir.PID_GLOB):
             try:
                 pid = int(pid_file.read_text().strip().rpartition(":")[2])
             except (OSError, ValueError):

@@ -610,7 +610,7 @@ def describe_run(folder: Path, *, running: bool = False) -> tuple[dict[str, Any]
 
 def _machine(folder: Path) -> str:
     """The node of rank 0 (or of the serving client): its header's first line."""
-    for path in [RunDir(folder).rank_file(0), *sorted(folder.glob("*.jsonl"))]:
+    for path in [RunDir(folder).rank_file(0), *sorted(folder.glob(RunDir.RECORDS_GLOB))]:
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
                 first = json.loads(f.readline() or "{}")

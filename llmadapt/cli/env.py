@@ -23,7 +23,7 @@ def cmd_adapters(args) -> int:
             "supports": info.supports.summary() if set(info.roles) - {"serve"} else "-",
             "environment": env.name if env else "-",
             "environment_status": environments.status(env) if env else "attach only",
-            "description": info.description,
+            "description": info.description, "run_files": dict(info.run_files),
         })
     lines = text_table(["name", "version", "roles", "environment", "supports"],
                        [[r["name"], r["version"], ",".join(r["roles"]), f"{r['environment']} ({r['environment_status']})",

@@ -49,7 +49,7 @@ class HFServer(OpenAICompatibleServer):
 
     def profile_dir(self) -> Path:
         """Where the launcher writes the profiler's traces (absolute: the engine's working folder may differ)."""
-        return (self.ctx.run_dir / "engine-profile").absolute()
+        return RunDir(self.ctx.run_dir).engine_profile_dir.absolute()
 
     async def start_profile(self, session) -> None:
         async with session.post(self.ctx.base_url + "/start_profile", headers=self.headers()) as r:

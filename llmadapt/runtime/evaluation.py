@@ -27,10 +27,10 @@ from pathlib import Path
 
 from llmadapt.adapter.context import IGNORE, Sample
 from llmadapt.contract.records import Evaluation
+from llmadapt.contract.rundir import RunDir
 from llmadapt.dataformats import number_match
 from llmadapt.runtime.data import TokenData
 
-SCRATCH = ".eval-model"  # in the run folder, removed after each evaluation
 
 
 def evaluate_trained(trainer, data: TokenData, step: int, run_dir: Path, barrier) -> Evaluation | None:
@@ -38,7 +38,7 @@ def evaluate_trained(trainer, data: TokenData, step: int, run_dir: Path, barrier
     weights; every rank waits until rank 0 is done, so that no rank's next step clock holds rank 0's evaluation."""
     ctx = trainer.ctx
     start = time.perf_counter()
-    folder = Path(run_dir) / SCRATCH
+    folder = RunDir(run_dir).eval_scratch  # removed after each evaluation
     if ctx.rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)

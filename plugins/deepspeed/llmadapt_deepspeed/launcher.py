@@ -32,7 +32,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-HOSTFILE = "hostfile"
+from llmadapt.adapter import RunDir
+
+from .plugin import RUN_FILES
 
 
 def deepspeed_launch_command(python: str | Path, run_dir: str | Path, world: int, port: int, *,
@@ -45,8 +47,7 @@ def deepspeed_launch_command(python: str | Path, run_dir: str | Path, world: int
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
-    run_dir = Path(run_dir)
-    hostfile = run_dir / HOSTFILE
+    hostfile = RunDir(run_dir).adapter_file("hostfile", RUN_FILES)
     hostfile.write_text(f"localhost slots={world}\n")
     cmd = [str(python), "-m", "deepspeed.launcher.runner", f"--hostfile={hostfile}", "--no_ssh_check",
            "--master_addr=127.0.0.1", f"--master_port={port}", "--no_local_rank", "--module",

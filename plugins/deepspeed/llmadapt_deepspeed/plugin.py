@@ -43,6 +43,9 @@ ENVIRONMENT = EnvironmentSpec(
     install_env=(("DS_BUILD_OPS", "0"), ("DS_ACCELERATOR", "cpu")),
 )
 
+RUN_FILES = {"hostfile": "DeepSpeed's launcher only: its hostfile, `localhost slots=N` (launcher.py says why)"}
+"""What the adapter writes in a run folder beside the core's files (AdapterInfo.run_files)."""
+
 FP16_ON_CPU = "fp16 is not supported by DeepSpeed on CPU"
 CPU_ADAM_ON_CUDA = ("DeepSpeedCPUAdam updates parameters held in host memory: on a CUDA device it needs "
                     "optimizations.offload = optimizer or optimizer+params")
@@ -127,6 +130,7 @@ def llmadapt_register_adapters(register):
         supports=SUPPORTS,
         check=check,
         launchers={"deepspeed": _deepspeed_launcher},
+        run_files=RUN_FILES,
         description="DeepSpeed engine on transformers' model: ZeRO 0-3, CPU offload of optimizer and parameters, "
                     "DeepSpeedCPUAdam, DeepSpeed activation checkpointing, peft LoRA and QLoRA, HF Mixtral MoE; "
                     "wall-clock timers, comms logger and FLOPs profiler reported as records.",

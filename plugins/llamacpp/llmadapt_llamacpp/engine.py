@@ -30,9 +30,11 @@ import sys
 import time
 from pathlib import Path
 
+from llmadapt.adapter import RunDir
 from llmadapt.adapter.weights import content_hash
 
 from .gguf_file import CONVERTER_VERSION, ConversionError, write
+from .plugin import RUN_FILES
 
 
 def gguf_for(checkpoint: Path, kind: str, cache: Path) -> tuple[Path, dict]:
@@ -136,22 +138,23 @@ def bounded_and_counted() -> None:
 
 def main(settings_path: str) -> None:
     s = json.loads(Path(settings_path).read_text())
+    run = RunDir(s["run_dir"])
     try:
         path, summary = as_shipped(Path(s["source"])) if s.get("source") else \
             gguf_for(Path(s["checkpoint"]), s["type"], Path(s["cache"]))
     except ConversionError as exc:
         sys.exit(f"cannot write {s['checkpoint']} as GGUF: {exc}")
-    Path(s["run_dir"], "gguf.json").write_text(json.dumps(summary, indent=2))
+    run.adapter_file("gguf.json", RUN_FILES).write_text(json.dumps(summary, indent=2))
     import llama_cpp
 
     # what this build of llama.cpp runs on: its CPU features, and whether it has a GPU backend to offload to
-    Path(s["run_dir"], "llamacpp-backend.json").write_text(json.dumps({
+    run.adapter_file("llamacpp-backend.json", RUN_FILES).write_text(json.dumps({
         "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
         "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
     }, indent=2))
     config = dict(s["server"])
     config["models"] = [{**m, "model": str(path)} for m in config["models"]]
-    config_path = Path(s["run_dir"], "llamacpp-server.json")
+    config_path = run.adapter_file("llamacpp-server.json", RUN_FILES)
     config_path.write_text(json.dumps(config, indent=2))
     bounded_and_counted()
     sys.argv = ["llama_cpp.server", "--config_file", str(config_path)]

@@ -41,6 +41,15 @@ ENVIRONMENT = EnvironmentSpec(
     builds_checkpoint=False,  # no torch or transformers here: the core's tools environment builds the checkpoint
 )
 
+RUN_FILES = {
+    "llamacpp-engine.json": "the engine process's settings, as the adapter's Server wrote them (checkpoint, GGUF type "
+                            "and cache, the server's configuration)",
+    "llamacpp-server.json": "llama-cpp-python's server configuration file, with the GGUF file's path filled in",
+    "llamacpp-backend.json": "what this build of llama.cpp runs on: its CPU features, whether it offloads to a GPU",
+    "gguf.json": "the GGUF file served: its type, where it came from, whether it is model.path as shipped",
+}
+"""What the adapter writes in a run folder beside the core's files (AdapterInfo.run_files)."""
+
 PRECISIONS = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
 """The workload's precision -> the GGUF type of the weights."""
 QUANTIZATIONS = ("q8_0", "q4_1", "q4_0", "source")
@@ -112,6 +121,7 @@ def llmadapt_register_adapters(register):
         supports=Supports(precisions=tuple(PRECISIONS), engine=("quantization", "max_batched_tokens"),
                           engine_quantization=QUANTIZATIONS),
         check=check,
+        run_files=RUN_FILES,
         description=f"llama.cpp through llama-cpp-python {LLAMA_CPP_PYTHON}'s OpenAI-compatible server, on the "
                     "canonical checkpoint written as GGUF here (f32/f16/bf16, or q8_0/q4_1/q4_0), or a GGUF model.path as shipped "
                     "(quantization source); one request at a time "

@@ -50,7 +50,7 @@ from llmadapt.adapter import (
 )
 from llmadapt.adapter.sse import OpenAICompatibleServer
 
-from .plugin import LLAMA_CPP_PYTHON, gguf_type
+from .plugin import LLAMA_CPP_PYTHON, RUN_FILES, gguf_type
 
 STOP_GRACE_S = 30.0
 DEFAULT_BATCH = 512
@@ -155,7 +155,8 @@ class LlamaCppServer(OpenAICompatibleServer):
         found = self.installed()
         self._version = found.get("llama_cpp_python") or ""
         settings = self.settings()
-        settings_path = Path(settings["run_dir"]) / "llamacpp-engine.json"  # absolute: the engine's cwd is the run's
+        # absolute (settings' run_dir is): the engine's cwd is the run's
+        settings_path = RunDir(settings["run_dir"]).adapter_file("llamacpp-engine.json", RUN_FILES)
         settings_path.write_text(json.dumps(settings, indent=2))
         cmd = [str(Path(ctx.python).absolute()), "-m", "llmadapt_llamacpp.engine", str(settings_path)]
         RunDir(ctx.run_dir).engine_json.write_text(json.dumps({
@@ -193,7 +194,7 @@ class LlamaCppServer(OpenAICompatibleServer):
         if self.ctx.workload.serve.url:
             return None
         try:
-            served = json.loads((Path(self.ctx.run_dir) / "gguf.json").read_text())
+            served = json.loads(RunDir(self.ctx.run_dir).adapter_file("gguf.json", RUN_FILES).read_text())
         except (OSError, ValueError):
             return None
         kind = str(served.get("type", "?")).upper()

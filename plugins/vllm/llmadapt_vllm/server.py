@@ -33,7 +33,7 @@ from llmadapt.adapter import (
 )
 from llmadapt.adapter.sse import OpenAICompatibleServer, field
 
-from .plugin import REMOVE_AFTER_INSTALL, engine_args
+from .plugin import REMOVE_AFTER_INSTALL, RUN_FILES, engine_args
 
 STOP_GRACE_S = 30.0
 """SIGTERM to the server process, then this long before SIGKILL to its whole process group."""
@@ -168,7 +168,7 @@ class VLLMServer(OpenAICompatibleServer):
 
     def profile_dir(self) -> Path:
         """Where the engine writes its profiler's traces (absolute: the engine's working folder is elsewhere)."""
-        return (self.ctx.run_dir / "engine-profile").absolute()
+        return RunDir(self.ctx.run_dir).engine_profile_dir.absolute()
 
     async def start_profile(self, session) -> None:
         folder = self.profile_dir()
@@ -254,7 +254,8 @@ class VLLMServer(OpenAICompatibleServer):
         kv = ctx.workload.serve.engine.kv_cache_bytes or int(os.environ.get(KV_CACHE_ENV) or default_kv_bytes(
             ctx.workload))
         cmd = self.command(kv)
-        cache = (ctx.run_dir / "vllm-cache").absolute()  # the engine runs in the run folder: not relative to it
+        # absolute: the engine runs in the run folder, not relative to it
+        cache = RunDir(ctx.run_dir).adapter_file("vllm-cache", RUN_FILES).absolute()
         cache.mkdir(exist_ok=True)
         # vLLM puts its ZeroMQ IPC sockets and its gloo file store (vllm_dist_*) in TMPDIR. A socket path must fit
         # in 107 bytes, which a run directory may not: a short private directory, removed at stop.
