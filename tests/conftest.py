@@ -13,6 +13,18 @@ from llmadapt.host import free_port
 HERE = Path(__file__).parent
 
 
+@pytest.fixture(autouse=True)
+def state_folder_is_left_as_found():
+    """A test that points LLMADAPT_HOME elsewhere and does not put it back sends every later test of its worker
+    process to a state folder without environments: fail the test that leaked it, not the thirty after it."""
+    import os
+
+    before = os.environ.get("LLMADAPT_HOME")
+    yield
+    after = os.environ.get("LLMADAPT_HOME")
+    assert after == before, f"this test left LLMADAPT_HOME={after!r} (it was {before!r}): use monkeypatch.setenv"
+
+
 @pytest.fixture
 def local_server():
     """Start a test server script (``tests/NAME PORT ARGS...``) as a subprocess, so it shares neither the load
