@@ -196,8 +196,8 @@ def test_an_import_outside_the_adapter_surface_is_caught(planted, caught):
 
 
 # The launcher's entry points, which start runs, engines or workers: llmadapt.experiments calls them, analysis not.
-LAUNCHER_MODULES = {"llmadapt.launch.run", "llmadapt.launch.serve", "llmadapt.launch.multinode",
-                    "llmadapt.launch.slurm"}
+LAUNCHER_MODULES = {"llmadapt.launch.run", "llmadapt.launch.serve", "llmadapt.launch.engine",
+                    "llmadapt.launch.loadpoint", "llmadapt.launch.multinode", "llmadapt.launch.slurm"}
 LAUNCHER_NAMES = {"llmadapt.launch": {"run"}, "llmadapt.launch.supervise": {"supervise", "worker_command"}}
 
 

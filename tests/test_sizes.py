@@ -22,10 +22,7 @@ MAX_FUNCTION_LINES = 100
 MAX_MODULE_LINES = 400
 MARKER = re.compile(rf"^(Size: |It is )over {MAX_MODULE_LINES} lines because \S", re.MULTILINE)
 
-ALLOWANCES = {
-    # A serving run's engine, load points and interrupts as closures: to become one object in pieces.
-    "llmadapt/launch/serve.py:_serve": 161,
-}
+ALLOWANCES: dict[str, int] = {}
 """Functions over the limit today, 'path:qualified name' -> lines. Numbers may only go down."""
 
 

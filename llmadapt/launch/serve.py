@@ -1,10 +1,7 @@
-"""A serving run: start the engine through its adapter (or attach to a URL), wait until it is ready, drive
-the load generator, scrape the engine's metrics, and summarise; Ctrl-C keeps what was measured.
-
-It is over 400 lines because a serving run's whole life is here, in the order it happens: the checks before its
-folder exists (the engine's interpreter, an attached URL's reachability), the folder, the engine's start and stop
-with the signals held meanwhile, the load points against it, and the partial summary of an interrupted run.
-"""
+"""A serving run, the door: the checks before its folder exists, then one engine and the load points run against
+it (experiments.loadsweep runs several), the signals held while the engine starts and stops, and the partial
+summary of an interrupted run; Ctrl-C keeps what was measured. The pieces: what starts the engine in
+``launch.engine``, what drives load against it and writes each point's records in ``launch.loadpoint``."""
 
 from __future__ import annotations
 
@@ -17,97 +14,17 @@ from typing import Any, Callable
 
 import attrs
 
-from llmadapt.adapter.context import ServeContext, WrongServer
-from llmadapt.adapter.declaration import load_role
-from llmadapt.contract.jsonl import JsonlWriter
-from llmadapt.contract.launch import LaunchRequest, run_header
+from llmadapt.contract.readback import RunResult, summarise
 from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, Terminated
-from llmadapt.host import exit_cause, exit_text, node_name, software_versions
-from llmadapt.launch.quality import measure as measure_quality
-from llmadapt.launch.environments import process_env, python_for
-from llmadapt.launch.settings import launch_request
-from llmadapt.contract.readback import RunResult, summarise
+from llmadapt.launch.engine import Engine, check_reachable, engine_launch  # noqa: F401 (engine_launch: loadsweep's)
+from llmadapt.launch.loadpoint import LoadPoint, drive, new_point, recorded_hash
 from llmadapt.launch.supervise import interrupt_text
-from llmadapt.runtime import interference
-from llmadapt.runtime.loadgen import LoadGenerator, redact, sent_secrets
-from llmadapt.runtime.requests import plan_requests
-from llmadapt.runtime.streams import completed_note, request_source
 from llmadapt.spec import Workload
 
-
-@attrs.frozen
-class LoadPoint:
-    """One serving run against an engine that may serve several in a row (llmadapt.experiments.loadsweep): the run's
-    workload (its arrival process and request stream) and its folder, already holding launch.json."""
-
-    workload: Workload
-    run_id: str
-    run_dir: Path
-    launch: LaunchRequest
-
-
-def engine_launch(workload: Workload, info) -> tuple[str, Path | None]:
-    """(launcher, interpreter) for the workload's engine: attached by URL, or started in the adapter's
-    environment (whose absence fails here, before anything is written)."""
-    attach = workload.serve.url is not None
-    if not attach and info.environment is None:
-        raise LlmadaptError(f"adapter {info.name!r} only attaches to a running engine: set serve.url")
-    return ("attach", None) if attach else ("subprocess", python_for(info.environment))
-
-
-def check_reachable(workload: Workload) -> None:
-    """Attached (serve.url): something must accept connections there before any run folder is made; else one
-    line (LlmadaptError: bad input). Refused connections are retried for REFUSED_GRACE_S (a server restarting);
-    an unknown host is not. Whether it is the right server is judged later, by the adapter's readiness check."""
-    import socket
-    from urllib.parse import urlsplit
-
-    url = workload.serve.url
-    if url is None:
-        return
-    try:
-        parts = urlsplit(url)
-        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError as exc:
-        raise LlmadaptError(f"serve.url {url!r} is not a URL ({exc}): write http://HOST:PORT") from None
-    if parts.scheme not in ("http", "https") or not host:
-        raise LlmadaptError(f"serve.url {url!r} is not an http(s) URL: write http://HOST:PORT")
-    deadline = time.monotonic() + REFUSED_GRACE_S
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=REFUSED_GRACE_S).close()
-            return
-        except socket.gaierror as exc:
-            why = f"unknown host {host!r} ({exc.strerror or exc})"
-            break
-        except ConnectionRefusedError:
-            why = "connection refused"
-        except OSError as exc:
-            why = exc.strerror or str(exc) or type(exc).__name__
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(0.5)
-    raise LlmadaptError(f"nothing answers at {url}: {why} (retried for {REFUSED_GRACE_S:g} s; is the server running "
-                        "there, and is serve.url right?)")
-
-
-def new_point(workload: Workload, info, out, run_id: str | None, progress) -> LoadPoint:
-    """A serving run's folder with its launch.json, announced to ``progress``."""
-    launcher, python = engine_launch(workload, info)
-    launch = launch_request(workload, info, launcher, python, run_id)
-    run_dir = Path(out) / launch.run_id
-    run_dir.mkdir(parents=True, exist_ok=False)
-    RunDir(run_dir).write_launch(launch)
-    RunDir(run_dir).rank_file(0).touch()  # a run that fails before its header still has its (empty) record file
-    if progress:
-        progress({"type": "start", "run_dir": str(run_dir), "adapter": info.name, "label": workload.label,
-                  "world_size": 1, "launcher": launcher})
-        note = completed_note(request_source(workload))
-        if note:
-            progress({"type": "warning", "message": note})
-    return LoadPoint(workload, launch.run_id, run_dir, launch)
+__all__ = ["LoadPoint", "check_reachable", "engine_launch", "new_point", "run_offline", "run_serving",
+           "serve_points"]
 
 
 def run_serving(workload: Workload, info, out, run_id, timeout, progress) -> RunResult:
@@ -145,7 +62,7 @@ def run_offline(workload: Workload, info, out, run_id, timeout, progress) -> Run
                                                                                            message=str(exc))]))
     RunDir(point.run_dir).write_launch(attrs.evolve(
         point.launch, launcher="offline", checkpoint=str(checkpoint), offline_class=info.roles["offline"],
-        checkpoint_hash=_recorded_hash(workload, checkpoint)))
+        checkpoint_hash=recorded_hash(workload, checkpoint)))
     try:
         failures += supervise(worker_command("subprocess", point.launch.python, point.run_dir),
                               env=worker_env(1, info.environment), log=RunDir(point.run_dir).engine_log, tail=None,
@@ -154,15 +71,6 @@ def run_offline(workload: Workload, info, out, run_id, timeout, progress) -> Run
         summarise_interrupted(point.run_dir, exc)
         raise
     return RunResult(run_dir=point.run_dir, summary=summarise(point.run_dir, failures))
-
-
-# -- orchestration ------------------------------------------------------------------------------
-STARTUP_TIMEOUT_S = 600.0
-
-
-REFUSED_GRACE_S = 5.0
-"""Attached: how long connections may be refused before the run fails (nothing listens at that address).
-A managed engine may refuse them for as long as it is starting, i.e. while its process lives."""
 
 
 class _Interrupts:
@@ -222,230 +130,100 @@ def serve_points(workload: Workload, info, engine_dir: Path, timeout: float | No
     summarised as interrupted.
     """
     with _Interrupts() as interrupts:
-        return _serve(workload, info, engine_dir, timeout, progress, next_point, interrupts)
+        return _Series(workload, info, engine_dir, timeout, progress, next_point, interrupts).run()
 
 
-def _serve(workload: Workload, info, engine_dir: Path, timeout: float | None, progress,
-           next_point: Callable[[list[RunResult]], LoadPoint | None], interrupts: _Interrupts) -> list[RunResult]:
-    from llmadapt.contract.records import Failure
-    from llmadapt.host import free_port
+@attrs.define
+class _Series:
+    """Load points run one after the other against one engine, and the state they share: the results so far, the
+    point being run and its failures (kept as they happen: an interrupt's summary holds them), the engine."""
 
-    results: list[RunResult] = []
-    point = next_point(results)
-    if point is None:
-        return results
-    launcher, python = engine_launch(workload, info)
-    attach = launcher == "attach"
-    failures: list = []
+    workload: Workload
+    info: Any
+    engine_dir: Path
+    timeout: float | None
+    progress: Any
+    next_point: Callable[[list[RunResult]], LoadPoint | None]
+    interrupts: _Interrupts
+    results: list[RunResult] = attrs.Factory(list)
+    failures: list[Failure] = attrs.Factory(list)
+    current: LoadPoint | None = None
+    engine: Engine | None = None
 
-    def finish(current: LoadPoint) -> None:
-        results.append(RunResult(run_dir=current.run_dir, summary=summarise(current.run_dir, list(failures))))
-        failures.clear()
+    def finish(self) -> None:
+        """The current point's summary, with the failures it met."""
+        summary = summarise(self.current.run_dir, list(self.failures))
+        self.results.append(RunResult(run_dir=self.current.run_dir, summary=summary))
+        self.failures.clear()
 
-    checkpoint = None
-    if not attach:
-        from llmadapt.launch.prepare import ensure_checkpoint
-
+    def run(self) -> list[RunResult]:
+        self.current = self.next_point(self.results)
+        if self.current is None:
+            return self.results
         try:
-            checkpoint = ensure_checkpoint(workload, info.environment)
+            self.engine = Engine.prepare(self.workload, self.info, self.engine_dir)
         except LlmadaptError as exc:
-            failures.append(Failure(cause="error", message=str(exc)))
-            finish(point)
-            return results
-    tokenizer = _load_tokenizer(workload, checkpoint)
-    cls = load_role(info.roles["serve"])
-    env = None if attach else process_env(info.environment)
-    server = cls(ServeContext(workload, info.name, engine_dir, python, checkpoint, free_port(), env))
-    secrets = sent_secrets(server)
-    current: list[LoadPoint] = [point]  # the point being run, for the interrupt's summary
+            self.failures.append(Failure(cause="error", message=str(exc)))
+            self.finish()
+            return self.results
+        try:
+            self.interrupts.hold = True  # a signal now is noted, not raised: a half-started engine could escape stop()
+            failed = self.engine.start()
+            self.interrupts.hold = False
+            if failed:
+                self.failures.append(failed)
+                self.finish()
+            elif not self.interrupts.signal:
+                try:
+                    asyncio.run(self._main())
+                except asyncio.CancelledError:
+                    if not self.interrupts.signal:
+                        raise
+        finally:
+            self.interrupts.hold = True
+            self.engine.stop()
+        if self.interrupts.signal:
+            exc = self.interrupts.exception()
+            if not self.results or self.results[-1].run_dir != self.current.run_dir:
+                self.failures.append(Failure(cause="interrupted", message=f"{interrupt_text(exc)} in the orchestrator"))
+                self.finish()
+            raise exc
+        return self.results
 
-    def fail(cause: str, message: str) -> None:
-        failures.append(Failure(cause=cause, message=redact(message, secrets)))  # messages may quote the server
-
-    def engine_ended(when: str) -> None:
-        """The engine's process is gone: how it ended (its exit status, the signal that killed it), and when."""
-        code = server.exit_code()
-        how = "exited" if code is None else exit_text(code)
-        failures.append(Failure(cause="crash" if code is None else exit_cause(code), exit_code=code,
-                                message=f"the engine {how} {when}; see {RunDir(engine_dir).engine_log}"))
-
-    async def main() -> None:
+    async def _main(self) -> None:
         import aiohttp
 
-        interrupts.task = asyncio.current_task()
+        self.interrupts.task = asyncio.current_task()
         try:
-            await serve(aiohttp)
+            connector = aiohttp.TCPConnector(limit=0, force_close=False)
+            client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+            async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session:
+                await self._points(session)
         finally:
-            interrupts.task, interrupts.hold = None, True  # the loop closes: a signal now is noted, raised after
+            self.interrupts.task, self.interrupts.hold = None, True  # the loop closes: a signal now is noted
 
-    async def serve(aiohttp) -> None:
-        connector = aiohttp.TCPConnector(limit=0, force_close=False)
-        client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
-        async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session:
-            started = time.monotonic()
-            if not await _wait_ready(session, started):
-                finish(current[0])
-                return
-            while True:
-                p = current[0]
-                await _one_point(p, session, started)
-                if not server.alive():
-                    engine_ended("during this load point")
-                finish(p)
-                started = time.monotonic()
-                following = next_point(results)
-                if following is None:
-                    return
-                current[0] = following
-                if not server.alive():  # the engine died: the points left would only fail
-                    engine_ended("before this load point")
-                    finish(following)
-                    return
-
-    async def _wait_ready(session, started: float) -> bool:
-        limit = STARTUP_TIMEOUT_S if timeout is None else min(timeout, STARTUP_TIMEOUT_S)  # --timeout 0 is 0
-        refused_since = None
+    async def _points(self, session) -> None:
+        engine, started = self.engine, time.monotonic()
+        failed = await engine.wait_ready(session, self.timeout, started)
+        if failed:
+            self.failures.append(failed)
+            self.finish()
+            return
         while True:
-            try:
-                ready, refused = await _ready(server, session)
-            except WrongServer as exc:
-                fail("error", str(exc))
-                return False
-            # alive after ready too: a health check answered by another process on the port is not our engine
-            if ready and server.alive():
-                return True
-            if not server.alive():
-                engine_ended("during start-up")
-                return False
-            # Attached, a refused connection means nothing listens there: waiting would only hide that. A
-            # managed engine refuses until it listens, so it gets the whole start-up time while it lives.
-            refused_since = None if refused is None else refused_since or time.monotonic()
-            if attach and refused_since is not None and time.monotonic() - refused_since >= REFUSED_GRACE_S:
-                fail("error", f"nothing answers at {server.ctx.base_url}: {refused} (retried for "
-                              f"{REFUSED_GRACE_S:g} s; is the server running there, and is serve.url right?)")
-                return False
-            if time.monotonic() - started >= limit:
-                fail("timeout", f"the engine was not ready within {limit:g} s")
-                return False
-            await asyncio.sleep(0.5)
-
-    async def _one_point(p: LoadPoint, session, started: float) -> None:
-        if interrupts.signal:
-            raise asyncio.CancelledError
-        w = p.workload
-        writer = JsonlWriter(RunDir(p.run_dir).rank_file(0))
-        try:
-            writer.write(run_header(
-                p.launch, framework_version=redact(server.engine_version(), secrets), device=None,
-                software=software_versions(("aiohttp", "tokenizers")), patches=list(server.patches), workload=w,
-                checkpoint_hash=_recorded_hash(w, checkpoint), model_source=_recorded_source(checkpoint),
-                request_source=request_source(w),
-                notes=list(getattr(server, "notes", [])),  # a server written before notes may not call our __init__
-                engine_weights=getattr(server, "engine_weights", lambda: None)()))
-            run = LoadGenerator(server, w, plan_requests(w, tokenizer), writer, progress).run(session)
-            engine = _engine_group(engine_dir)
-            quiet_start, engine_start = interference.snapshot(), interference.group_cpu_s(engine)
-            try:
-                if timeout is None:
-                    await run
-                else:
-                    try:
-                        await asyncio.wait_for(run, timeout=max(1.0, timeout - (time.monotonic() - started)))
-                    except TimeoutError:
-                        fail("timeout", f"the run exceeded its timeout of {timeout:g} s")
-            finally:  # what ran beside the run while it sent its requests, the engine's CPU counted as its own
-                writer.write(interference.serving_window(quiet_start, interference.snapshot(), engine_start,
-                                                         interference.group_cpu_s(engine), node_name()))
-            if w.serve.quality.texts and server.alive():  # after the speed measurement, outside its window
-                try:
-                    writer.write(await measure_quality(server, session, w, checkpoint, p.run_dir))
-                except LlmadaptError as exc:
-                    fail("error", str(exc))
-        finally:
-            writer.close()
-
-    try:
-        interrupts.hold = True  # a signal now is noted, not raised: a half-started engine could escape stop()
-        try:
-            server.start()
-            startup_failed = False
-        except Exception as exc:  # a failed start is a result of the run, with its trace and summary
-            fail("error", f"the engine failed to start: {type(exc).__name__}: {exc}")
-            startup_failed = True
-        interrupts.hold = False
-        if startup_failed:
-            finish(point)
-        elif not interrupts.signal:
-            try:
-                asyncio.run(main())
-            except asyncio.CancelledError:
-                if not interrupts.signal:
-                    raise
-    finally:
-        interrupts.hold = True
-        server.stop()
-        # the engine is stopped: a pid file left would name a process that is gone, or later another one
-        RunDir(engine_dir).engine_pid.unlink(missing_ok=True)
-    if interrupts.signal:
-        exc = interrupts.exception()
-        if not results or results[-1].run_dir != current[0].run_dir:
-            failures.append(Failure(cause="interrupted", message=f"{interrupt_text(exc)} in the orchestrator"))
-            finish(current[0])
-        raise exc
-    return results
+            if self.interrupts.signal:
+                raise asyncio.CancelledError
+            await drive(engine, self.current, session, started, self.timeout, self.progress, self.failures)
+            if not engine.server.alive():
+                self.failures.append(engine.ended("during this load point"))
+            self.finish()
+            started = time.monotonic()
+            following = self.next_point(self.results)
+            if following is None:
+                return
+            self.current = following
+            if not engine.server.alive():  # the engine died: the points left would only fail
+                self.failures.append(engine.ended("before this load point"))
+                self.finish()
+                return
 
 
-async def _ready(server, session) -> tuple[bool, str | None]:
-    """(ready, why nothing answers): the second is set only when no connection could be made at all (refused,
-    unknown host), never for a server that answers but is not ready yet. WrongServer propagates."""
-    import aiohttp
-
-    try:
-        return bool(await asyncio.wait_for(server.ready(session), timeout=5)), None
-    except WrongServer:
-        raise
-    except aiohttp.ClientSSLError:  # something answers, in another TLS mode: not "nothing there"
-        return False, None
-    except aiohttp.ClientConnectorError as exc:
-        os_error = exc.os_error
-        return False, "connection refused" if isinstance(os_error, ConnectionRefusedError) else (
-            os_error.strerror or str(exc))
-    except Exception:
-        return False, None
-
-
-def _load_tokenizer(workload: Workload, checkpoint: Path | None):
-    from tokenizers import Tokenizer
-
-    if checkpoint is not None:
-        return Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-    from llmadapt.models import train_tokenizer
-
-    return train_tokenizer(workload.model.vocab_size)
-
-
-def _engine_group(engine_dir: Path) -> int | None:
-    """The process group of the engine the adapter started (its pid file: engines start in their own group);
-    None when attached by URL or not recorded."""
-    try:
-        return int(RunDir(engine_dir).engine_pid.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _recorded_hash(workload: Workload, checkpoint: Path | None) -> str | None:
-    """The header's checkpoint hash, as a training rank records it: model.checksum (a folder's content hash, a
-    GGUF file's hash), else the canonical checkpoint's; none for an attached server (what it serves is its own)."""
-    if checkpoint is None:
-        return None
-    from llmadapt.models import recorded_weights_hash
-
-    return workload.model.checksum or recorded_weights_hash(checkpoint)
-
-
-def _recorded_source(checkpoint: Path | None):
-    if checkpoint is None:
-        return None
-    from llmadapt.models import recorded_source
-
-    return recorded_source(checkpoint)
