@@ -224,6 +224,9 @@ def test_labels_name_every_field_that_differs_between_the_rows():
                                                         f"train.warmup_steps={mixtral.train.warmup_steps}"])
     assert distinct_labels([("torch", llama), ("torch", mixtral)]) == ["torch model=tiny-llama",
                                                                       "torch model=tiny-mixtral"]
+    # where each saves its model is not what a row measures: not in the label
+    saved = [lora.with_overrides([f"save.path=runs/{name}"]) for name in ("a", "b")]
+    assert distinct_labels([("torch", saved[0]), ("deepspeed", saved[1])]) == ["torch", "deepspeed"]
     serve = Workload.from_file(ROOT / "examples" / "serve-tiny.toml")
     longer = serve.with_overrides(["serve.input_len.mean=64", "serve.output_len.mean=64"])
     assert distinct_labels([("vllm", serve), ("vllm", longer), ("vllm", None)]) == [

@@ -55,6 +55,11 @@ _LAYOUT_NAMED = frozenset({
     "train.micro_batch", "train.optimizer_impl"})
 
 
+# Where a run writes what it trained: not what a row measures, so never what tells rows apart (two stacks each
+# saving to a folder of their own would otherwise read 'path=/home/me/runs/lora-torch')
+_OUTPUTS = frozenset({"save.path"})
+
+
 # Sections that do not describe a row of the kind: a serving run takes no training settings, a training run no serving
 _NOT_OF_KIND = {"serve": ("data", "train", "lora", "eval", "save", "profile", "parallelism", "optimizations"),
                 "train": ("serve",)}
@@ -75,7 +80,7 @@ def distinct_labels(labelled: list[tuple[str, Workload | dict[str, Any] | None]]
     for kind in ("train", "serve"):
         mine = [i for i, (_, w) in enumerate(labelled) if w is not None and (w.kind == "serve") == (kind == "serve")]
         workloads = [labelled[i][1] for i in mine]
-        paths = [p for p in varied_fields(workloads) if p not in set(ignore)
+        paths = [p for p in varied_fields(workloads) if p not in set(ignore) and p not in _OUTPUTS
                  and p.split(".")[0] not in _NOT_OF_KIND[kind]] if len(mine) > 1 else []
         if "model.name" in paths:  # another model: its name says it, not each of its fields
             paths = [p for p in paths if not p.startswith("model.") or p == "model.name"]
