@@ -282,6 +282,20 @@ def test_tune_vs_grid(tmp_path):
     assert row["grid_best"] and row["tune_best"]
 
 
+def test_tune_vs_grid_planted_case_finds_its_two_rows(tmp_path):
+    """The planted space is two configurations (recomputation off and full); each repeat reports what became of both
+    (found or not is a timing result: not asserted here)."""
+    out = tmp_path / "planted.json"
+    text = bench("tune_vs_grid.py", "--planted", "--smoke", "--json", str(out), cwd=tmp_path)
+    assert "planted winner found in" in text
+    r = json.loads(out.read_text())
+    (row,) = r["planted"]
+    assert len(row["outcomes"]) == 2 and sum("recompute=full" in label for label in row["outcomes"]) == 1
+    full = next(outcome for label, outcome in row["outcomes"].items() if "recompute=full" in label)
+    assert row["found"] == full.startswith("dropped")  # what it counts is what the race did
+    assert r["found"] + r["wrong_winner_certain"] <= 1
+
+
 def test_vllm_crosschecks_subset_is_the_entries_llmadapt_draws_within_the_filters(tmp_path):
     """--subset: both clients read one file holding exactly the entries llmadapt's planner sends (its seed's order,
     the length filters), each as its first human turn and that turn's answer."""
