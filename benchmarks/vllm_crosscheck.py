@@ -227,10 +227,11 @@ cli.main()
 
 def bench_pass(python: Path, base_url: str, checkpoint: Path, served: str, sharegpt: Path, requests: int,
                point: tuple[str, float], forced: bool, work: Path, tag: str, env: dict, engine: str,
-               output_len: int | None = None) -> dict:
+               output_len: int | None = None, sent_lengths: list[int] | None = None) -> dict:
     """One vllm bench pass over every entry of the ShareGPT file, in its order; ``served``: the model name the
     server answers to (vLLM: its served-model-name; transformers serve: the checkpoint path); ``output_len``: one
-    output length for all (--sharegpt-output-len) instead of each gpt turn's."""
+    output length for all (--sharegpt-output-len) instead of each gpt turn's; ``sent_lengths``: the prompt lengths
+    llmadapt sends from the same file, which vllm bench's must equal (else the pass compares other requests)."""
     name = f"vllm-bench-{tag}.json"
     kind, value = point
     load = (["--request-rate", f"{value:g}", "--burstiness", "1", "--seed", "0"] if kind == "poisson"
@@ -261,6 +262,13 @@ def bench_pass(python: Path, base_url: str, checkpoint: Path, served: str, share
     result = json.loads((work / name).read_text())
     if result["num_prompts"] != requests:
         raise SystemExit(f"vllm bench sent {result['num_prompts']} of the file's {requests} entries; see {log_path}")
+    theirs = sorted(result.get("input_lens") or [])
+    # the same prompts, give or take the special tokens its tokenizer call adds to each (one offset for all)
+    if sent_lengths is not None and (len(theirs) != len(sent_lengths)
+                                     or len({a - b for a, b in zip(theirs, sorted(sent_lengths))}) > 1):
+        raise SystemExit(f"vllm bench sent other prompts than llmadapt (prompt lengths {sorted(result['input_lens'])} "
+                         f"against {sorted(sent_lengths)}): it drops entries over its own limits and repeats others; "
+                         f"see {log_path}")
     total = usage.ru_utime + usage.ru_stime
     out = {"completed": result["completed"], "failed": result.get("failed", 0), "valid": None, "validity": None,
            "cpu_ms_per_request": (total - at_start) * 1e3 / requests if total is not None and at_start else None,
@@ -288,6 +296,10 @@ def write_sharegpt(path: Path, tokenizer, n: int, input_len: int, output_len: in
                                 for q, a in zip(texts(input_len, 1), texts(output_len, 2))]))
 
 
+BENCH_MAX_PROMPT, BENCH_MAX_TOTAL = 1024, 2048
+"""vllm bench serve's ShareGPT limits (vllm.benchmarks.datasets.is_valid_sequence): prompt tokens, prompt + output."""
+
+
 def write_subset(source: Path, path: Path, model: dict, tokenizer, args) -> Path:
     """The N entries of ``source`` llmadapt's planner draws (its seed's order, the length filters) as a file of
     their own, which both clients then read whole: the same entries, the same filters."""
@@ -296,6 +308,10 @@ def write_subset(source: Path, path: Path, model: dict, tokenizer, args) -> Path
     from llmadapt.streamfiles import read_sharegpt
 
     filters = {k: getattr(args, k) for k in ("min_input_len", "max_input_len", "min_output_len", "max_output_len")}
+    # vllm bench's own ShareGPT rule drops a prompt over 1024 tokens (and fills the count with duplicates of others):
+    # an entry it would drop is one llmadapt must not draw, or the two clients send different requests
+    filters["max_input_len"] = min(filters["max_input_len"] or BENCH_MAX_PROMPT, BENCH_MAX_PROMPT)
+    filters["max_output_len"] = min(filters["max_output_len"] or BENCH_MAX_TOTAL, BENCH_MAX_TOTAL - filters["max_input_len"])
     w = Workload.from_dict({"kind": "serve", "model": model, "serve": {
         "requests": args.subset, "warmup_requests": 0,
         "source": {"kind": "sharegpt", "path": str(source), **{k: v for k, v in filters.items() if v is not None}}}})
@@ -481,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
                     if client == "vllm bench":
                         figures = await asyncio.to_thread(bench_pass, bench_python, server.ctx.base_url, checkpoint,
                                                           served, sharegpt, requests, point, forced, work, tag,
-                                                          bench_env, args.engine)
+                                                          bench_env, args.engine,
+                                                          sent_lengths=[p.input_tokens for p in plan])
                     else:
                         figures = await llmadapt_pass(server, w, plan, work / f"llmadapt-{tag}.jsonl", session)
                     after = parse_histograms(await scrape_text(session, server.ctx.base_url))
