@@ -266,7 +266,7 @@ def bench_pass(python: Path, base_url: str, checkpoint: Path, served: str, share
     # the same prompts, give or take the special tokens its tokenizer call adds to each (one offset for all)
     if sent_lengths is not None and (len(theirs) != len(sent_lengths)
                                      or len({a - b for a, b in zip(theirs, sorted(sent_lengths))}) > 1):
-        raise SystemExit(f"vllm bench sent other prompts than llmadapt (prompt lengths {sorted(result['input_lens'])} "
+        raise SystemExit(f"vllm bench sent other prompts than llmadapt (prompt lengths {theirs} "
                          f"against {sorted(sent_lengths)}): it drops entries over its own limits and repeats others; "
                          f"see {log_path}")
     total = usage.ru_utime + usage.ru_stime
@@ -308,8 +308,9 @@ def write_subset(source: Path, path: Path, model: dict, tokenizer, args) -> Path
     from llmadapt.streamfiles import read_sharegpt
 
     filters = {k: getattr(args, k) for k in ("min_input_len", "max_input_len", "min_output_len", "max_output_len")}
-    # vllm bench's own ShareGPT rule drops a prompt over 1024 tokens (and fills the count with duplicates of others):
-    # an entry it would drop is one llmadapt must not draw, or the two clients send different requests
+    # vllm bench's own ShareGPT rule drops a prompt over 1024 tokens or an entry over 2048 in all (and fills the count
+    # with duplicates of others): an entry it would drop is one llmadapt must not draw, or the two clients send
+    # different requests. The filters bound each length alone, so the answer's is kept within what the prompt's leaves.
     filters["max_input_len"] = min(filters["max_input_len"] or BENCH_MAX_PROMPT, BENCH_MAX_PROMPT)
     filters["max_output_len"] = min(filters["max_output_len"] or BENCH_MAX_TOTAL, BENCH_MAX_TOTAL - filters["max_input_len"])
     w = Workload.from_dict({"kind": "serve", "model": model, "serve": {

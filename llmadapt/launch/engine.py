@@ -1,6 +1,7 @@
 """What starts a serving run's engine: the adapter's Server started in its environment (or attached to by URL),
-waited for until it is ready, stopped; and how its end reads when its process is gone. Every failure here is a
-``Failure`` record for the run being served, never an exception: an engine that does not start is a result."""
+waited for until it is ready, stopped; and how its end reads when its process is gone. Bad input (no environment, an
+attached URL where nothing listens, a checkpoint that cannot be prepared) raises LlmadaptError before the engine
+starts; from then on, an engine that fails to start, dies or never gets ready is a ``Failure`` record of the run."""
 
 from __future__ import annotations
 

@@ -58,13 +58,15 @@ async def drive(engine: Engine, point: LoadPoint, session, started: float, timeo
     """Run ``point``'s request plan against the ready engine and write its records; the failures it meets (its
     timeout, counted from ``started``; a quality measurement that could not be made) go to ``failures`` as they
     happen, so that an interrupt later keeps them."""
+    from llmadapt.models import recorded_source  # None for an attached server's (no checkpoint)
+
     w, server = point.workload, engine.server
     writer = JsonlWriter(RunDir(point.run_dir).rank_file(0))
     try:
         writer.write(run_header(
             point.launch, framework_version=redact(server.engine_version(), engine.secrets), device=None,
             software=software_versions(("aiohttp", "tokenizers")), patches=list(server.patches), workload=w,
-            checkpoint_hash=recorded_hash(w, engine.checkpoint), model_source=_recorded_source(engine.checkpoint),
+            checkpoint_hash=recorded_hash(w, engine.checkpoint), model_source=recorded_source(engine.checkpoint),
             request_source=request_source(w),
             notes=list(getattr(server, "notes", [])),  # a server written before notes may not call our __init__
             engine_weights=getattr(server, "engine_weights", lambda: None)()))
@@ -99,11 +101,3 @@ def recorded_hash(workload: Workload, checkpoint: Path | None) -> str | None:
     from llmadapt.models import recorded_weights_hash
 
     return workload.model.checksum or recorded_weights_hash(checkpoint)
-
-
-def _recorded_source(checkpoint: Path | None):
-    if checkpoint is None:
-        return None
-    from llmadapt.models import recorded_source
-
-    return recorded_source(checkpoint)

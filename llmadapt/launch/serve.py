@@ -18,7 +18,7 @@ from llmadapt.contract.readback import RunResult, summarise
 from llmadapt.contract.records import Failure
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError, Terminated
-from llmadapt.launch.engine import Engine, check_reachable, engine_launch  # noqa: F401 (engine_launch: loadsweep's)
+from llmadapt.launch.engine import Engine, check_reachable, engine_launch
 from llmadapt.launch.loadpoint import LoadPoint, drive, new_point, recorded_hash
 from llmadapt.launch.supervise import interrupt_text
 from llmadapt.spec import Workload
