@@ -198,7 +198,7 @@ def test_a_race_that_settles_early_spends_the_rest_of_its_budget_on_the_candidat
             self.used[c.key] = self.used.get(c.key, 0) + 1
             self.results.setdefault(c.key, []).append(("", {"status": "ok"}, 10.0))
 
-        def _cut(self, alive, round_index, share=1.0):
+        def _cut(self, alive, round_index):
             for c in alive:
                 if c.label != "fast":
                     self.dropped[c.key] = (round_index, "slower")
@@ -219,7 +219,8 @@ def test_a_round_one_drop_waits_for_a_second_run_of_the_candidate(tmp_path):
     planted benchmark once dropped the faster of two configurations that way (docs/status.md). Here 'none' is truly
     1.0 s a step but its first run is disturbed to 1.4 s, against 'full' at 1.25 s and 'slow' at 1.6 s: only 'slow',
     slower on both of its runs, is dropped in round 1. The rows are built from planted step times as
-    ``row_of_runs`` builds them (steps of one run, else the runs' medians)."""
+    ``row_of_runs`` builds them (steps of one run, else the runs' medians). Probes cost 10 s of a 60 s budget:
+    round 1 spends its half, and the second runs that make a drop final come out of the rest."""
     import random
 
     from llmadapt.analysis.comparison import Row
@@ -245,7 +246,7 @@ def test_a_round_one_drop_waits_for_a_second_run_of_the_candidate(tmp_path):
             return Row(c.label, "torch", "", "", "ok", {}, estimates={"step_p50_s": step})
 
     search = Planted(found=type("Found", (), {"candidates": order})(), state={"probes": []}, folder=tmp_path,
-                     objective="tokens_per_s", budget_s=1000, probe_steps=None, max_memory=None, max_step_s=None,
+                     objective="tokens_per_s", budget_s=60, probe_steps=None, max_memory=None, max_step_s=None,
                      price=None, log=lambda m: None, run_options={})
     search.race(order, max_runs=2, rng=random.Random(0), model=False)
     dropped = {k.split("=")[-1]: why for k, (_, why) in search.dropped.items()}

@@ -302,7 +302,7 @@ class _Search:
             probed = self.run_round(order, share)
             self.unprobed |= {c.key for c in order if c not in probed}
             alive += [c for c in probed if self._failed(c, 1) is None]
-        alive = self._cut(alive, 1, share)
+        alive = self._cut(alive, 1)
         for round_index in range(2, max_runs + 1):
             if len(alive) < 2:
                 break
@@ -354,7 +354,7 @@ class _Search:
             self.dropped[c.key] = (round_index, reason)
         return reason
 
-    def _cut(self, alive: list[Candidate], round_index: int, share: float = 1.0) -> list[Candidate]:
+    def _cut(self, alive: list[Candidate], round_index: int) -> list[Candidate]:
         """Drop the candidates the verdict's rules call slower than the best beyond noise. Judged on one run a side
         (round 1), a drop is not final until a second run of the candidate is slower too (``_confirmed``)."""
         if len(alive) < 2:
@@ -366,7 +366,7 @@ class _Search:
         best = min(scored, key=lambda k: scored[k].median)
         slower = [c for c in alive if c.key in scored and c.key != best and slower_than(scored[c.key], scored[best])]
         once = [c for c in slower if self.used[c.key] == 1]
-        confirmed = self._confirmed(once, scored[best], share) if once else []
+        confirmed = self._confirmed(once, scored[best]) if once else []
         slower = [c for c in slower if c not in once] + confirmed
         for c in slower:
             change = f"{scored[c.key].median / scored[best].median - 1:+.0%}"
@@ -377,12 +377,14 @@ class _Search:
                                                 f"round {round_index})")
         return [c for c in alive if c not in slower and c.key not in self.dropped]  # or its second run failed
 
-    def _confirmed(self, once: list[Candidate], best: Any, share: float) -> list[Candidate]:
+    def _confirmed(self, once: list[Candidate], best: Any) -> list[Candidate]:
         """Of ONCE, judged slower than BEST on one run a side, those whose second run is slower beyond noise too.
         One run's step intervals cannot see a disturbance that lasts the whole run (another job, a throttled core):
         on a quiet machine that dropped the faster of two planted configurations once in 20 tunes
-        (docs/status.md). A second run of the candidate is that evidence; one the budget cannot afford keeps it."""
-        probed = self.run_round(once, share)
+        (docs/status.md). A second run of the candidate is that evidence; one the budget cannot afford keeps it.
+        These runs come out of the whole budget, not round 1's half: a drop made final is what the repeats'
+        half is for (taken from round 1's half, none was affordable and the race kept every candidate)."""
+        probed = self.run_round(once)
         return [c for c in probed if self._failed(c, 1) is None
                 and (again := self._score(c, last_only=True)) is not None and slower_than(again, best)]
 
