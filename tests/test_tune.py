@@ -253,3 +253,27 @@ def test_a_round_one_drop_waits_for_a_second_run_of_the_candidate(tmp_path):
     assert set(dropped) == {"slow"}, dropped  # 'none' stands: its second run is the faster
     assert "+28% on its first run, +28% on its second" in dropped["slow"], dropped["slow"]
     assert [len(search.results[c.key]) for c in order] == [2, 2, 2]
+
+
+def test_a_stacks_undecided_list_holds_standing_candidates_not_dropped_ones():
+    """A candidate dropped on two runs (each slower beyond its steps' noise) has a row over two runs, which the
+    runs' rule cannot separate from anything (four a side): listed as 'cannot be told apart' from the stack's best,
+    it contradicted its own 'dropped' outcome in the same answer."""
+    from llmadapt.analysis.comparison import Row
+    from llmadapt.analysis.tuning import Probed, answer
+    from llmadapt.experiments.tunespace import Candidate, Space
+
+    w = small()
+
+    def probed(label, runs, dropped=None):
+        c = Candidate("torch", (f"x={label}",), w, label)
+        row = Row(label, "torch", "", "", "ok", {}, run_dirs=["r"] * len(runs),
+                  estimates={"step_p50_s": bootstrap_median(runs, "runs")})
+        return Probed(c, row, dropped, 10.0)
+
+    best, even, slow = (probed("best", [1.0, 1.01, 0.99]), probed("even", [1.0, 1.02]),
+                        probed("slow", [1.5, 1.6], (1, "slower than best beyond noise")))
+    result = answer([best, even, slow], Space([best.candidate, even.candidate, slow.candidate], [], 3, ""),
+                    objective="step_time", strategy="race", budget_s=60, spent_s=60, folder="f", reference=None,
+                    price_per_hour=None)
+    assert result.ranking[0].label == "best" and result.ranking[0].tied_with == ["even"]
