@@ -4,9 +4,10 @@ The space is every configuration the adapters declare (``tunespace``), pruned be
 ordinary run in the store. The ``race`` strategy probes every candidate once in order while the budget's first
 half lasts, then repeats the survivors in shuffled rounds; after each round a candidate is dropped only where the
 comparison's verdict rules tell it apart from the best and slower (over one run's steps: 95% intervals apart, on
-each of two runs of the candidate; over repeated runs: a two-sided Mann-Whitney test, four runs a side at least). ``grid`` probes every candidate the same
-number of times and drops nothing (the reference the race is measured against); ``random`` is the race over a
-seeded shuffle of the candidates. The answer is read in ``llmadapt.analysis.tuning``.
+each of two runs of the candidate; over repeated runs: a two-sided Mann-Whitney test, four runs a side at least).
+``grid`` probes every candidate the same number of times and drops nothing (the reference the race is measured
+against); ``random`` is the race over a seeded shuffle of the candidates. The answer is read in
+``llmadapt.analysis.tuning``.
 
 The tune's folder (OUT/tune-ID/) holds ``tune.json``, rewritten after each probe: an interrupted tune resumes from
 it (``resume=``), reusing every finished probe, and refuses a workload that changed.
@@ -366,27 +367,26 @@ class _Search:
         best = min(scored, key=lambda k: scored[k].median)
         slower = [c for c in alive if c.key in scored and c.key != best and slower_than(scored[c.key], scored[best])]
         once = [c for c in slower if self.used[c.key] == 1]
-        confirmed = self._confirmed(once, scored[best]) if once else []
-        slower = [c for c in slower if c not in once] + confirmed
+        confirmed = self._confirmed(once, scored[best]) if once else {}
+        slower = [c for c in slower if c not in once] + [c for c in once if c.key in confirmed]
         for c in slower:
             change = f"{scored[c.key].median / scored[best].median - 1:+.0%}"
-            if c in confirmed:
-                again = self._score(c, last_only=True).median / scored[best].median - 1
-                change += f" on its first run, {again:+.0%} on its second"
+            if c.key in confirmed:
+                change += f" on its first run, {confirmed[c.key].median / scored[best].median - 1:+.0%} on its second"
             self.dropped[c.key] = (round_index, f"slower than {self._label(best)} beyond noise ({change}, "
                                                 f"round {round_index})")
         return [c for c in alive if c not in slower and c.key not in self.dropped]  # or its second run failed
 
-    def _confirmed(self, once: list[Candidate], best: Any) -> list[Candidate]:
-        """Of ONCE, judged slower than BEST on one run a side, those whose second run is slower beyond noise too.
+    def _confirmed(self, once: list[Candidate], best: Any) -> dict[str, Any]:
+        """Of ONCE, judged slower than BEST on one run a side, those whose second run is slower beyond noise too
+        (key: that run's score).
         One run's step intervals cannot see a disturbance that lasts the whole run (another job, a throttled core):
         on a quiet machine that dropped the faster of two planted configurations once in 20 tunes
         (docs/status.md). A second run of the candidate is that evidence; one the budget cannot afford keeps it.
         These runs come out of the whole budget, not round 1's half: a drop made final is what the repeats'
         half is for (taken from round 1's half, none was affordable and the race kept every candidate)."""
-        probed = self.run_round(once)
-        return [c for c in probed if self._failed(c, 1) is None
-                and (again := self._score(c, last_only=True)) is not None and slower_than(again, best)]
+        again = {c.key: self._score(c, last_only=True) for c in self.run_round(once) if self._failed(c, 1) is None}
+        return {k: s for k, s in again.items() if s is not None and slower_than(s, best)}
 
     def _score(self, c: Candidate, last_only: bool = False) -> Any:
         """C's cost to minimise over its runs so far (``analysis.tuning.score``); ``last_only``: over its last."""
