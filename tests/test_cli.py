@@ -32,6 +32,10 @@ def cli(*args, cwd=None):
         (["--timeout", "0"], "error: --timeout: got '0.0'; must be a number of seconds > 0"),
         (["--timeout", "-5"], "error: --timeout: got '-5.0'; must be a number of seconds > 0"),
         (["--timeout", "nan"], "error: --timeout: got 'nan'; must be a number of seconds > 0"),
+        (["--stall-timeout", "0"], "error: --stall-timeout: got '0.0'; must be a number of seconds > 0"),
+        (["--stall-timeout", "inf"], "error: --stall-timeout: got 'inf'; must be a number of seconds > 0"),
+        (["--stall-timeout", "5", "--set", "kind=serve"],
+         "error: --stall-timeout watches a training run's steps; a serving run bounds each request"),
     ],
 )
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, args, message):

@@ -218,13 +218,60 @@ def test_a_killed_rank_is_the_first_failure_told_then_its_peers(tmp_path):
 
 
 def test_a_frozen_rank_times_out_and_nothing_outlives_the_run(tmp_path):
-    """SIGSTOP of one rank: only SIGKILL reaches it, and torchrun started it in a session of its own."""
+    """SIGSTOP of one rank: only SIGKILL reaches it, and torchrun started it in a session of its own. Rank 0 waits
+    in the step's all-reduce, so the stall timeout ends the run; the run's own timeout is only a cap."""
     w = standard_workloads()["train-dp2"].with_overrides(["train.steps=1000"])
-    result = run(w, "torch", out=tmp_path, fault={"kind": "stop", "step": 2, "rank": 1}, timeout=60)
+    result = run(w, "torch", out=tmp_path, fault={"kind": "stop", "step": 2, "rank": 1}, timeout=HANG_GUARD_S,
+                 stall_timeout=10)
     assert not result.ok
-    assert "timeout" in {f.cause for f in result.summary.failures}
+    (stall,) = [f for f in result.summary.failures if f.cause == "timeout"]
+    assert stall.message.startswith("no progress for 10 s after step 1 (the stall timeout)"), stall.message
     assert result.summary.steps_completed == 2
     assert leftovers(result.run_dir) == []
+
+
+def test_a_hang_before_the_first_step_is_left_to_the_runs_timeout(tmp_path):
+    """Start-up is unbounded by the stall timeout (imports and compilation take what they take): a hang in the
+    first step is ended by the run's timeout, whatever the stall timeout says."""
+    w = standard_workloads()["train"]
+    result = run(w, "torch", out=tmp_path, fault={"kind": "hang", "step": 0}, timeout=20, stall_timeout=1)
+    assert [(f.cause, f.message) for f in result.summary.failures if f.rank is None] == [
+        ("timeout", "the run exceeded its timeout of 20 s")]
+    assert result.summary.steps_completed == 0
+    assert leftovers(result.run_dir) == []
+
+
+def test_the_stall_watch_counts_from_the_first_step_to_the_last(tmp_path, monkeypatch):
+    """StallWatch on a rank file written by hand, on a clock the test moves: nothing before the first step, a
+    failure once a gap reaches the limit, an evaluation counting as progress, nothing after the last step."""
+    from llmadapt.launch import supervise
+
+    now = [100.0]
+    monkeypatch.setattr(supervise.time, "monotonic", lambda: now[0])
+    rank_file = tmp_path / "rank-00000.jsonl"
+    rank_file.write_text('{"type": "header"}\n')
+    watch = supervise.StallWatch(5.0, rank_file, last_step=3)
+
+    def write(record: dict, after_s: float) -> None:
+        now[0] += after_s
+        with open(rank_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        watch.check()  # supervise polls every 0.1 s: a record is seen when it is written
+
+    now[0] += 60
+    assert watch.check() is None  # start-up: the run's timeout's
+    write({"type": "step", "step": 0}, 1)
+    write({"type": "telemetry"}, 4.5)  # a background sampler's record is not progress
+    assert watch.check() is None
+    now[0] += 0.6
+    failure = watch.check()
+    assert failure is not None and (failure.cause, failure.step) == ("timeout", 1)
+    assert failure.message.startswith("no progress for 5 s after step 0")
+    write({"type": "evaluation", "step": 0}, 0)
+    assert watch.check() is None
+    write({"type": "step", "step": 3}, 4.9)
+    now[0] += 3600
+    assert watch.check() is None  # after the last step: the final evaluation and the save are the run timeout's
 
 
 def test_a_rank_that_dies_after_its_last_record_is_a_warning_not_a_failure(tmp_path):

@@ -56,7 +56,8 @@ def emit(args, data: Any, text: str) -> None:
 
 
 def run_options(args) -> dict[str, Any]:
-    opts: dict[str, Any] = {"launcher": args.launcher, "out": args.out, "timeout": args.timeout}
+    opts: dict[str, Any] = {"launcher": args.launcher, "out": args.out, "timeout": args.timeout,
+                            "stall_timeout": getattr(args, "stall_timeout", None)}
     opts["progress"] = _progress
     return opts
 
@@ -130,6 +131,13 @@ def workload_args(p: argparse.ArgumentParser) -> None:
                         "(deepspeed)")
     p.add_argument("--out", default="runs", help="folder for run directories (default: ./runs)")
     p.add_argument("--timeout", type=float, default=None, help="seconds before a run is stopped")
+
+
+def stall_arg(p: argparse.ArgumentParser) -> None:
+    """--stall-timeout: the commands that start training runs (run, compare, parity)."""
+    p.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
+                   help="training: stop a run whose rank 0 recorded no step for this long after its first (a hung "
+                        "collective or a stopped rank)")
 
 
 def attach_arg(p: argparse.ArgumentParser) -> None:

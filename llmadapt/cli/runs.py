@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from llmadapt.cli.common import (add_command, attach_arg, cells_progress, emit, name_list, printable, repeat_arg,
-                                 run_options, workload_args, workload_of)
+                                 run_options, stall_arg, workload_args, workload_of)
 from llmadapt.errors import LlmadaptError
 
 
@@ -251,6 +251,7 @@ def _optional_workload(p: argparse.ArgumentParser) -> None:
 def register_run(sub) -> None:
     p = add_command(sub, "run", cmd_run, "run a workload on one adapter")
     workload_args(p)
+    stall_arg(p)
     p.add_argument("--adapter", default=None, help="adapter name (default: torch; hf for a serve workload)")
     g = p.add_argument_group("several nodes (torchrun: the same command on every node, changing --node-rank; "
                              "slurm: one command, one job); see docs/distributed.md")
@@ -275,6 +276,7 @@ def register_compare(sub) -> None:
     p = add_command(sub, "compare", cmd_compare, "run a workload on several adapters and option variants, or compare "
                     "stored runs (--runs); one table")
     workload_args(p)
+    stall_arg(p)
     _optional_workload(p)
     _cells_args(p, "comma-separated adapter names, e.g. torch,deepspeed (one cell each)")
     p.add_argument("--matrix", action="append", metavar="PATH=V1,V2",
@@ -318,6 +320,7 @@ def register_compare(sub) -> None:
 def register_parity(sub) -> None:
     p = add_command(sub, "parity", cmd_parity, "check two adapters' fp32 loss trajectories agree at every step")
     workload_args(p)
+    stall_arg(p)
     _optional_workload(p)
     p.add_argument("--runs", metavar="QUERY", help="check two runs already stored in --out instead of running")
     _cells_args(p, "two comma-separated adapter names")

@@ -5,6 +5,7 @@ the other nodes run theirs as agents of node 0.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import attrs
 
@@ -46,8 +47,10 @@ def _node_env(per_node: int, nodes: NodeSettings, collect: str, environment: Env
 
 
 def run_node_zero(python, environment: EnvironmentSpec, nodes: NodeSettings, per_node: int, run_dir: Path,
-                   collector: Collector, timeout, memory_limit_bytes, progress) -> list[Failure]:
-    """Node 0: its own ranks (records kept in node-0/, streamed like everyone's), watching the other nodes."""
+                   collector: Collector, timeout, memory_limit_bytes, progress,
+                   stalled: Callable[[], Failure | None] = lambda: None) -> list[Failure]:
+    """Node 0: its own ranks (records kept in node-0/, streamed like everyone's), watching the other nodes and
+    ``stalled`` (the run's StallWatch)."""
     node_dir = RunDir(run_dir).node(0).path
     node_dir.mkdir()
     RunDir(node_dir).launch_file.write_text(RunDir(run_dir).launch_file.read_text())
@@ -55,7 +58,8 @@ def run_node_zero(python, environment: EnvironmentSpec, nodes: NodeSettings, per
     return supervise(worker_command("torchrun", python, node_dir, per_node=per_node, nodes=nodes),
                       env=_node_env(per_node, nodes, f"{host}:{port}", environment), log=RunDir(node_dir).worker_log,
                       tail=RunDir(run_dir).rank_file(0), timeout=timeout, memory_limit_bytes=memory_limit_bytes,
-                      progress=progress, should_stop=lambda: next(iter(collector.node_failures().values()), None))
+                      progress=progress,
+                      should_stop=lambda: next(iter(collector.node_failures().values()), None) or stalled())
 
 
 def run_node_agent(workload: Workload, python, environment: EnvironmentSpec, nodes: NodeSettings, per_node: int,

@@ -34,7 +34,7 @@ from llmadapt.launch.settings import LAUNCHERS, NodeSettings, check_run_options,
 from llmadapt.launch.sinks import RecordSinks
 from llmadapt.launch.slurm import SlurmSettings, require_slurm, run_slurm_job, slurm_job
 from llmadapt.contract.readback import RunResult, summarise, write_launcher_failures
-from llmadapt.launch.supervise import interrupt_text, supervise, worker_command, worker_env
+from llmadapt.launch.supervise import StallWatch, interrupt_text, supervise, worker_command, worker_env
 from llmadapt.spec import Workload
 
 
@@ -46,6 +46,7 @@ def run(
     out: str | Path = "runs",
     run_id: str | None = None,
     timeout: float | None = None,
+    stall_timeout: float | None = None,
     fault: dict[str, Any] | Fault | None = None,
     memory_limit_bytes: int | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
@@ -64,6 +65,9 @@ def run(
     on node 0 it returns the run's result, on the others a copy of node 0's summary.
     ``slurm``: the layout and options of the Slurm job (``launcher="slurm"``).
 
+    ``stall_timeout``: stop a training run whose rank 0 recorded no step for this many seconds after its first
+    (llmadapt.launch.supervise.StallWatch): a hung collective found in a step's time, not at ``timeout``.
+
     A failed run is a result (``summary.status == 'failed'`` with its failures), not an
     exception. Exceptions are for bad input, raised before any process starts.
     """
@@ -71,8 +75,8 @@ def run(
         workload = Workload.from_file(workload)
     sinks = RecordSinks(progress, on_record, workload.to_dict())
     try:
-        result = _run(workload, adapter, launcher, out, run_id, timeout, fault, memory_limit_bytes, sinks, nodes,
-                      slurm)
+        result = _run(workload, adapter, launcher, out, run_id, (timeout, stall_timeout), fault, memory_limit_bytes,
+                      sinks, nodes, slurm)
     except BaseException:
         sinks.close({})
         raise
@@ -83,15 +87,16 @@ def run(
     return result
 
 
-def _run(workload: Workload, adapter: str, launcher: str, out: str | Path, run_id: str | None, timeout: float | None,
-         fault: dict[str, Any] | Fault | None, memory_limit_bytes: int | None, progress: Callable[[dict[str, Any]], None],
+def _run(workload: Workload, adapter: str, launcher: str, out: str | Path, run_id: str | None,
+         timeouts: tuple[float | None, float | None], fault: dict[str, Any] | Fault | None, memory_limit_bytes: int | None, progress: Callable[[dict[str, Any]], None],
          nodes: NodeSettings | None, slurm: SlurmSettings | None) -> RunResult:
     info, workload = resolve(workload, adapter)
     check_save_folder(workload)
     if launcher not in LAUNCHERS and launcher not in info.launchers:
         known = ", ".join([*LAUNCHERS, *info.launchers])
         raise LlmadaptError(f"unknown launcher {launcher!r} for adapter {adapter!r}; known: {known}")
-    fault = check_run_options(fault, timeout, memory_limit_bytes)
+    timeout, stall_timeout = timeouts
+    fault = check_run_options(fault, timeout, memory_limit_bytes, stall_timeout, workload.kind)
     world = workload.world_size
     if workload.kind == "serve":
         return run_serving(workload, info, out, run_id, timeout, progress)
@@ -131,17 +136,18 @@ def _run(workload: Workload, adapter: str, launcher: str, out: str | Path, run_i
         launch = attrs.evolve(launch, nodes=NodeLayout(nnodes=nodes.nnodes, nproc_per_node=per_node,
                                                        rendezvous="c10d" if nodes.rdzv_endpoint else "static"))
     try:  # the collector's socket is closed on every way out, an early error included
-        return _run_launched(workload, info, launcher, launch, python, per_node, nodes, collector, out, timeout,
+        return _run_launched(workload, info, launcher, launch, python, per_node, nodes, collector, out, timeouts,
                              memory_limit_bytes, progress, slurm)
     finally:
         if collector:
             collector.close()
 
 
-def _run_launched(workload, info, launcher, launch, python, per_node, nodes, collector, out, timeout,
+def _run_launched(workload, info, launcher, launch, python, per_node, nodes, collector, out, timeouts,
                   memory_limit_bytes, progress, slurm) -> RunResult:
     """From the checked request to the summary: the run directory, the workers, their supervision."""
     world, multinode, run_id = workload.world_size, collector is not None and launcher == "torchrun", launch.run_id
+    timeout, stall_timeout = timeouts
     job = None
     if launcher == "slurm":
         job, launch = slurm_job(slurm, launch, python, info.environment, per_node, collector, progress)
@@ -163,6 +169,8 @@ def _run_launched(workload, info, launcher, launch, python, per_node, nodes, col
 
     failures: list[Failure] = []
     interrupted: KeyboardInterrupt | None = None
+    stalled = (StallWatch(stall_timeout, RunDir(run_dir).rank_file(0), workload.train.total_steps - 1).check
+               if stall_timeout else lambda: None)
     if collector:
         collector.start(run_dir, launch, nodes.nnodes if multinode else 1)
     try:
@@ -174,15 +182,15 @@ def _run_launched(workload, info, launcher, launch, python, per_node, nodes, col
             if run_worker(run_dir, Place(0, 0, 1, 0, "inline")) == 130:
                 interrupted = KeyboardInterrupt()
         elif launcher == "slurm":
-            failures += run_slurm_job(job, run_dir, timeout, memory_limit_bytes, progress)
+            failures += run_slurm_job(job, run_dir, timeout, memory_limit_bytes, progress, stalled)
         elif multinode:
             failures += run_node_zero(python, info.environment, nodes, per_node, run_dir, collector, timeout, memory_limit_bytes,
-                                       progress)
+                                       progress, stalled)
         else:
             cmd = adapter_cmd or worker_command(launcher, python, run_dir, per_node=world)
             failures += supervise(cmd, env=worker_env(world, info.environment, workload.parallelism.threads_per_rank), log=RunDir(run_dir).worker_log,
                                    tail=RunDir(run_dir).rank_file(0), timeout=timeout,
-                                   memory_limit_bytes=memory_limit_bytes, progress=progress)
+                                   memory_limit_bytes=memory_limit_bytes, progress=progress, should_stop=stalled)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM from a scheduler (llmadapt.errors.Terminated)
         interrupted = exc
         failures.append(Failure(cause="interrupted", message=f"{interrupt_text(exc)} in the orchestrator"))

@@ -89,13 +89,17 @@ FAULT_KINDS = ("error", "exit", "kill", "hang", "stop", "oom", "slow")
 inside the step's clock (a regression to find)."""
 
 
-def check_run_options(fault, timeout, memory_limit_bytes) -> Fault | None:
+def check_run_options(fault, timeout, memory_limit_bytes, stall_timeout=None, kind: str = "train") -> Fault | None:
     """The run's own options, before anything starts: one line naming what is wrong. Returns the fault (given as a
     dict or a Fault) as the launch record holds it."""
     import math
 
-    if timeout is not None and not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
-        raise LlmadaptError(f"--timeout: got {str(timeout)[:40]!r}; must be a number of seconds > 0")
+    for name, seconds in (("--timeout", timeout), ("--stall-timeout", stall_timeout)):
+        if seconds is not None and not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+            raise LlmadaptError(f"{name}: got {str(seconds)[:40]!r}; must be a number of seconds > 0")
+    if stall_timeout is not None and kind == "serve":
+        raise LlmadaptError("--stall-timeout watches a training run's steps; a serving run bounds each request with "
+                            "serve.request_timeout_s and the engine's start with --timeout")
     if memory_limit_bytes is not None and not (isinstance(memory_limit_bytes, int) and memory_limit_bytes > 0):
         raise LlmadaptError(f"memory limit: got {str(memory_limit_bytes)[:40]!r}; must be a number of bytes > 0")
     if fault is None:

@@ -162,8 +162,9 @@ def job_state(job_id: str) -> dict[str, str]:
 
 def follow(job_id: str, *, timeout: float | None, output: Path | None, poll_s: float = 0.5,
            progress: Callable[[dict[str, Any]], None] | None = None, on_poll: Callable[[], None] = lambda: None,
-           ) -> list[Failure]:
-    """Wait for the job to end, reporting its state changes; cancel it on timeout or interrupt."""
+           should_stop: Callable[[], Failure | None] = lambda: None) -> list[Failure]:
+    """Wait for the job to end, reporting its state changes; cancel it on timeout, interrupt, or when
+    ``should_stop`` names a failure (a stalled run)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     last = None
     try:
@@ -179,6 +180,9 @@ def follow(job_id: str, *, timeout: float | None, output: Path | None, poll_s: f
                 _cancel_and_wait(job_id)
                 return [Failure(cause="timeout", message=f"the run exceeded its timeout of {timeout:g} s: "
                                                          f"Slurm job {job_id} cancelled")]
+            if (stopped := should_stop()) is not None:
+                _cancel_and_wait(job_id)
+                return [attrs.evolve(stopped, message=f"{stopped.message}: Slurm job {job_id} cancelled")]
             time.sleep(poll_s)
     except KeyboardInterrupt:
         _cancel_and_wait(job_id)
@@ -246,20 +250,23 @@ def slurm_job(settings: SlurmSettings, launch: LaunchRequest, python, environmen
     return {"script": script, "env": submit_env, "output": output}, launch
 
 
-def run_slurm_job(job: dict[str, Any], run_dir: Path, timeout, memory_limit_bytes, progress) -> list[Failure]:
+def run_slurm_job(job: dict[str, Any], run_dir: Path, timeout, memory_limit_bytes, progress,
+                  should_stop: Callable[[], Failure | None] = lambda: None) -> list[Failure]:
     script = RunDir(run_dir).slurm_script
     script.write_text(job["script"])
     tail = RunDir(run_dir).rank_file(0)
     if in_allocation():  # inside salloc/sbatch: run the script here, its srun uses the allocation
         return supervise(["bash", str(script)], env=job["env"], log=RunDir(run_dir).slurm_out, tail=tail,
-                          timeout=timeout, memory_limit_bytes=memory_limit_bytes, progress=progress)
+                          timeout=timeout, memory_limit_bytes=memory_limit_bytes, progress=progress,
+                          should_stop=should_stop)
     job_id = submit(script, job["env"])
     launch = RunDir(run_dir).read_launch()
     RunDir(run_dir).write_launch(attrs.evolve(launch, slurm=attrs.evolve(launch.slurm, job_id=job_id)))
     output = Path(job["output"].replace("%j", job_id))
     tailer = LogTail(tail, progress)
     try:
-        return follow(job_id, timeout=timeout, output=output, progress=progress, on_poll=tailer.poll)
+        return follow(job_id, timeout=timeout, output=output, progress=progress, on_poll=tailer.poll,
+                      should_stop=should_stop)
     finally:
         tailer.poll()
         if output.is_file():  # readable here when the first node is this host, or on a shared disk

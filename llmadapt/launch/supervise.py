@@ -304,3 +304,33 @@ class LogTail:
                     self.callback(json.loads(line))
                 except json.JSONDecodeError:
                     pass
+
+
+class StallWatch:
+    """Stops a training run that has stopped moving: rank 0 wrote no step (or evaluation) record for ``seconds``,
+    between its first step and its last. A hung collective or a stopped peer holds rank 0 too, so rank 0's records
+    are enough. Start-up (imports, model build, compilation) and what follows the last step (the final evaluation, a
+    save) are the run timeout's to bound: their length does not scale with a step's."""
+
+    PROGRESS = ("step", "evaluation")
+
+    def __init__(self, seconds: float, rank_file: Path, last_step: int) -> None:
+        self.seconds, self.last_step = seconds, last_step
+        self.tail = LogTail(rank_file, self._see)
+        self.step: int | None = None
+        self.since: float | None = None
+
+    def _see(self, record: dict) -> None:
+        if record.get("type") in self.PROGRESS:
+            self.since = time.monotonic()
+            if record.get("type") == "step" and isinstance(record.get("step"), int):
+                self.step = record["step"]
+
+    def check(self) -> Failure | None:
+        """A failure once the stall has lasted ``seconds`` (supervise's ``should_stop``), else None."""
+        self.tail.poll()
+        if self.step is None or self.step >= self.last_step or time.monotonic() - self.since <= self.seconds:
+            return None
+        return Failure(cause="timeout", step=self.step + 1,
+                       message=f"no progress for {self.seconds:g} s after step {self.step} (the stall timeout): a "
+                               "hung collective or a stopped rank holds the run")
