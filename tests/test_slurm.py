@@ -178,6 +178,18 @@ def test_a_rank_killed_on_one_node_stops_the_job_and_keeps_the_records(slurm, tw
     assert any(m.startswith("Slurm job") and "FAILED" in m for m in messages), messages
 
 
+def test_a_frozen_rank_is_found_by_the_stall_timeout_and_the_job_cancelled(slurm, two_nodes, tmp_path):
+    """Rank 1 (node n2) is frozen (SIGSTOP) at step 2: rank 0's records, streamed to the orchestrator, stop; the
+    stall timeout cancels the job long before the run's timeout, and the failure says so."""
+    result = run(WORKLOAD, "torch", launcher="slurm", slurm=two_nodes, out=tmp_path, timeout=300, stall_timeout=10,
+                 fault={"kind": "stop", "step": 2, "rank": 1})
+    assert not result.ok
+    assert result.summary.steps_completed == 2
+    (stall,) = [f for f in result.summary.failures if f.rank is None and f.cause == "timeout"]
+    assert stall.message.startswith("no progress for 10 s after step 1 (the stall timeout)"), stall.message
+    assert re.search(r": Slurm job \d+ cancelled$", stall.message), stall.message
+
+
 def test_a_job_that_fails_to_start_is_reported_with_slurms_reason(slurm, two_nodes, tmp_path, monkeypatch):
     """An interpreter missing on the nodes: the job fails at once and the failure carries Slurm's state."""
     monkeypatch.setenv("LLMADAPT_PYTHON_TORCH", "/nonexistent/python")
