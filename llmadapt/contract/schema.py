@@ -4,6 +4,7 @@ and the checks and upgrades applied when a record is read.
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import types
@@ -141,19 +142,30 @@ def _schema_for(hint: Any, defs: dict[str, Any]) -> dict[str, Any]:
 
 def _field_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings (the string literal after a field), read from the source."""
+    return _module_field_docs(cls.__module__).get(cls.__qualname__, {})
+
+
+@functools.cache
+def _module_field_docs(module: str) -> dict[str, dict[str, str]]:
+    """Every top-level class's attribute docstrings in one module, its source parsed once (inspect.getsource parses
+    the whole module again for each class: a second of every process that validated a record)."""
     import ast
     import inspect
-    import textwrap
+    import sys
 
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
+        tree = ast.parse(inspect.getsource(sys.modules[module]))
+    except (OSError, TypeError, KeyError):
         return {}
-    docs, body = {}, tree.body[0].body
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
+    found: dict[str, dict[str, str]] = {}
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        docs = found[cls.name] = {}
+        for node, nxt in zip(cls.body, cls.body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return found
 
 
 def json_schema() -> dict[str, Any]:
