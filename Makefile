@@ -42,9 +42,13 @@ real-data: setup
 # Two test files at a time: most of a test's time is spent starting worker processes and
 # importing frameworks, which leaves the second core idle. A file's tests stay together. The 20 slowest tests are
 # listed at the end: where CI's time goes (docs/status.md keeps the figures).
+# One CPU thread per rank (the OMP_NUM_THREADS a run takes where it is exported): with two files' runs side by side,
+# a rank's second OpenMP thread spins on the core the other file's rank holds; on the tiny models it saved 12% of the
+# time and 14% of the CPU (docs/status.md). Tests of the default thread policy unset it.
 TEST_JOBS ?= 2
+TEST_THREADS ?= 1
 test: envs real-data
-	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --durations=20
+	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --durations=20
 
 # The adapter author's API reference, rendered from the code's docstrings (pdoc): docs/reference/index.html.
 # llmadapt.adapter's own page has every name it exports; its __all__ hides its submodules from pdoc, so the
