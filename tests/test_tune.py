@@ -62,6 +62,7 @@ def test_pruning_names_its_reasons_and_an_empty_space_is_refused():
     ({"fixed": ("train.lr",)}, "not a searched field"),
     ({"objective": "cost_per_token"}, "needs a price"),
     ({"strategy": "annealing"}, "strategy 'annealing'"),
+    ({"stall_timeout": 0}, "--stall-timeout: got '0'"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(tmp_path, options, message):
     with pytest.raises(LlmadaptError, match=message):
@@ -183,6 +184,15 @@ def test_slurm_options_that_cannot_work_are_one_line_before_anything_runs(tmp_pa
     with pytest.raises(LlmadaptError, match="needs Slurm's sbatch"):
         tune(small(), ["torch"], slurm=[], out=tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_each_slurm_probe_takes_the_tunes_own_run_options():
+    """The array tasks run `llmadapt sweep run --index I` with these: a probe on the cluster stops as one here does."""
+    from llmadapt.experiments.tuneslurm import _run_args
+
+    assert _run_args({"timeout": 600.0, "stall_timeout": 30.0, "launcher": "torchrun"}) == [
+        "--timeout", "600.0", "--stall-timeout", "30.0", "--launcher", "torchrun"]
+    assert _run_args({}) == []
 
 
 def test_a_race_that_settles_early_spends_the_rest_of_its_budget_on_the_candidates_not_yet_probed(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from llmadapt.cli.common import add_command, emit
+from llmadapt.cli.common import add_command, emit, stall_arg
 from llmadapt.errors import LlmadaptError
 
 
@@ -22,11 +22,13 @@ def cmd_sweep(args) -> int:
         print(message, file=sys.stderr, flush=True)
 
     if args.action == "run":
-        options = {"launcher": args.launcher, "out": args.out, "timeout": args.timeout}
+        options = {"launcher": args.launcher, "out": args.out, "timeout": args.timeout,
+                   "stall_timeout": args.stall_timeout}
         if args.index is not None:
             sweep.run_cell(sweep.cells[args.index], log=log, **options)
         elif args.slurm:
-            sweeps.run_on_slurm(sweep, list(args.sbatch_option or []), log=log, timeout=args.timeout)
+            sweeps.run_on_slurm(sweep, list(args.sbatch_option or []), log=log, timeout=args.timeout,
+                                run_args=["--stall-timeout", str(args.stall_timeout)] if args.stall_timeout else [])
         else:
             sweep.run(log=log, **options)
     rows = sweep.status(sweeps.slurm_machine() if args.slurm else None)  # cells run by array tasks: the cluster's
@@ -63,6 +65,7 @@ def register_sweep(sub) -> None:
     p.add_argument("--out", default="runs", help="folder for run directories and the sweep's state (default: ./runs)")
     p.add_argument("--launcher", default="auto", metavar="LAUNCHER", help="for each cell's run (default: auto)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (with --slurm: for the whole array)")
+    stall_arg(p)
     p.add_argument("--index", type=int, default=None, help="run only cell I (what each Slurm array task does)")
     p.add_argument("--slurm", action="store_true", help="submit the cells not done as one Slurm job array and wait")
     p.add_argument("--sbatch-option", action="append", metavar="OPTION",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import sys
 
-from llmadapt.cli.common import add_command, emit, workload_of
+from llmadapt.cli.common import add_command, emit, stall_arg, workload_of
 from llmadapt.errors import LlmadaptError
 
 _UNITS = {"s": 1, "m": 60, "h": 3600}
@@ -34,6 +34,9 @@ def cmd_tune(args) -> int:
     if workload.kind == "serve":
         if args.slurm:
             raise LlmadaptError("--slurm runs a training tune's probes as job arrays; a serving tune runs here")
+        if args.stall_timeout:
+            raise LlmadaptError("--stall-timeout watches a training run's steps; a serving tune bounds each request "
+                                "with serve.request_timeout_s and each search's engine with --timeout")
         from llmadapt.experiments.tuneserve import tune_serving
 
         served = tune_serving(workload, [a.strip() for a in args.adapters.split(",") if a.strip()], args.slo or [],
@@ -48,7 +51,8 @@ def cmd_tune(args) -> int:
                   max_memory_bytes=parse_size(args.max_memory) if args.max_memory else None,
                   max_step_s=args.max_step_time, strategy=args.strategy, device=args.device,
                   probe_steps=args.probe_steps, price_per_hour=args.price, seed=args.seed, out=args.out,
-                  resume=args.resume, fixed=tuple(args.fix or ()), timeout=args.timeout, launcher=args.launcher,
+                  resume=args.resume, fixed=tuple(args.fix or ()), timeout=args.timeout,
+                  stall_timeout=args.stall_timeout, launcher=args.launcher,
                   slurm=list(args.sbatch_option or []) if args.slurm else None, log=log)
     emit(args, result.to_dict(), result.text())
     return 0 if result.ranking else 1
@@ -82,6 +86,7 @@ def register_tune(sub) -> None:
     p.add_argument("--resume", metavar="DIR", help="a tune folder to go on from (same workload and options)")
     p.add_argument("--out", default="runs", help="the run store the probes go to (default ./runs)")
     p.add_argument("--timeout", type=float, help="seconds before a probe's workers are stopped")
+    stall_arg(p)
     p.add_argument("--launcher", default="auto", choices=["auto", "subprocess", "torchrun"])
     p.add_argument("--slurm", action="store_true", help="run each round's probes as one Slurm job array (through "
                                                         "`llmadapt sweep`; the folders must be shared)")

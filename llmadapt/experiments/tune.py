@@ -32,6 +32,7 @@ from llmadapt.analysis.tuning import OBJECTIVES, Probed, TuneResult, answer, sco
 from llmadapt.contract.schema import to_json
 from llmadapt.errors import LlmadaptError
 from llmadapt.experiments.tunespace import Candidate, Space, space
+from llmadapt.launch.settings import check_run_options
 from llmadapt.spec import Workload
 
 STRATEGIES = ("race", "grid", "random", "model")
@@ -58,6 +59,8 @@ def tune(workload: Workload | str | Path, adapters: list[str], *, ranks: int | N
         workload = Workload.from_file(workload)
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     _check(objective, strategy, budget_s, max_runs, grid_runs, price_per_hour, device)
+    check_run_options(None, run_options.get("timeout"), run_options.get("memory_limit_bytes"),
+                      run_options.get("stall_timeout"), workload.kind)  # the probes' own, before the first
     if slurm is not None:
         from llmadapt.launch.slurm import require_slurm
 

@@ -70,6 +70,8 @@ def _run_args(run_options: dict[str, Any]) -> list[str]:
     args = []
     if run_options.get("timeout") is not None:
         args += ["--timeout", str(run_options["timeout"])]
+    if run_options.get("stall_timeout") is not None:
+        args += ["--stall-timeout", str(run_options["stall_timeout"])]
     if run_options.get("launcher", "auto") != "auto":
         args += ["--launcher", str(run_options["launcher"])]
     return args
