@@ -292,3 +292,33 @@ def test_a_stacks_undecided_list_holds_standing_candidates_not_dropped_ones():
                     objective="step_time", strategy="race", budget_s=60, spent_s=60, folder="f", reference=None,
                     price_per_hour=None)
     assert result.ranking[0].label == "best" and result.ranking[0].tied_with == ["even"]
+
+
+def test_a_stacks_best_the_race_dropped_ranks_as_slower_not_as_undecided():
+    """Across stacks too: megatron's best was dropped (slower than torch's beyond noise on each of its two runs);
+    the rule over runs cannot separate two runs a side, so the ranking called it 'cannot be told apart' from the
+    fastest, against its own outcome in the same answer. It ranks as slower, with the race's evidence."""
+    from llmadapt.analysis.comparison import Row
+    from llmadapt.analysis.tuning import Probed, answer
+    from llmadapt.experiments.tunespace import Candidate, Space
+
+    w = small()
+
+    def probed(adapter, runs, dropped=None):
+        c = Candidate(adapter, (f"x={adapter}",), w, adapter)
+        row = Row(f"{adapter} dp1", adapter, "", "", "ok", {}, run_dirs=["r"] * len(runs),
+                  estimates={"step_p50_s": bootstrap_median(runs, "runs")})
+        return Probed(c, row, dropped, 10.0)
+
+    reason = "slower than torch dp1 beyond noise (+80% on its first run, +70% on its second, round 1)"
+    fast, slow, even = (probed("torch", [1.0, 1.1]), probed("megatron", [1.7, 1.8], (1, reason)),
+                        probed("plain", [1.0, 1.12]))
+    result = answer([fast, slow, even], Space([fast.candidate, slow.candidate, even.candidate], [], 3, ""),
+                    objective="step_time", strategy="race", budget_s=60, spent_s=60, folder="f", reference=None,
+                    price_per_hour=None)
+    by = {r.adapter: r.versus_best for r in result.ranking}
+    assert by["torch"] == "fastest" and by["plain"] == "cannot be told apart"
+    assert by["megatron"] == f"+67% (dropped by the race: {reason})"  # medians 1.75 against 1.05
+    assert result.verdict == ("verdict: torch dp1 cannot be told apart from plain dp1 (intervals overlap, or too few "
+                              f"runs to separate them); both faster than megatron dp1 by +67% (dropped by the race: "
+                              f"{reason})")

@@ -171,7 +171,7 @@ def answer(probed: list[Probed], space: Any, *, objective: str, strategy: str, b
             tied = [q.row.label for q, t in measured if q.candidate.adapter == p.candidate.adapter and q is not p
                     and q.dropped is None and not slower_than(t, s)]
             ranking.append(Ranked(p.row.label, p.candidate.adapter, p.candidate.cell, len(p.row.run_dirs) or 1,
-                                  s.median, s.low, s.high, _versus(s, top, p is stacks[0][0]), str(file),
+                                  s.median, s.low, s.high, _versus(p, s, top, p is stacks[0][0]), str(file),
                                   _certificate(p, reference), tied))
         verdict = _verdict(stacks)
     grid = None
@@ -186,9 +186,14 @@ def answer(probed: list[Probed], space: Any, *, objective: str, strategy: str, b
                       folder=folder, predicted_slower=predicted_slower)
 
 
-def _versus(s: Estimate, top: Estimate, first: bool) -> str:
+def _versus(p: Probed, s: Estimate, top: Estimate, first: bool) -> str:
+    """A stack's best against the fastest. One the race dropped was told apart on its own runs (each slower beyond
+    its steps' noise), which the rule over runs cannot see in two runs a side: it is slower, with the race's
+    evidence, not 'cannot be told apart'."""
     if first:
         return "fastest"
+    if p.dropped is not None:
+        return f"+{s.median / top.median - 1:.0%} (dropped by the race: {p.dropped[1]})"
     if not slower_than(s, top):
         return "cannot be told apart"
     return (f"+{s.median / top.median - 1:.0%} ({max(0.0, s.low / top.high - 1):.0%}-"
@@ -204,12 +209,13 @@ def _verdict(stacks: list[tuple[Probed, Estimate]]) -> str:
     if disturbed:
         return f"verdict withheld: the machine was disturbed during {', '.join(disturbed)}; rerun on a quiet machine"
     (best, top), rest = stacks[0], stacks[1:]
-    ties = [p.row.label for p, s in rest if not slower_than(s, top)]
-    slower = [f"{p.row.label} by {s.median / top.median - 1:.0%} ({max(0.0, s.low / top.high - 1):.0%}-"
-              f"{s.high / top.low - 1:.0%})" for p, s in rest if slower_than(s, top)]
+    ties = [p.row.label for p, s in rest if p.dropped is None and not slower_than(s, top)]
+    slower = [f"{p.row.label} by {_versus(p, s, top, False)}" for p, s in rest
+              if p.dropped is not None or slower_than(s, top)]
     if ties:
         return (f"verdict: {best.row.label} cannot be told apart from {', '.join(ties)} (intervals overlap, or too "
-                f"few runs to separate them)" + (f"; both faster than {', '.join(slower)}" if slower else ""))
+                f"few runs to separate them)"
+                + (f"; {'both' if len(ties) == 1 else 'all'} faster than {', '.join(slower)}" if slower else ""))
     return f"verdict: {best.row.label} is faster than " + ", ".join(slower)
 
 
