@@ -318,7 +318,7 @@ def test_a_stacks_best_the_race_dropped_ranks_as_slower_not_as_undecided():
                     price_per_hour=None)
     by = {r.adapter: r.versus_best for r in result.ranking}
     assert by["torch"] == "fastest" and by["plain"] == "cannot be told apart"
-    assert by["megatron"] == f"+67% (dropped by the race: {reason})"  # medians 1.75 against 1.05
+    assert by["megatron"] == "+67% (dropped by the race in round 1)"  # medians 1.75 against 1.05
     assert result.verdict == ("verdict: torch dp1 cannot be told apart from plain dp1 (intervals overlap, or too few "
-                              f"runs to separate them); both faster than megatron dp1 by +67% (dropped by the race: "
-                              f"{reason})")
+                              "runs to separate them); both faster than megatron dp1 by +67% (dropped by the race in round "
+                              f"1): {reason}")

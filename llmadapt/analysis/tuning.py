@@ -192,8 +192,8 @@ def _versus(p: Probed, s: Estimate, top: Estimate, first: bool) -> str:
     evidence, not 'cannot be told apart'."""
     if first:
         return "fastest"
-    if p.dropped is not None:
-        return f"+{s.median / top.median - 1:.0%} (dropped by the race: {p.dropped[1]})"
+    if p.dropped is not None:  # the race's evidence is its row's outcome, and the verdict's line
+        return f"+{s.median / top.median - 1:.0%} (dropped by the race in round {p.dropped[0]})"
     if not slower_than(s, top):
         return "cannot be told apart"
     return (f"+{s.median / top.median - 1:.0%} ({max(0.0, s.low / top.high - 1):.0%}-"
@@ -210,8 +210,8 @@ def _verdict(stacks: list[tuple[Probed, Estimate]]) -> str:
         return f"verdict withheld: the machine was disturbed during {', '.join(disturbed)}; rerun on a quiet machine"
     (best, top), rest = stacks[0], stacks[1:]
     ties = [p.row.label for p, s in rest if p.dropped is None and not slower_than(s, top)]
-    slower = [f"{p.row.label} by {_versus(p, s, top, False)}" for p, s in rest
-              if p.dropped is not None or slower_than(s, top)]
+    slower = [f"{p.row.label} by {_versus(p, s, top, False)}" + (f": {p.dropped[1]}" if p.dropped else "")
+              for p, s in rest if p.dropped is not None or slower_than(s, top)]
     if ties:
         return (f"verdict: {best.row.label} cannot be told apart from {', '.join(ties)} (intervals overlap, or too "
                 f"few runs to separate them)"
