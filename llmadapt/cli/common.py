@@ -134,7 +134,7 @@ def workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def stall_arg(p: argparse.ArgumentParser) -> None:
-    """--stall-timeout: the commands that start training runs (run, compare, parity)."""
+    """--stall-timeout: the commands that start training runs (run, compare, parity, sweep, tune)."""
     p.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
                    help="training: stop a run whose rank 0 recorded no step for this long after its first (a hung "
                         "collective or a stopped rank)")

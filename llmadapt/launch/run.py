@@ -88,8 +88,10 @@ def run(
 
 
 def _run(workload: Workload, adapter: str, launcher: str, out: str | Path, run_id: str | None,
-         timeouts: tuple[float | None, float | None], fault: dict[str, Any] | Fault | None, memory_limit_bytes: int | None, progress: Callable[[dict[str, Any]], None],
-         nodes: NodeSettings | None, slurm: SlurmSettings | None) -> RunResult:
+         timeouts: tuple[float | None, float | None], fault: dict[str, Any] | Fault | None,
+         memory_limit_bytes: int | None, progress: Callable[[dict[str, Any]], None], nodes: NodeSettings | None,
+         slurm: SlurmSettings | None) -> RunResult:
+    """``timeouts``: the run's timeout and its stall timeout."""
     info, workload = resolve(workload, adapter)
     check_save_folder(workload)
     if launcher not in LAUNCHERS and launcher not in info.launchers:
