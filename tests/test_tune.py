@@ -155,6 +155,26 @@ def test_capacities_are_told_apart_only_beyond_the_search_bracket():
     assert "lower beyond it: hf b" in answer.verdict
 
 
+def test_a_capacity_at_the_searchs_maximum_is_a_lower_bound_not_a_figure():
+    """Two engines met the objectives at every load up to the search's maximum (nothing failed): neither capacity is
+    measured, only bounded. The answer said 'hf has the highest capacity (1024)', and gave llama.cpp -100%."""
+    from llmadapt.analysis.tuning import ServeCandidate, serve_answer
+
+    def c(label, capacity, above):
+        return ServeCandidate(label, label, (), capacity, above, 138.0, "", 60.0)
+
+    answer = serve_answer([c("hf", 1024.0, None), c("vllm", 1024.0, None), c("llamacpp", 0.1487, 0.1768)],
+                          over="rate", objectives=["ttft_p99_ms<=1000"], budget_s=900, spent_s=950, candidates=27,
+                          folder="f")
+    assert [(r.adapter, r.versus_best) for r in answer.ranking] == [
+        ("hf", "highest"), ("vllm", "cannot be told apart"), ("llamacpp", "<= -100%")]
+    assert answer.verdict == ("verdict: hf met the objectives at every load tried, up to the search's maximum (1024): "
+                              "its capacity is at least that; so did vllm (raise --max or tighten the objectives to "
+                              "rank them); lower beyond it: llamacpp")
+    text = answer.text()
+    assert "hf         hf         >=1024           highest" in text and ">=0.1487" not in text
+
+
 @pytest.mark.skipif(bool(NOT_READY), reason=NOT_READY)
 def test_a_serving_tune_answers_under_an_slo(tmp_path):
     from llmadapt.experiments.tuneserve import tune_serving

@@ -303,11 +303,11 @@ class ServeTuneResult:
                  + ", ".join(self.objectives)]
         lines += text_table(["configuration", f"capacity {unit}", "fails at", "latency at capacity ms", "search min",
                              "note"],
-                            [[s["label"], _g(s["capacity"]), _g(s["above"]), _g(s["latency_ms"]),
+                            [[s["label"], _capacity(s["capacity"], s["above"]), _g(s["above"]), _g(s["latency_ms"]),
                               f"{s['wall_s'] / 60:.1f}", s["note"]] for s in self.searched])
         lines.append("best per engine:")
         lines += text_table(["engine", "best", f"capacity {unit}", "vs best", "workload file"],
-                            [[r.adapter, r.label, _g(r.capacity), r.versus_best, r.workload_file or "-"]
+                            [[r.adapter, r.label, _capacity(r.capacity, r.above), r.versus_best, r.workload_file or "-"]
                              for r in self.ranking])
         lines.append(self.verdict)
         lines.append("Pareto front (capacity against latency at capacity): " + (", ".join(self.pareto) or "none"))
@@ -317,6 +317,11 @@ class ServeTuneResult:
 
 def _g(v: Any) -> str:
     return f"{v:g}" if isinstance(v, (int, float)) else "-"
+
+
+def _capacity(capacity: float | None, above: float | None) -> str:
+    """A capacity that never failed is the search's maximum, a lower bound: '>=1024'."""
+    return f">={capacity:g}" if capacity is not None and above is None else _g(capacity)
 
 
 def capacity_apart(best: ServeCandidate, other: ServeCandidate) -> bool:
@@ -336,8 +341,12 @@ def serve_answer(searched: list[ServeCandidate], *, over: str, objectives: list[
         if c.capacity is not None and (c.adapter not in best_of or c.capacity > best_of[c.adapter].capacity):
             best_of[c.adapter] = c
     stacks = sorted(best_of.values(), key=lambda c: -(c.capacity or 0.0))
+    # A best that never failed met the objectives up to the search's maximum: its capacity is a lower bound, and so
+    # is every difference from it.
+    unbounded = bool(stacks) and stacks[0].above is None
     ranking = [ServeRanked(c.adapter, c.label, c.capacity, c.above,
-                           "highest" if i == 0 else (f"{c.capacity / stacks[0].capacity - 1:+.0%}"
+                           "highest" if i == 0 else (("<= " if unbounded else "")
+                                                     + f"{c.capacity / stacks[0].capacity - 1:+.0%}"
                                                      if capacity_apart(stacks[0], c) else "cannot be told apart"),
                            str(Path(folder) / f"best-{c.adapter}.json")) for i, c in enumerate(stacks)]
     if not stacks:
@@ -347,9 +356,15 @@ def serve_answer(searched: list[ServeCandidate], *, over: str, objectives: list[
     else:
         ties = [c.label for c in stacks[1:] if not capacity_apart(stacks[0], c)]
         lower = [c.label for c in stacks[1:] if capacity_apart(stacks[0], c)]
-        verdict = (f"verdict: {stacks[0].label} has the highest capacity ({stacks[0].capacity:g})"
-                   + (f"; cannot be told apart at the search's resolution: {', '.join(ties)}" if ties else "")
-                   + (f"; lower beyond it: {', '.join(lower)}" if lower else ""))
+        if unbounded:
+            verdict = (f"verdict: {stacks[0].label} met the objectives at every load tried, up to the search's "
+                       f"maximum ({stacks[0].capacity:g}): its capacity is at least that"
+                       + (f"; so did {', '.join(ties)} (raise --max or tighten the objectives to rank them)"
+                          if ties else ""))
+        else:
+            verdict = (f"verdict: {stacks[0].label} has the highest capacity ({stacks[0].capacity:g})"
+                       + (f"; cannot be told apart at the search's resolution: {', '.join(ties)}" if ties else ""))
+        verdict += f"; lower beyond it: {', '.join(lower)}" if lower else ""
     points = [c for c in searched if c.capacity is not None and c.latency_ms is not None]
     front = [c for c in points if not any(o is not c and o.capacity >= c.capacity and o.latency_ms <= c.latency_ms
                                           and (o.capacity > c.capacity or o.latency_ms < c.latency_ms)
