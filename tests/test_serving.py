@@ -712,7 +712,7 @@ def test_an_attached_serving_run_records_its_window_but_cannot_judge_other_proce
     i = result.summary.interference
     assert i.quiet is None and i.other_cpu_cores is None
     summary = json.loads((result.run_dir / "summary.json").read_text())
-    assert "machine    not judged: the engine's CPU is not known (attached by URL)" in render_summary(summary)
+    assert "machine    not judged: the engine's CPU is not known (an engine attached by URL" in render_summary(summary)
 
 
 def test_a_run_whose_every_request_failed_is_never_valid():

@@ -178,8 +178,8 @@ def machine_line(i: dict[str, Any], what: str = "steps") -> str:
                 f"{num(i['other_cpu_cores'], '.2f')} cores, waits for a core {num(i['run_delay_share'], '.1%')} of "
                 f"the threads' time{steps}")
     if i["quiet"] is None and i["other_cpu_cores"] is None and what == "requests":
-        return ("machine    not judged: the engine's CPU is not known (attached by URL), so other processes' CPU "
-                f"cannot be told from it ({measured})")
+        return ("machine    not judged: the engine's CPU is not known (an engine attached by URL, or one whose "
+                f"process group was not recorded), so other processes' CPU cannot be told from it ({measured})")
     if i["quiet"] is None:
         return f"machine    not judged: the measured {what} took under half a second ({measured})"
     if i["quiet"]:

@@ -487,6 +487,17 @@ class ServerConformance:
         for r in self._side(serving, serving.truncated):
             assert r["status"] == "truncated" and r["error_cause"] == "truncated", r
 
+    def test_a_started_engines_cpu_counts_as_the_runs_own(self, serving):
+        """An engine the adapter starts records its process group (``RunDir.engine_pid``, the pid of the process it
+        started in a group of its own), so that each point's interference record counts the engine's CPU as the
+        run's and judges other processes' beside it; without it every row reads 'not judged'."""
+        if serving.pgid is None:
+            pytest.skip("an attached engine: its CPU is not this machine's to read")
+        for name in serving.plans:
+            records = read_jsonl(RunDir(self._point(serving, name).run_dir).rank_file(0), check=False)
+            (window,) = [r for r in records if r["type"] == "interference"]
+            assert window["machine_busy_cpu_s"] is not None, f"{name}: the engine's CPU was not read: {window}"
+
     def test_stop_leaves_no_process(self, serving):
         """Once the run is over, nothing the engine started is left: no process of the pass (found by an environment
         mark every one inherits), nothing in the engine's process group, no engine.pid file."""

@@ -277,6 +277,8 @@ class VLLMServer(OpenAICompatibleServer):
         self.log = open(RunDir(ctx.run_dir).engine_log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **extra},
                                      cwd=ctx.run_dir, **engine_popen_options())  # in our session: see there why
+        # its process group (the API server and its engine-core child): the run counts the engine's CPU as its own
+        RunDir(ctx.run_dir).engine_pid.write_text(str(self.proc.pid))
 
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
