@@ -43,8 +43,8 @@ real-data: setup
 # importing frameworks, which leaves the second core idle. A file's tests stay together. The 20 slowest tests are
 # listed at the end: where CI's time goes (docs/status.md keeps the figures).
 # One CPU thread per rank (the OMP_NUM_THREADS a run takes where it is exported): with two files' runs side by side,
-# a rank's second OpenMP thread spins on the core the other file's rank holds; on the tiny models it saved 12% of the
-# time and 14% of the CPU (docs/status.md). Tests of the default thread policy unset it.
+# a rank's second OpenMP thread spins on the core the other file's rank holds; on the tiny models it saved 8-12% of
+# the time and 10-14% of the CPU (docs/status.md). Tests of the default thread policy unset it.
 TEST_JOBS ?= 2
 TEST_THREADS ?= 1
 test: envs real-data
