@@ -34,9 +34,9 @@ def cmd_tune(args) -> int:
     if workload.kind == "serve":
         if args.slurm:
             raise LlmadaptError("--slurm runs a training tune's probes as job arrays; a serving tune runs here")
-        if args.stall_timeout:
-            raise LlmadaptError("--stall-timeout watches a training run's steps; a serving tune bounds each request "
-                                "with serve.request_timeout_s and each search's engine with --timeout")
+        from llmadapt.launch.settings import check_run_options
+
+        check_run_options(None, args.timeout, None, args.stall_timeout, workload.kind)  # as each probe's run would
         from llmadapt.experiments.tuneserve import tune_serving
 
         served = tune_serving(workload, [a.strip() for a in args.adapters.split(",") if a.strip()], args.slo or [],

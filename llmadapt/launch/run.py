@@ -75,7 +75,7 @@ def run(
         workload = Workload.from_file(workload)
     sinks = RecordSinks(progress, on_record, workload.to_dict())
     try:
-        result = _run(workload, adapter, launcher, out, run_id, (timeout, stall_timeout), fault, memory_limit_bytes,
+        result = _run(workload, adapter, launcher, out, run_id, timeout, stall_timeout, fault, memory_limit_bytes,
                       sinks, nodes, slurm)
     except BaseException:
         sinks.close({})
@@ -87,17 +87,15 @@ def run(
     return result
 
 
-def _run(workload: Workload, adapter: str, launcher: str, out: str | Path, run_id: str | None,
-         timeouts: tuple[float | None, float | None], fault: dict[str, Any] | Fault | None,
-         memory_limit_bytes: int | None, progress: Callable[[dict[str, Any]], None], nodes: NodeSettings | None,
+def _run(workload: Workload, adapter: str, launcher: str, out: str | Path, run_id: str | None, timeout: float | None,
+         stall_timeout: float | None, fault: dict[str, Any] | Fault | None, memory_limit_bytes: int | None,
+         progress: Callable[[dict[str, Any]], None], nodes: NodeSettings | None,
          slurm: SlurmSettings | None) -> RunResult:
-    """``timeouts``: the run's timeout and its stall timeout."""
     info, workload = resolve(workload, adapter)
     check_save_folder(workload)
     if launcher not in LAUNCHERS and launcher not in info.launchers:
         known = ", ".join([*LAUNCHERS, *info.launchers])
         raise LlmadaptError(f"unknown launcher {launcher!r} for adapter {adapter!r}; known: {known}")
-    timeout, stall_timeout = timeouts
     fault = check_run_options(fault, timeout, memory_limit_bytes, stall_timeout, workload.kind)
     world = workload.world_size
     if workload.kind == "serve":
@@ -138,18 +136,17 @@ def _run(workload: Workload, adapter: str, launcher: str, out: str | Path, run_i
         launch = attrs.evolve(launch, nodes=NodeLayout(nnodes=nodes.nnodes, nproc_per_node=per_node,
                                                        rendezvous="c10d" if nodes.rdzv_endpoint else "static"))
     try:  # the collector's socket is closed on every way out, an early error included
-        return _run_launched(workload, info, launcher, launch, python, per_node, nodes, collector, out, timeouts,
-                             memory_limit_bytes, progress, slurm)
+        return _run_launched(workload, info, launcher, launch, python, per_node, nodes, collector, out, timeout,
+                             stall_timeout, memory_limit_bytes, progress, slurm)
     finally:
         if collector:
             collector.close()
 
 
-def _run_launched(workload, info, launcher, launch, python, per_node, nodes, collector, out, timeouts,
+def _run_launched(workload, info, launcher, launch, python, per_node, nodes, collector, out, timeout, stall_timeout,
                   memory_limit_bytes, progress, slurm) -> RunResult:
     """From the checked request to the summary: the run directory, the workers, their supervision."""
     world, multinode, run_id = workload.world_size, collector is not None and launcher == "torchrun", launch.run_id
-    timeout, stall_timeout = timeouts
     job = None
     if launcher == "slurm":
         job, launch = slurm_job(slurm, launch, python, info.environment, per_node, collector, progress)
