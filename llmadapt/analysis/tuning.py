@@ -291,6 +291,9 @@ class ServeTuneResult:
     pareto: list[str]
     """Labels on the capacity against latency-at-capacity front (none with more capacity at less latency)."""
     folder: str
+    strategy: str = "grid"
+    """race: an engine's configurations after its first searched from its best capacity so far; grid: each from the
+    start load (``llmadapt.experiments.tuneserve``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -311,7 +314,8 @@ class ServeTuneResult:
                              for r in self.ranking])
         lines.append(self.verdict)
         lines.append("Pareto front (capacity against latency at capacity): " + (", ".join(self.pareto) or "none"))
-        lines.append(f"{self.spent_s / 60:.1f} min of a {self.budget_s / 60:.0f} min budget; tune folder: {self.folder}")
+        lines.append(f"{self.strategy}: {self.spent_s / 60:.1f} min of a {self.budget_s / 60:.0f} min budget; tune "
+                     f"folder: {self.folder}")
         return "\n".join(lines)
 
 
@@ -333,7 +337,7 @@ def capacity_apart(best: ServeCandidate, other: ServeCandidate) -> bool:
 
 
 def serve_answer(searched: list[ServeCandidate], *, over: str, objectives: list[str], budget_s: float,
-                 spent_s: float, candidates: int, folder: str) -> ServeTuneResult:
+                 spent_s: float, candidates: int, folder: str, strategy: str = "grid") -> ServeTuneResult:
     from pathlib import Path
 
     best_of: dict[str, ServeCandidate] = {}
@@ -373,4 +377,5 @@ def serve_answer(searched: list[ServeCandidate], *, over: str, objectives: list[
                            candidates=candidates,
                            searched=[attrs.asdict(c, filter=lambda a, _: a.name != "workload") for c in searched],
                            ranking=ranking, verdict=verdict,
-                           pareto=[c.label for c in sorted(front, key=lambda c: -c.capacity)], folder=folder)
+                           pareto=[c.label for c in sorted(front, key=lambda c: -c.capacity)], folder=folder,
+                           strategy=strategy)

@@ -41,7 +41,7 @@ def cmd_tune(args) -> int:
 
         served = tune_serving(workload, [a.strip() for a in args.adapters.split(",") if a.strip()], args.slo or [],
                               over=args.over, start=args.start, maximum=args.max, budget_s=parse_budget(args.budget),
-                              out=args.out, timeout=args.timeout, log=log)
+                              out=args.out, timeout=args.timeout, strategy=args.strategy, log=log)
         emit(args, served.to_dict(), served.text())
         return 0 if served.ranking else 1
     if args.slo:
@@ -76,7 +76,9 @@ def register_tune(sub) -> None:
     p.add_argument("--strategy", default="race", choices=["race", "grid", "random", "model"],
                    help="race (default): every candidate once, then the survivors repeated, dropped on the verdict's "
                         "rules; grid: every candidate equally, nothing dropped; random: the race in a seeded order; "
-                        "model: the race, skipping candidates the corrected estimate predicts slower (--device)")
+                        "model: the race, skipping candidates the corrected estimate predicts slower (--device); "
+                        "serving: race searches an engine's other configurations from its best capacity so far, "
+                        "grid each from --start")
     p.add_argument("--device", help="catalog device for the estimate's step-time order (`llmadapt devices`)")
     p.add_argument("--probe-steps", type=int, help="train.steps of each probe (default: the workload's)")
     p.add_argument("--fix", action="append", metavar="PATH", help="keep the workload's value of this field "

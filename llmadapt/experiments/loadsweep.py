@@ -457,10 +457,12 @@ class SlaResult:
 
 def sla_search(workload: Workload, info, objectives: list[Objective], kind: str, out: Path, *, start: float,
                maximum: float, resolution: float = 0.1, repeats: int = 2, max_probes: int = 40,
-               timeout: float | None = None, progress=None) -> tuple[Path, SlaResult]:
+               timeout: float | None = None, progress=None, floor: bool = False) -> tuple[Path, SlaResult]:
     """The highest load meeting every objective, against one engine (see the module's docstring). Writes
     sla.json (the objectives, every probe in order, the answer) after every probe; returns its folder and the
-    result. An interrupted search of the same identity in ``out`` is resumed (the module's docstring)."""
+    result. An interrupted search of the same identity in ``out`` is resumed (the module's docstring).
+    ``floor``: only a capacity of ``start`` or more is sought (the load another configuration already meets): a
+    first probe that fails ends the search, with no capacity, instead of halving down."""
     identity = _identity(workload, info, kind)
     engine_dir, recorded = _resumable(out, "sla", "sla.json", identity, progress)
     engine_dir = engine_dir or _engine_dir(out, info.name, "sla")
@@ -519,6 +521,9 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
             else:
                 hi = last.load if hi is None else min(hi, last.load)
         state["lo"], state["hi"] = lo, hi
+        if lo is None and floor:  # below the load to beat: how far below is not asked
+            state["note"] = f"fails at {Load(kind, start)}, the load to beat: lower loads not searched"
+            return None
         if lo is None:  # nothing passes yet: halve
             lower = min(p.load for p in probes) / 2
             if kind == "concurrency":

@@ -4,7 +4,9 @@ The candidates are the engine settings each adapter declares it takes (``Support
 values (``LADDERS``); nothing here names an engine. Each candidate gets its own SLA search
 (``loadsweep.sla_search``: its engine started once, the load probed up, bisected and repeated at the answer), in
 order (each engine's defaults first, engines interleaved) while the budget lasts; a search that starts within the
-budget runs to its end. The answer: per engine the configuration with the highest capacity, the engines ranked,
+budget runs to its end. ``race`` (the default) spends a search only where it can change the answer: once an engine
+has a capacity, its other configurations are searched from that load up, and one that fails there is done after
+that one probe (it cannot be that engine's best); ``grid`` searches every configuration from the start load. The answer: per engine the configuration with the highest capacity, the engines ranked,
 and the capacity against latency front (``llmadapt.analysis.tuning.ServeTuneResult``).
 """
 
@@ -39,6 +41,7 @@ NOT_SEARCHED = {
     "kv_cache_bytes": "sized by the memory the engine is given",
     "scheduling": "a policy between requests, not a capacity setting",
 }
+STRATEGIES = ("race", "grid")
 MIN_SEARCH_S = 60.0
 """The least one SLA search takes (an engine's start and a few load points)."""
 
@@ -69,9 +72,11 @@ def tune_serving(workload: Workload, adapters: list[str], objectives: list[str],
                  start: float = 1.0, maximum: float | None = None, resolution: float = 0.2, repeats: int = 1,
                  max_probes: int = 12, budget_s: float = 1800.0, out: str | Path = "runs",
                  ladders: dict[str, tuple[Any, ...]] | None = None, timeout: float | None = None,
-                 log: Callable[[str], None] | None = None, progress=None) -> ServeTuneResult:
+                 strategy: str = "race", log: Callable[[str], None] | None = None, progress=None) -> ServeTuneResult:
     """The highest load meeting every objective, per engine configuration, searched within ``budget_s``."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    if strategy not in STRATEGIES:
+        raise LlmadaptError(f"strategy {strategy!r}: a serving tune takes {' or '.join(STRATEGIES)}")
     if not objectives:
         raise LlmadaptError("a serving tune needs at least one objective: --slo ttft_p99_ms<=500")
     slos = [Objective.parse(text) for text in objectives]
@@ -94,16 +99,21 @@ def tune_serving(workload: Workload, adapters: list[str], objectives: list[str],
     done: list[ServeCandidate] = []
     walls: list[float] = []
     spent = 0.0
+    to_beat: dict[str, float] = {}  # race: each engine's best capacity so far
     for info, w, settings in planned:
         expected = statistics.median(walls) if walls else MIN_SEARCH_S
         if spent + expected > budget_s:
             break
         label = f"{info.name} {w.serve.engine.label()}".strip()
-        log(f"[{len(done) + 1}/{len(planned)}] {label}: SLA search over {over}")
+        floor = to_beat.get(info.name) if strategy == "race" else None
+        log(f"[{len(done) + 1}/{len(planned)}] {label}: SLA search over {over}"
+            + (f" from {floor:g}, the engine's best so far" if floor is not None else ""))
         began = time.monotonic()
-        search_dir, result = sla_search(w, info, slos, over, out, start=start, maximum=maximum,
+        search_dir, result = sla_search(w, info, slos, over, out, start=floor or start, maximum=maximum,
                                         resolution=resolution, repeats=repeats, max_probes=max_probes,
-                                        timeout=timeout, progress=progress)
+                                        timeout=timeout, progress=progress, floor=floor is not None)
+        if result.capacity is not None and result.capacity > to_beat.get(info.name, 0.0):
+            to_beat[info.name] = result.capacity
         wall = time.monotonic() - began
         walls.append(wall)
         spent += wall
@@ -111,7 +121,7 @@ def tune_serving(workload: Workload, adapters: list[str], objectives: list[str],
                                    _latency_at(result, slos[0]), str(search_dir), wall, result.note, w))
         _save(folder, workload, done)
     answer = serve_answer(done, over=over, objectives=[str(o) for o in slos], budget_s=budget_s, spent_s=spent,
-                          candidates=len(planned), folder=str(folder))
+                          candidates=len(planned), folder=str(folder), strategy=strategy)
     for ranked in answer.ranking:  # each engine's best, as a workload file `llmadapt run` takes as it is
         best = next(c for c in done if c.label == ranked.label)
         Path(ranked.workload_file).write_text(json.dumps(best.workload.to_dict(), indent=1) + "\n")
