@@ -474,12 +474,6 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
         mine = [p for p in probes if p.load == load]
         return bool(mine) and all(p.passed for p in mine)
 
-    def resolved(lo: float, hi: float) -> bool:
-        return hi - lo <= 1 if kind == "concurrency" else hi / lo - 1 <= resolution
-
-    def midpoint(lo: float, hi: float) -> float:
-        return float((int(lo) + int(hi)) // 2) if kind == "concurrency" else float(f"{math.sqrt(lo * hi):.4g}")
-
     def pick(load: float, phase: str) -> tuple[Load, int]:
         repeat = sum(1 for p in picks if p[0] == load)
         picks.append((load, repeat, phase))
@@ -525,10 +519,8 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
             state["note"] = f"fails at {Load(kind, start)}, the load to beat: lower loads not searched"
             return None
         if lo is None:  # nothing passes yet: halve
-            lower = min(p.load for p in probes) / 2
-            if kind == "concurrency":
-                lower = float(int(lower))
-            if lower < (1 if kind == "concurrency" else start / 8):  # slow points: a probe sends requests at its rate
+            lower = _halved(kind, start, min(p.load for p in probes))
+            if lower is None:
                 behind = sum(client_behind(p.figures) for p in probes)
                 state["note"] = "no load tried meets the objectives" + (
                     f"; {behind} of the {len(probes)} probes were invalid (the load generator fell behind): "
@@ -539,8 +531,8 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
             if lo >= maximum:
                 return _repeat_or_stop(lo)
             return pick(min(maximum, lo * 2), "probe")
-        if not resolved(lo, hi):
-            return pick(midpoint(lo, hi), "bisect")
+        if not (hi - lo <= 1 if kind == "concurrency" else hi / lo - 1 <= resolution):  # not resolved yet: bisect
+            return pick(_midpoint(kind, lo, hi), "bisect")
         return _repeat_or_stop(lo)
 
     def _repeat_or_stop(lo: float) -> tuple[Load, int] | None:
@@ -560,6 +552,18 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
     result = _sla_result(info.name, kind, objectives, probes, state, start, resolution, repeats)
     _write(engine_dir / "sla.json", {**attrs.asdict(result), **identity, "state": "finished"})
     return engine_dir, result
+
+
+def _halved(kind: str, start: float, lowest: float) -> float | None:
+    """Half the lowest load tried (a whole number of requests in flight); None below the least worth probing: one
+    request in flight, or an eighth of the start rate (a slow point sends its requests at its rate)."""
+    lower = float(int(lowest / 2)) if kind == "concurrency" else lowest / 2
+    return None if lower < (1 if kind == "concurrency" else start / 8) else lower
+
+
+def _midpoint(kind: str, lo: float, hi: float) -> float:
+    """Between a passing and a failing load: the whole-number middle, or a rate's geometric mean."""
+    return float((int(lo) + int(hi)) // 2) if kind == "concurrency" else float(f"{math.sqrt(lo * hi):.4g}")
 
 
 def _sla_result(adapter: str, kind: str, objectives: list[Objective], probes: list[Probe], state: dict[str, Any],
