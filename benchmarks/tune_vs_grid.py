@@ -51,16 +51,29 @@ SEARCHED_BY_DEFAULT = ("train.micro_batch", "optimizations.flash_attention")
 """Fixed unless --full-space: the grid of every micro-batch on four stacks is hours on a 2-core machine."""
 
 
+def _scores(grid) -> dict:
+    return {r["label"]: Estimate(**{**r["score"], "samples": tuple(r["score"]["samples"])})
+            for r in grid.rows if r["score"]}
+
+
 def within_noise(grid, choice_label: str) -> bool:
     """Whether the candidate tune chose is not slower than the grid's best, on the grid's own runs (each row's score
     as the answer keeps it: a median with its interval and, over runs, the runs' values)."""
-    scores = {r["label"]: Estimate(**{**r["score"], "samples": tuple(r["score"]["samples"])})
-              for r in grid.rows if r["score"]}
+    scores = _scores(grid)
     if not scores:
         return False
     best = min(scores, key=lambda k: scores[k].median)
     mine = scores.get(choice_label)
     return mine is not None and not slower_than(mine, scores[best])
+
+
+def gap(grid, choice_label: str) -> float | None:
+    """How much more the chosen candidate costs than the grid's best, by the grid's medians (0.1: 10% more time per
+    token): beside "within noise", what the noise allowed."""
+    scores = _scores(grid)
+    if choice_label not in scores:
+        return None
+    return scores[choice_label].median / min(s.median for s in scores.values()) - 1
 
 
 def run_grid(workload: Workload, args, out: Path):
@@ -144,6 +157,7 @@ def one_repeat(workload: Workload, args, out: Path, index: int, grid=None) -> di
     chosen = race.ranking[0].label if race.ranking else None
     return {"repeat": index, "grid_best": grid.ranking[0].label if grid.ranking else None, "tune_best": chosen,
             "within_noise": bool(chosen) and within_noise(grid, chosen),
+            "gap_to_grid_best": gap(grid, chosen) if chosen else None,
             "tune_verdict": race.verdict, "grid_verdict": grid.verdict,
             "grid_probe_s": grid.spent_s, "tune_probe_s": race.spent_s,
             "probe_time_ratio": race.spent_s / grid.spent_s if grid.spent_s else None,
