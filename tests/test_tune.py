@@ -306,13 +306,45 @@ def test_a_round_one_drop_waits_for_a_second_run_of_the_candidate(tmp_path):
     round 1 spends its half, and the second runs that make a drop final come out of the rest."""
     import random
 
-    from llmadapt.analysis.comparison import Row
-    from llmadapt.experiments.tune import _Search
     from llmadapt.experiments.tunespace import Candidate
 
     w = small()
     order = [Candidate("torch", (f"optimizations.recompute={k}",), w, k) for k in ("none", "full", "slow")]
     planted = {"none": [1.4, 1.0, 1.0], "full": [1.25, 1.25, 1.25], "slow": [1.6, 1.6, 1.6]}
+    search = _planted_search(tmp_path, order, planted, budget_s=60)
+    search.race(order, max_runs=2, rng=random.Random(0), model=False)
+    dropped = {k.split("=")[-1]: why for k, (_, why) in search.dropped.items()}
+    assert set(dropped) == {"slow"}, dropped  # 'none' stands: its second run is the faster
+    assert "+28% on its first run, +28% on its second" in dropped["slow"], dropped["slow"]
+    assert [len(search.results[c.key]) for c in order] == [2, 2, 2]  # 'full', the best, ran twice too
+
+
+def test_a_round_one_drop_is_judged_against_a_second_run_of_the_best_too(tmp_path):
+    """The other side of the same blindness: the best's one run undisturbed while the machine usually is (the
+    four-stack benchmark once had the best's run 20% faster than its usual, and dropped every DeepSpeed configuration,
+    the grid's equal among them). Here 'lucky' is truly 1.0 s a step but ran its first run at 0.8; 'equal' is 1.0
+    on both runs; 'slow' 1.6. Judged against the best's first run alone, 'equal' would be dropped (+25% twice);
+    against the best's second run it stands, and only 'slow' is dropped, each side's second run named."""
+    import random
+
+    from llmadapt.experiments.tunespace import Candidate
+
+    w = small()
+    order = [Candidate("torch", (f"optimizations.recompute={k}",), w, k) for k in ("lucky", "equal", "slow")]
+    planted = {"lucky": [0.8, 1.0, 1.0], "equal": [1.0, 1.0, 1.0], "slow": [1.6, 1.6, 1.6]}
+    search = _planted_search(tmp_path, order, planted, budget_s=60)
+    search.race(order, max_runs=2, rng=random.Random(0), model=False)
+    dropped = {k.split("=")[-1]: why for k, (_, why) in search.dropped.items()}
+    assert set(dropped) == {"slow"}, dropped
+    assert "+100% on its first run, +60% on its second" in dropped["slow"], dropped["slow"]
+    assert [len(search.results[c.key]) for c in order] == [2, 2, 2]
+
+
+def _planted_search(tmp_path, order, planted, budget_s):
+    """A search whose probes take 10 s and return planted step times (label -> each run's median step); rows built
+    as ``row_of_runs`` builds them (steps of one run, +-1%, else the runs' medians)."""
+    from llmadapt.analysis.comparison import Row
+    from llmadapt.experiments.tune import _Search
 
     class Planted(_Search):
         def probe(self, c):
@@ -328,14 +360,9 @@ def test_a_round_one_drop_waits_for_a_second_run_of_the_candidate(tmp_path):
                     if len(runs) == 1 else bootstrap_median(medians, "runs"))
             return Row(c.label, "torch", "", "", "ok", {}, estimates={"step_p50_s": step})
 
-    search = Planted(found=type("Found", (), {"candidates": order})(), state={"probes": []}, folder=tmp_path,
-                     objective="tokens_per_s", budget_s=60, probe_steps=None, max_memory=None, max_step_s=None,
-                     price=None, log=lambda m: None, run_options={})
-    search.race(order, max_runs=2, rng=random.Random(0), model=False)
-    dropped = {k.split("=")[-1]: why for k, (_, why) in search.dropped.items()}
-    assert set(dropped) == {"slow"}, dropped  # 'none' stands: its second run is the faster
-    assert "+28% on its first run, +28% on its second" in dropped["slow"], dropped["slow"]
-    assert [len(search.results[c.key]) for c in order] == [2, 2, 2]
+    return Planted(found=type("Found", (), {"candidates": order})(), state={"probes": []}, folder=tmp_path,
+                   objective="tokens_per_s", budget_s=budget_s, probe_steps=None, max_memory=None, max_step_s=None,
+                   price=None, log=lambda m: None, run_options={})
 
 
 def test_a_stacks_undecided_list_holds_standing_candidates_not_dropped_ones():
