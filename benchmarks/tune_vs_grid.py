@@ -138,6 +138,17 @@ def _summary(rows: list[dict]) -> dict:
     return report
 
 
+def finished_grid(folder: Path, workload: Workload):
+    """A grid tune's answer read back (its rows, ranking, probe time), refused unless it is a grid of this workload."""
+    from types import SimpleNamespace
+
+    answer = json.loads((folder / "answer.json").read_text())
+    state = json.loads((folder / "tune.json").read_text())
+    if answer.get("strategy") != "grid" or state.get("workload_hash") != workload.content_hash:
+        raise SystemExit(f"{folder}: not a grid tune of this workload")
+    return SimpleNamespace(**{**answer, "ranking": [SimpleNamespace(**r) for r in answer["ranking"]]})
+
+
 def one_repeat(workload: Workload, args, out: Path, index: int, grid=None) -> dict:
     """One repeat: the grid (unless GRID, run once before) and tune, in alternating order unless tune's budget is
     a share of the grid's probe time (then the grid first)."""
@@ -200,6 +211,8 @@ def main() -> int:
     p.add_argument("--budget-share", type=float, default=None,
                    help="tune's budget as this share of the grid's probe time (the grid runs first)")
     p.add_argument("--one-grid", action="store_true", help="one grid, before the repeats, judges every tune")
+    p.add_argument("--grid", metavar="FOLDER", help="with --one-grid: a finished grid's tune folder to judge by "
+                                                    "instead of running one (the same machine, the same day)")
     p.add_argument("--probe-steps", type=int, default=None)
     p.add_argument("--full-space", action="store_true", help="search every axis (hours)")
     p.add_argument("--planted", action="store_true")
@@ -236,7 +249,9 @@ def main() -> int:
             ["train.steps=3", "train.warmup_steps=1", "train.seq_len=32", "train.global_batch=4"] if args.smoke else [])
         rows = []
         grid = None
-        if args.one_grid:
+        if args.one_grid and args.grid:
+            grid = finished_grid(Path(args.grid), w)
+        elif args.one_grid:
             started = time.monotonic()
             grid = run_grid(w, args, out)
             print(f"the grid: best {grid.ranking[0].label if grid.ranking else None}, probe time {grid.spent_s:.0f} s "
