@@ -194,7 +194,9 @@ def planted(args, out: Path) -> list[dict]:
         found = "dropped" in (full[0].get("outcome") or "")
         wrong = "dropped" in (off[0].get("outcome") or "")  # the known-faster one dropped: a wrong winner, certain
         rows = {row["label"]: row for row in r.rows}
+        named = r.ranking[0] if r.ranking else None  # the best-torch.json written: undecided where tied_with says so
         out_rows.append({"repeat": i, "found": found, "wrong_winner_certain": bool(wrong), "verdict": r.verdict,
+                         "named": named and named.label, "undecided": bool(named and named.tied_with),
                          "outcomes": {k: v["outcome"] for k, v in rows.items()}, "load": os.getloadavg()})
         print(f"planted {i + 1}/{args.repeats}: {'found' if found else 'not decided'}; {r.verdict}", flush=True)
     return out_rows
