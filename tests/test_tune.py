@@ -340,9 +340,29 @@ def test_a_round_one_drop_is_judged_against_a_second_run_of_the_best_too(tmp_pat
     assert [len(search.results[c.key]) for c in order] == [2, 2, 2]
 
 
-def _planted_search(tmp_path, order, planted, budget_s):
+def test_the_race_drops_nothing_on_runs_of_a_disturbed_machine(tmp_path):
+    """Two jobs on two cores once stalled both runs of the faster of two planted configurations, and the race dropped
+    it (docs/status.md). The verdict gives no verdict on runs its summaries judged disturbed; no more does the race.
+    'none' (truly fastest) ran both its runs disturbed at 2.0 s, 'full' 1.0, 'slow' 1.6 quiet: 'slow' is dropped,
+    'none' stands. With the best's own runs disturbed, nothing is dropped."""
+    import random
+
+    from llmadapt.experiments.tunespace import Candidate
+
+    w = small()
+    order = [Candidate("torch", (f"optimizations.recompute={k}",), w, k) for k in ("none", "full", "slow")]
+    planted = {"none": [2.0, 2.0, 2.0], "full": [1.0, 1.0, 1.0], "slow": [1.6, 1.6, 1.6]}
+    for disturbed, dropped_expected in (({"none"}, {"slow"}), ({"none", "full"}, set())):
+        search = _planted_search(tmp_path, order, planted, budget_s=60, disturbed=disturbed)
+        search.race(order, max_runs=2, rng=random.Random(0), model=False)
+        dropped = {k.split("=")[-1] for k in search.dropped}
+        assert dropped == dropped_expected, (disturbed, search.dropped)
+
+
+def _planted_search(tmp_path, order, planted, budget_s, disturbed=()):
     """A search whose probes take 10 s and return planted step times (label -> each run's median step); rows built
-    as ``row_of_runs`` builds them (steps of one run, +-1%, else the runs' medians)."""
+    as ``row_of_runs`` builds them (steps of one run, +-1%, else the runs' medians). The runs of the labels in
+    DISTURBED are judged disturbed, as a run's summary says where other processes took its CPU."""
     from llmadapt.analysis.comparison import Row
     from llmadapt.experiments.tune import _Search
 
@@ -358,7 +378,8 @@ def _planted_search(tmp_path, order, planted, budget_s):
             medians = [s["step"] for _, s, _ in runs]
             step = (bootstrap_median([m * (1 + d) for m in medians for d in (-0.01, 0, 0.01)], "steps")
                     if len(runs) == 1 else bootstrap_median(medians, "runs"))
-            return Row(c.label, "torch", "", "", "ok", {}, estimates={"step_p50_s": step})
+            return Row(c.label, "torch", "", "", "ok", {}, estimates={"step_p50_s": step},
+                       disturbed=["other processes kept 1.30 of 2 cores busy"] if c.label in disturbed else [])
 
     return Planted(found=type("Found", (), {"candidates": order})(), state={"probes": []}, folder=tmp_path,
                    objective="tokens_per_s", budget_s=budget_s, probe_steps=None, max_memory=None, max_step_s=None,

@@ -370,7 +370,10 @@ class _Search:
         if not scored:
             return alive
         best = min(scored, key=lambda k: scored[k].median)
-        slower = [c for c in alive if c.key in scored and c.key != best and slower_than(scored[c.key], scored[best])]
+        if self._disturbed(next(c for c in alive if c.key == best)):
+            return alive  # the verdict's rule: no verdict, so no drop, on runs of a disturbed machine
+        slower = [c for c in alive if c.key in scored and c.key != best and slower_than(scored[c.key], scored[best])
+                  and not self._disturbed(c)]
         once = [c for c in slower if self.used[c.key] == 1]
         leader = next(c for c in alive if c.key == best)
         confirmed = self._confirmed(once, leader) if once else {}
@@ -396,12 +399,20 @@ class _Search:
         half is for (taken from round 1's half, none was affordable and the race kept every candidate)."""
         if self.used[best.key] == 1:
             self.run_round([best])
-        if self.used[best.key] < 2 or self._failed(best, 1) is not None:
+        if self.used[best.key] < 2 or self._failed(best, 1) is not None or self._disturbed(best, last_only=True):
             return {}
         against = self._score(best, last_only=True)
-        again = {c.key: self._score(c, last_only=True) for c in self.run_round(once) if self._failed(c, 1) is None}
+        again = {c.key: self._score(c, last_only=True) for c in self.run_round(once)
+                 if self._failed(c, 1) is None and not self._disturbed(c, last_only=True)}
         return {k: (s, against) for k, s in again.items()
                 if s is not None and against is not None and slower_than(s, against)}
+
+    def _disturbed(self, c: Candidate, last_only: bool = False) -> bool:
+        """Whether C's runs so far (``last_only``: its last) measured on a disturbed machine (other processes' CPU,
+        as each run's summary judged it): the verdict withholds on them, and the race drops nothing on them. On a
+        machine two jobs oversubscribed, a stall of both runs of the faster of two planted configurations got it
+        dropped once in 20 tunes (docs/status.md)."""
+        return bool(self._row(c, last_only).disturbed)
 
     def _score(self, c: Candidate, last_only: bool = False) -> Any:
         """C's cost to minimise over its runs so far (``analysis.tuning.score``); ``last_only``: over its last."""
