@@ -126,9 +126,10 @@ def test_a_qlora_fine_tune_is_saved_evaluated_before_and_after_and_served(tmp_pa
          "profile.steps=[2]", "profile.level=operator"])
     result = run(workload, "torch", out=tmp_path / "runs", launcher="inline")
     assert result.ok, result.summary.failures
-    # dequantising the 4-bit base is a class of its own in the breakdown (a fifth of this step), not 'other'
+    # dequantising the 4-bit base is a class of its own in the breakdown, not 'other'. Its share is timing: a fifth
+    # of this step on a quiet machine, 2% of one profiled step on two cores three jobs shared: present is what holds.
     operators = {o.name: o.seconds for o in result.summary.breakdown.operators}
-    assert operators["dequantization"] > 0.05 * sum(operators.values()), operators
+    assert operators.get("dequantization", 0.0) > 0, operators
     assert operators.get("other", 0.0) <= 0.05 * sum(operators.values()), operators
     steps = [e.step for e in result.summary.evaluations]
     assert steps == [0, workload.train.total_steps]  # before and after
