@@ -370,12 +370,12 @@ class _Search:
         if not scored:
             return alive
         best = min(scored, key=lambda k: scored[k].median)
-        if self._disturbed(next(c for c in alive if c.key == best)):
+        leader = next(c for c in alive if c.key == best)
+        if self._disturbed(leader):
             return alive  # the verdict's rule: no verdict, so no drop, on runs of a disturbed machine
         slower = [c for c in alive if c.key in scored and c.key != best and slower_than(scored[c.key], scored[best])
                   and not self._disturbed(c)]
         once = [c for c in slower if self.used[c.key] == 1]
-        leader = next(c for c in alive if c.key == best)
         confirmed = self._confirmed(once, leader) if once else {}
         slower = [c for c in slower if c not in once] + [c for c in once if c.key in confirmed]
         for c in slower:
