@@ -304,19 +304,11 @@ def test_a_round_one_drop_waits_for_a_second_run_of_the_candidate(tmp_path):
     slower on both of its runs, is dropped in round 1. The rows are built from planted step times as
     ``row_of_runs`` builds them (steps of one run, else the runs' medians). Probes cost 10 s of a 60 s budget:
     round 1 spends its half, and the second runs that make a drop final come out of the rest."""
-    import random
-
-    from llmadapt.experiments.tunespace import Candidate
-
-    w = small()
-    order = [Candidate("torch", (f"optimizations.recompute={k}",), w, k) for k in ("none", "full", "slow")]
-    planted = {"none": [1.4, 1.0, 1.0], "full": [1.25, 1.25, 1.25], "slow": [1.6, 1.6, 1.6]}
-    search = _planted_search(tmp_path, order, planted, budget_s=60)
-    search.race(order, max_runs=2, rng=random.Random(0), model=False)
-    dropped = {k.split("=")[-1]: why for k, (_, why) in search.dropped.items()}
+    search, dropped = _race_planted(tmp_path, {"none": [1.4, 1.0, 1.0], "full": [1.25, 1.25, 1.25],
+                                               "slow": [1.6, 1.6, 1.6]})
     assert set(dropped) == {"slow"}, dropped  # 'none' stands: its second run is the faster
     assert "+28% on its first run, +28% on its second" in dropped["slow"], dropped["slow"]
-    assert [len(search.results[c.key]) for c in order] == [2, 2, 2]  # 'full', the best, ran twice too
+    assert [len(runs) for runs in search.results.values()] == [2, 2, 2]  # 'full', the best, ran twice too
 
 
 def test_a_round_one_drop_is_judged_against_a_second_run_of_the_best_too(tmp_path):
@@ -325,19 +317,11 @@ def test_a_round_one_drop_is_judged_against_a_second_run_of_the_best_too(tmp_pat
     the grid's equal among them). Here 'lucky' is truly 1.0 s a step but ran its first run at 0.8; 'equal' is 1.0
     on both runs; 'slow' 1.6. Judged against the best's first run alone, 'equal' would be dropped (+25% twice);
     against the best's second run it stands, and only 'slow' is dropped, each side's second run named."""
-    import random
-
-    from llmadapt.experiments.tunespace import Candidate
-
-    w = small()
-    order = [Candidate("torch", (f"optimizations.recompute={k}",), w, k) for k in ("lucky", "equal", "slow")]
-    planted = {"lucky": [0.8, 1.0, 1.0], "equal": [1.0, 1.0, 1.0], "slow": [1.6, 1.6, 1.6]}
-    search = _planted_search(tmp_path, order, planted, budget_s=60)
-    search.race(order, max_runs=2, rng=random.Random(0), model=False)
-    dropped = {k.split("=")[-1]: why for k, (_, why) in search.dropped.items()}
+    search, dropped = _race_planted(tmp_path, {"lucky": [0.8, 1.0, 1.0], "equal": [1.0, 1.0, 1.0],
+                                               "slow": [1.6, 1.6, 1.6]})
     assert set(dropped) == {"slow"}, dropped
     assert "+100% on its first run, +60% on its second" in dropped["slow"], dropped["slow"]
-    assert [len(search.results[c.key]) for c in order] == [2, 2, 2]
+    assert [len(runs) for runs in search.results.values()] == [2, 2, 2]
 
 
 def test_the_race_drops_nothing_on_runs_of_a_disturbed_machine(tmp_path):
@@ -345,18 +329,23 @@ def test_the_race_drops_nothing_on_runs_of_a_disturbed_machine(tmp_path):
     it (docs/status.md). The verdict gives no verdict on runs its summaries judged disturbed; no more does the race.
     'none' (truly fastest) ran both its runs disturbed at 2.0 s, 'full' 1.0, 'slow' 1.6 quiet: 'slow' is dropped,
     'none' stands. With the best's own runs disturbed, nothing is dropped."""
+    planted = {"none": [2.0, 2.0, 2.0], "full": [1.0, 1.0, 1.0], "slow": [1.6, 1.6, 1.6]}
+    for disturbed, dropped_expected in (({"none"}, {"slow"}), ({"none", "full"}, set())):
+        _, dropped = _race_planted(tmp_path, planted, disturbed)
+        assert set(dropped) == dropped_expected, (disturbed, dropped)
+
+
+def _race_planted(tmp_path, planted, disturbed=()):
+    """The race over one candidate per label of PLANTED (in its order) on a planted search (``_planted_search``),
+    two runs at most, a 60 s budget: the search, and label -> why for each candidate dropped."""
     import random
 
     from llmadapt.experiments.tunespace import Candidate
 
-    w = small()
-    order = [Candidate("torch", (f"optimizations.recompute={k}",), w, k) for k in ("none", "full", "slow")]
-    planted = {"none": [2.0, 2.0, 2.0], "full": [1.0, 1.0, 1.0], "slow": [1.6, 1.6, 1.6]}
-    for disturbed, dropped_expected in (({"none"}, {"slow"}), ({"none", "full"}, set())):
-        search = _planted_search(tmp_path, order, planted, budget_s=60, disturbed=disturbed)
-        search.race(order, max_runs=2, rng=random.Random(0), model=False)
-        dropped = {k.split("=")[-1] for k in search.dropped}
-        assert dropped == dropped_expected, (disturbed, search.dropped)
+    order = [Candidate("torch", (f"optimizations.recompute={k}",), small(), k) for k in planted]
+    search = _planted_search(tmp_path, order, planted, budget_s=60, disturbed=disturbed)
+    search.race(order, max_runs=2, rng=random.Random(0), model=False)
+    return search, {k.split("=")[-1]: why for k, (_, why) in search.dropped.items()}
 
 
 def _planted_search(tmp_path, order, planted, budget_s, disturbed=()):
