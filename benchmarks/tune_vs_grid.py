@@ -15,7 +15,7 @@ its answer, never name the other as certain.
 
 ``--budget-share F`` gives each tune F times the grid's probe time as its budget (the grid runs first), so that the
 ratio the goal bounds is set, and what is measured is whether tune's answer holds at that share. ``--one-grid`` runs
-the grid once, before the repeats, and judges every tune against it: at the goal's size one grid (65 candidates,
+the grid once, before the repeats, and judges every tune against it: at the goal's size one grid (62 candidates,
 4 runs each) is about 24 minutes on a 2-core machine, ten side by side about 5 hours; the tunes, which repeat their
 own probes, carry the repeats.
 
@@ -68,8 +68,8 @@ def within_noise(grid, choice_label: str) -> bool:
 
 
 def gap(grid, choice_label: str) -> float | None:
-    """How much more the chosen candidate costs than the grid's best, by the grid's medians (0.1: 10% more time per
-    token): beside "within noise", what the noise allowed."""
+    """How much more the chosen candidate costs than the grid's best, by the grid's medians (0.1: 10% more time a
+    step): beside "within noise", what the noise allowed."""
     scores = _scores(grid)
     if choice_label not in scores:
         return None
