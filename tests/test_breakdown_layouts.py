@@ -55,7 +55,10 @@ def test_every_layout_of_a_stack_names_where_its_step_goes(stack, tmp_path):
 def test_a_packed_qlora_fine_tune_names_where_its_step_goes(tmp_path):
     """The same bound on torch's packed QLoRA (4-bit base, LoRA on attention and the MLP, packed rows of the
     instruction data): dequantising the base has its class, and the rows' block-diagonal mask and position ids,
-    which the core builds for the model (MicroBatch.model_inputs), are the model's own code: they were 'other'."""
+    which the core builds for the model (MicroBatch.model_inputs), are the model's own code: they were 'other'.
+    Full-length rows, four to a micro-batch: the training loop's own Python between operators (about 2 ms a step
+    here at any size, 'other' by design) was 7-9% of a 48-token step on a quiet machine; under load it had passed,
+    the waits for a core taken off 'other' covering it. At this size the named share is 97% quiet."""
     from llmadapt import run
 
     reason = environments_unready("torch")
@@ -63,12 +66,13 @@ def test_a_packed_qlora_fine_tune_names_where_its_step_goes(tmp_path):
         pytest.skip(reason)
     data = Path(__file__).resolve().parents[1] / "examples" / "data" / "tiny-instructions.jsonl"
     result = run(workload("tiny-llama", *THREE).with_overrides([
-        "kind=finetune", "data.source=jsonl", f"data.path={data}", "data.packing=true", "train.seq_len=48",
-        "train.global_batch=4", "train.micro_batch=2", "lora.rank=4", "lora.target_modules=[q_proj,v_proj,down_proj]",
+        "kind=finetune", "data.source=jsonl", f"data.path={data}", "data.packing=true", "train.seq_len=256",
+        "train.global_batch=8", "train.micro_batch=4", "lora.rank=4", "lora.target_modules=[q_proj,v_proj,down_proj]",
         "optimizations.quantization=nf4"]), "torch", out=tmp_path)
     assert result.ok, result.summary.failures
     records = records_of(result.run_dir)
     assert_attributed(records, "torch packed qlora")
     assert all(any(c["name"] == "model" and c["seconds"] > 0 for c in b["modules"])
+               and any(o["name"] == "dequantization" and o["seconds"] > 0 for o in b["operators"])
                and not any(o["name"].startswith("aten::tril") for o in b["other"])
                for b in records if b["type"] == "breakdown")

@@ -397,13 +397,13 @@ class _Search:
         independent pair of runs is that evidence; where the budget cannot afford it, the candidate stands.
         These runs come out of the whole budget, not round 1's half: a drop made final is what the repeats'
         half is for (taken from round 1's half, none was affordable and the race kept every candidate)."""
-        if self.used[best.key] == 1:
-            self.run_round([best])
+        # the best first, where the budget affords only some; one round (over Slurm one job array), as round 2 is
+        probed = self.run_round(([best] if self.used[best.key] == 1 else []) + once)
         if self.used[best.key] < 2 or self._failed(best, 1) is not None or self._disturbed(best, last_only=True):
             return {}
         against = self._score(best, last_only=True)
-        again = {c.key: self._score(c, last_only=True) for c in self.run_round(once)
-                 if self._failed(c, 1) is None and not self._disturbed(c, last_only=True)}
+        again = {c.key: self._score(c, last_only=True) for c in probed
+                 if c is not best and self._failed(c, 1) is None and not self._disturbed(c, last_only=True)}
         return {k: (s, against) for k, s in again.items()
                 if s is not None and against is not None and slower_than(s, against)}
 
