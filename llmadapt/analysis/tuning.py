@@ -76,8 +76,8 @@ class Ranked:
     """The certificate: the winner's losses against the workload as given on the first adapter."""
     tied_with: list[str] = attrs.Factory(list)
     """The stack's other standing candidates that cannot be told apart from its best: the choice among them is
-    not decided by the measurements (more budget, more runs). A dropped one is not among them: the race told it
-    apart (its outcome says from what)."""
+    not decided by the measurements (more budget, more runs, or, where either ran on a disturbed machine, a quiet
+    one). A dropped one is not among them: the race told it apart (its outcome says from what)."""
 
 
 @attrs.frozen
@@ -167,9 +167,10 @@ def answer(probed: list[Probed], space: Any, *, objective: str, strategy: str, b
         top = stacks[0][1]
         for p, s in stacks:
             file = Path(folder) / f"best-{p.candidate.adapter}.json"
-            # standing ones only: a dropped candidate's reason says what it was slower than, on its own runs
+            # standing ones only: a dropped candidate's reason says what it was slower than, on its own runs. On a
+            # disturbed machine's runs nothing is told apart, as the verdict across stacks withholds on them
             tied = [q.row.label for q, t in measured if q.candidate.adapter == p.candidate.adapter and q is not p
-                    and q.dropped is None and not slower_than(t, s)]
+                    and q.dropped is None and (p.row.disturbed or q.row.disturbed or not slower_than(t, s))]
             ranking.append(Ranked(p.row.label, p.candidate.adapter, p.candidate.cell, len(p.row.run_dirs) or 1,
                                   s.median, s.low, s.high, _versus(p, s, top, p is stacks[0][0]), str(file),
                                   _certificate(p, reference), tied))
