@@ -111,11 +111,14 @@ def serving(args, out: Path) -> dict:
         return tune_serving(w, adapters, args.slo, strategy=strategy, budget_s=budget, **common)
 
     def within(grid, race) -> bool:
-        """Every engine's configuration in race's answer is not below that engine's best on the grid's searches."""
+        """The race answers for the engines the grid answers for, and each engine's configuration in its answer is not
+        below that engine's best on the grid's own searches of both (an engine only one of them found a capacity
+        for is a disagreement, not a pass)."""
         rows = {s["label"]: ServeCandidate(**{**s, "settings": tuple(s["settings"])}) for s in grid.searched}
         best = {r.adapter: rows[r.label] for r in grid.ranking}
-        return bool(race.ranking) and all(r.label in rows and not capacity_apart(best[r.adapter], rows[r.label])
-                                          for r in race.ranking)
+        chosen = {r.adapter: r.label for r in race.ranking}
+        return bool(chosen) and chosen.keys() == best.keys() and all(
+            label in rows and not capacity_apart(best[adapter], rows[label]) for adapter, label in chosen.items())
 
     grid, rows = None, []
     for i in range(args.repeats):
