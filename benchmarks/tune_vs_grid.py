@@ -236,7 +236,7 @@ def main() -> int:
     p.add_argument("--serving-workload", type=Path, default=SERVING_WORKLOAD,
                    help="serving: the workload (default: SmolLM2-135M on ShareGPT V3, short probes)")
     p.add_argument("--set", action="append", metavar="PATH=VALUE", help="serving: an override of the workload")
-    p.add_argument("--slo", action="append", help="serving: an objective (default ttft_p99_ms<=1000)")
+    p.add_argument("--slo", action="append", help="serving: an objective (default ttft_p99_ms<=600)")
     p.add_argument("--over", default="concurrency", choices=["rate", "concurrency"], help="serving: the load")
     p.add_argument("--max", type=float, default=16, help="serving: the highest load tried")
     p.add_argument("--smoke", action="store_true")
@@ -244,7 +244,7 @@ def main() -> int:
     args = p.parse_args()
     args.adapters = [a for a in args.adapters.split(",") if a]
     args.serving_adapters = [a for a in args.serving_adapters.split(",") if a]
-    args.slo = args.slo or (["e2el_p99_ms<=60000"] if args.smoke else ["ttft_p99_ms<=1000"])
+    args.slo = args.slo or (["e2el_p99_ms<=60000"] if args.smoke else ["ttft_p99_ms<=600"])
     args.fix = () if args.full_space else SEARCHED_BY_DEFAULT
     if args.smoke and args.serving:
         args.repeats, args.max, args.over = 1, 1, "concurrency"

@@ -112,9 +112,9 @@ class _Info:
     name = "sim"
 
 
-def _search(tmp_path, kind="rate", **options):
+def _search(tmp_path, kind="rate", workload=None, **options):
     options = {"start": 1.0, "maximum": 1024.0, **options}
-    folder, result = sla_search(Workload(kind="serve"), _Info(), [Objective.parse("ttft_p99_ms<=730")], kind, tmp_path,
+    folder, result = sla_search(workload or Workload(kind="serve"), _Info(), [Objective.parse("ttft_p99_ms<=730")], kind, tmp_path,
                                 **options)
     history = json.loads((folder / "sla.json").read_text())
     assert len(history["probes"]) == len(result.probes)  # the history holds every probe, in order
@@ -159,6 +159,18 @@ def test_concurrency_is_searched_in_whole_numbers_and_the_maximum_ends_an_all_pa
     assert r.scan_probes == 8 + 1
     r = _search(tmp_path, kind="concurrency", maximum=4.0)
     assert (r.capacity, r.above, r.passes_at_capacity) == (4.0, None, "2/2")
+
+
+def test_a_concurrency_search_stops_at_a_probes_request_count(monkeypatch, tmp_path):
+    """12 requests a probe: 16 or 64 users in a closed loop are the same load as 12 (all in flight at once), so the
+    search goes no higher and says so, instead of telling apart noise between 13 and 14."""
+    _simulate(monkeypatch, lambda load, repeat: 100)
+    w = Workload(kind="serve").with_overrides(["serve.requests=12"])
+    r = _search(tmp_path, kind="concurrency", maximum=64.0, workload=w)
+    assert (r.capacity, r.above, r.passes_at_capacity) == (12.0, None, "2/2")
+    assert max(p.load for p in r.probes) == 12 and "all 12 requests of a probe in flight at once" in r.note
+    r = _search(tmp_path / "below", kind="concurrency", maximum=8.0, workload=w)  # a maximum below it is kept
+    assert (r.capacity, r.above, r.note) == (8.0, None, "")
 
 
 def test_nothing_passing_says_so(monkeypatch, tmp_path):

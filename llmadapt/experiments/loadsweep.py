@@ -464,6 +464,10 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
     ``floor``: only a capacity of ``start`` or more is sought (the load another configuration already meets): a
     first probe that fails ends the search, with no capacity, instead of halving down."""
     identity = _identity(workload, info, kind)
+    # More users in a closed loop than a probe sends requests is the same load as one user per request (all in
+    # flight at once): probes above it would tell apart only noise.
+    capped = kind == "concurrency" and maximum > workload.serve.requests
+    maximum = float(workload.serve.requests) if capped else maximum
     engine_dir, recorded = _resumable(out, "sla", "sla.json", identity, progress)
     engine_dir = engine_dir or _engine_dir(out, info.name, "sla")
     probes: list[Probe] = []
@@ -549,6 +553,10 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
     take(replay.merged([r for *_, r in ran]))  # a series the engine ended early: its last point never went to choose
     if not state.get("finished"):
         state["note"] = "the engine stopped the search early (its start failed, or it died: see the last run)"
+    if capped and state["hi"] is None and state["lo"] == maximum:
+        state["note"] = "; ".join(filter(None, [state["note"], (
+            f"met the objectives with all {maximum:g} requests of a probe in flight at once: a higher concurrency "
+            "is the same load (raise serve.requests to search above it)")]))
     result = _sla_result(info.name, kind, objectives, probes, state, start, resolution, repeats)
     _write(engine_dir / "sla.json", {**attrs.asdict(result), **identity, "state": "finished"})
     return engine_dir, result
