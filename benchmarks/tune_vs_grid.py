@@ -94,6 +94,7 @@ The tiny model's TTFT did not grow with the load at all, so its grid ranked noth
 
 def serving(args, out: Path) -> dict:
     from llmadapt.analysis.tuning import ServeCandidate, capacity_apart
+    from llmadapt.experiments.loadsweep import Objective
     from llmadapt.experiments.tuneserve import MIN_SEARCH_S, tune_serving
 
     if args.smoke:
@@ -121,6 +122,10 @@ def serving(args, out: Path) -> dict:
             label in rows and not capacity_apart(best[adapter], rows[label]) for adapter, label in chosen.items())
 
     grid, rows = None, []
+    if args.one_grid and args.grid:
+        grid = finished_grid(Path(args.grid), w)
+        if (grid.over, grid.objectives) != (args.over, [str(Objective.parse(o)) for o in args.slo]):
+            raise SystemExit(f"{args.grid}: a grid over {grid.over} for {', '.join(grid.objectives)}, not this search")
     for i in range(args.repeats):
         if grid is None or not args.one_grid:
             grid = search("grid", 1e9)

@@ -72,6 +72,10 @@ def test_cli_refuses_bad_input_before_anything_starts(tmp_path):
         (["load-sweep", str(EXAMPLES / "tiny-llama.toml"), "--adapters", "torch", "--rates", "1"], "not 'serve'"),
         (["sla", serve, "--adapters", "hf", "--slo", "ttft_p99_ms<=5", "--over", "concurrency", "--start", "1.5"],
          "whole numbers"),
+        # serve-tiny sends 24 requests a point: 32 users in a closed loop are the same load as 24
+        (["load-sweep", serve, "--adapters", "hf", "--concurrencies", "8,32"], "the same load as 24"),
+        (["sla", serve, "--adapters", "hf", "--slo", "ttft_p99_ms<=5", "--over", "concurrency", "--start", "32"],
+         "the same load as 24"),
     ]
     for argv, message in cases:
         out = subprocess.run([sys.executable, "-m", "llmadapt.cli", *argv, "--out", str(tmp_path / "runs")],

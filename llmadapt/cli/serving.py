@@ -66,6 +66,15 @@ def _engines(args) -> list[tuple[Any, Any]]:
     return out
 
 
+def _refuse_beyond_requests(engines, kind: str, load: float, what: str) -> None:
+    """More users in a closed loop than a probe's requests is the same load as one per request (all in flight at
+    once): refused in one line before any engine starts."""
+    requests = min((w.serve.requests for _, w in engines), default=None)
+    if kind == "concurrency" and requests is not None and load > requests:
+        raise LlmadaptError(f"{what}: above serve.requests ({requests}) a closed loop has every request in flight at "
+                            f"once, the same load as {requests}: keep it at most {requests} or raise serve.requests")
+
+
 def config_label(info, workload) -> str:
     """An engine configuration's name in tables: the adapter and the engine settings it was given."""
     return f"{info.name} {workload.serve.engine.label()}".strip()
@@ -90,8 +99,10 @@ def cmd_load_sweep(args) -> int:
     from llmadapt.experiments.loadsweep import BEHIND_REMEDY
 
     latency = _pareto_metric(args.pareto)
+    engines = _engines(args)
+    _refuse_beyond_requests(engines, loads.kind, max(loads.values), f"--concurrencies {args.concurrencies}")
     data = []
-    for info, workload in _engines(args):
+    for info, workload in engines:
         config = config_label(info, workload)
         print(f"{config}: load sweep ({loads.kind})", file=sys.stderr, flush=True)
         folder, points = load_sweep(workload, info, loads, args.out, repeat=args.repeat, timeout=args.timeout,
@@ -197,6 +208,7 @@ def cmd_sla(args) -> int:
     if args.repeats < 1:
         raise LlmadaptError(f"--repeats {args.repeats}: at least 1")
     engines = _engines(args)
+    _refuse_beyond_requests(engines, kind, start, f"--start {start:g}")  # a --max above it: the search stops there
     results, lines, rows = [], [], []
     for info, workload in engines:
         config = config_label(info, workload)
@@ -258,7 +270,8 @@ def register_sla(sub) -> None:
     p.add_argument("--over", choices=["rate", "concurrency"], default="rate",
                    help="search over request rate (default) or concurrency")
     p.add_argument("--start", type=float, default=None, help="first load probed (default 1)")
-    p.add_argument("--max", type=float, default=None, help="highest load probed (default 1024 req/s, 256 in flight)")
+    p.add_argument("--max", type=float, default=None,
+                   help="highest load probed (default 1024 req/s, 256 in flight; in flight, at most serve.requests)")
     p.add_argument("--resolution", type=float, default=0.1,
                    help="stop bisecting when the bracket is this fraction wide (default 0.1; concurrency: 1)")
     p.add_argument("--repeats", type=int, default=2, help="probes at the answer, all of which must pass (default 2)")
