@@ -245,6 +245,39 @@ def test_the_serving_race_searches_an_engines_other_configurations_only_above_it
         tune_serving(w, ["hf"], ["ttft_p99_ms<=100"], strategy="model", out=tmp_path, log=lambda m: None)
 
 
+def test_a_serving_budget_reaches_every_engine_and_lets_a_fast_one_go_on(tmp_path, monkeypatch):
+    """A simulated clock: hf's searches take 100 s, llama.cpp's 10 s. With 150 s, llama.cpp's defaults are searched
+    after hf's 100 s (a median over both engines, 100 s, once stopped the tune there with an engine unanswered), and
+    then llama.cpp's other configurations while its own median fits; hf's second (100 s more) never starts."""
+    from types import SimpleNamespace
+
+    from llmadapt.experiments import loadsweep, tuneserve
+    from llmadapt.testing import environments_unready
+
+    if environments_unready("hf", "llamacpp"):
+        pytest.skip(environments_unready("hf", "llamacpp"))
+    clock = [0.0]
+    monkeypatch.setattr(tuneserve, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+    def run_points(workload, info, out, engine_dir, timeout, progress, choose):
+        done, ran = [], []
+        while (pick := choose(done)) is not None:
+            clock[0] += 50.0 if info.name == "hf" else 5.0  # two probes a search: 1, then 2 (the maximum)
+            done.append(SimpleNamespace(load=pick[0].value))
+            ran.append((pick[0], pick[1], done[-1]))
+        return ran
+
+    monkeypatch.setattr(loadsweep, "_run_points", run_points)
+    monkeypatch.setattr(loadsweep, "point_figures", lambda r: {
+        "status": "ok", "failed": 0, "valid": True, "ttft_p99_ms": 10.0, "run_dir": ""})
+    result = tuneserve.tune_serving(
+        Workload.from_file(SERVE), ["hf", "llamacpp"], ["ttft_p99_ms<=100"], over="concurrency", maximum=2,
+        repeats=1, budget_s=150, ladders={"max_batched_tokens": (256, 1024)}, out=tmp_path, log=lambda m: None)
+    assert [s["label"] for s in result.searched] == [
+        "hf", "llamacpp", "llamacpp max_batched_tokens=256", "llamacpp max_batched_tokens=1024"]
+    assert result.spent_s == 130 and {r.adapter for r in result.ranking} == {"hf", "llamacpp"}
+
+
 def test_slurm_options_that_cannot_work_are_one_line_before_anything_runs(tmp_path, monkeypatch):
     with pytest.raises(LlmadaptError, match="strategy model decides each probe on those before it"):
         tune(small(), ["torch"], strategy="model", device="any", slurm=[], out=tmp_path)

@@ -97,13 +97,17 @@ def tune_serving(workload: Workload, adapters: list[str], objectives: list[str],
     log(f"tune {folder}: {len(planned)} engine configurations of {', '.join(adapters)}; objectives "
         + ", ".join(map(str, slos)) + f"; not searched: {', '.join(NOT_SEARCHED)}")
     done: list[ServeCandidate] = []
-    walls: list[float] = []
+    walls: dict[str, list[float]] = {}  # each engine's searches so far: engines start and step at their own speeds
     spent = 0.0
     to_beat: dict[str, float] = {}  # race: each engine's best capacity so far
     for info, w, settings in planned:
-        expected = statistics.median(walls) if walls else MIN_SEARCH_S
-        if spent + expected > budget_s:
+        if spent >= budget_s:
             break
+        # An engine's defaults are searched while any budget is left, so that every engine answers; a later
+        # configuration only if that engine's own median search still fits (a slow engine's does not stop a fast one's)
+        mine = walls.get(info.name)
+        if mine and spent + statistics.median(mine) > budget_s:
+            continue
         label = f"{info.name} {w.serve.engine.label()}".strip()
         floor = to_beat.get(info.name) if strategy == "race" else None
         log(f"[{len(done) + 1}/{len(planned)}] {label}: SLA search over {over}"
@@ -115,7 +119,7 @@ def tune_serving(workload: Workload, adapters: list[str], objectives: list[str],
         if result.capacity is not None and result.capacity > to_beat.get(info.name, 0.0):
             to_beat[info.name] = result.capacity
         wall = time.monotonic() - began
-        walls.append(wall)
+        walls.setdefault(info.name, []).append(wall)
         spent += wall
         done.append(ServeCandidate(info.name, label, settings, result.capacity, result.above,
                                    _latency_at(result, slos[0]), str(search_dir), wall, result.note, w))
