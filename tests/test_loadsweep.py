@@ -118,8 +118,8 @@ class _Info:
 
 def _search(tmp_path, kind="rate", workload=None, **options):
     options = {"start": 1.0, "maximum": 1024.0, **options}
-    folder, result = sla_search(workload or Workload(kind="serve"), _Info(), [Objective.parse("ttft_p99_ms<=730")], kind, tmp_path,
-                                **options)
+    folder, result = sla_search(workload or Workload(kind="serve"), _Info(), [Objective.parse("ttft_p99_ms<=730")],
+                                kind, tmp_path, **options)
     history = json.loads((folder / "sla.json").read_text())
     assert len(history["probes"]) == len(result.probes)  # the history holds every probe, in order
     return result

@@ -1,13 +1,14 @@
 """``tune`` for serving: each engine's parameters searched for the highest load that meets the SLOs.
 
 The candidates are the engine settings each adapter declares it takes (``Supports.engine``) crossed over a ladder of
-values (``LADDERS``); nothing here names an engine. Each candidate gets its own SLA search
-(``loadsweep.sla_search``: its engine started once, the load probed up, bisected and repeated at the answer), in
-order (each engine's defaults first, engines interleaved) while the budget lasts; a search that starts within the
-budget runs to its end. ``race`` (the default) spends a search only where it can change the answer: once an engine
-has a capacity, its other configurations are searched from that load up, and one that fails there is done after
-that one probe (it cannot be that engine's best); ``grid`` searches every configuration from the start load. The answer: per engine the configuration with the highest capacity, the engines ranked,
-and the capacity against latency front (``llmadapt.analysis.tuning.ServeTuneResult``).
+values (``LADDERS``); nothing here names an engine. Each candidate gets its own SLA search (``loadsweep.sla_search``:
+its engine started once, the load probed up, bisected and repeated at the answer), in order (each engine's defaults
+first, engines interleaved) while the budget lasts: every engine's defaults while any is left, a later configuration
+while that engine's own median search fits; a search that starts runs to its end. ``race`` (the default) spends a
+search only where it can change the answer: once an engine has a capacity, its other configurations are searched from
+that load up, and one that fails there is done after that one probe (it cannot be that engine's best); ``grid``
+searches every configuration from the start load. The answer: per engine the configuration with the highest capacity,
+the engines ranked, and the capacity against latency front (``llmadapt.analysis.tuning.ServeTuneResult``).
 """
 
 from __future__ import annotations
