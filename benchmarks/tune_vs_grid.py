@@ -10,7 +10,7 @@ its answer, never name the other as certain.
     python benchmarks/tune_vs_grid.py --adapters torch,deepspeed,megatron,colossalai --ranks 2 --repeats 10
     python benchmarks/tune_vs_grid.py --one-grid --budget-share 0.3 --repeats 10   # the goal's size in ~2 h
     python benchmarks/tune_vs_grid.py --planted --repeats 20
-    python benchmarks/tune_vs_grid.py --serving --one-grid --repeats 3   # hf, vLLM and llama.cpp under an SLO
+    python benchmarks/tune_vs_grid.py --serving --one-grid --budget-share 0.33 --repeats 10   # ~65 min: 3 engines
     python benchmarks/tune_vs_grid.py --smoke          # the smallest pass: seconds of probes, figures meaningless
 
 ``--budget-share F`` gives each tune F times the grid's probe time as its budget (the grid runs first), so that the
@@ -23,7 +23,11 @@ own probes, carry the repeats.
 lengths, ``SERVING_PROBE``), each configuration's probe an SLA search; the grid searches every configuration from the
 start load, the race each engine's later configurations from its best so far. Tune's answer is within the grid's
 noise where, for every engine, the configuration it names is one the grid's searches cannot tell apart from the
-grid's best of that engine (``capacity_apart``: failed at a load the best passed at every probe).
+grid's best of that engine (``capacity_apart``: failed at a load the best passed at every probe), and an engine only
+one of the two answers for is a disagreement. ``--grid FOLDER`` judges the tunes by a finished grid (its objective and
+load kind must match). The objective, TTFT p99 <= 600 ms, puts each engine's boundary inside the 1-12 in flight a
+probe of 12 requests can hold on two cores (at 1,000 ms hf and vLLM were at its edge with all 12 in flight: one
+probe passed, another of the same load failed).
 
 Goals (docs/status.md): within noise in 9 of 10 repeats using at most a third of the grid's probe time; the planted
 winner in 19 of 20 on a quiet machine.
@@ -88,7 +92,8 @@ SERVING_LADDERS = {"max_sequences": (1, 4), "max_batched_tokens": (256, 1024)}
 SERVING_WORKLOAD = ROOT / "examples" / "serve-smollm2-sharegpt.toml"
 SERVING_PROBE = ["serve.requests=12", "serve.source.max_output_len=32"]
 """The real model on ShareGPT V3, each probe 12 requests of answers up to 32 tokens: long enough that requests
-queue (on 2 cores vLLM's TTFT p99 passes 1 s between 4 and 8 concurrent), short enough for a grid in half an hour.
+queue (on 2 cores, quiet, hf's and vLLM's TTFT p99 0.2-0.5 s at 1-4 in flight, 0.7-0.9 s at 8-12), short enough for
+a grid in 13 minutes.
 The tiny model's TTFT did not grow with the load at all, so its grid ranked nothing."""
 
 
@@ -180,7 +185,7 @@ def one_repeat(workload: Workload, args, out: Path, index: int, grid=None) -> di
         else:
             budget = args.budget_share * results["grid"].spent_s if args.budget_share else args.budget
             results[strategy] = tune(workload, args.adapters, strategy="race", budget_s=budget,
-                                     max_runs=args.max_runs, ranks=args.ranks, fixed=args.fix,
+                                     max_runs=args.max_runs or args.grid_runs, ranks=args.ranks, fixed=args.fix,
                                      probe_steps=args.probe_steps, out=out, log=lambda m: None)
     grid, race = results["grid"], results["race"]
     chosen = race.ranking[0].label if race.ranking else None
@@ -202,7 +207,9 @@ def planted(args, out: Path) -> list[dict]:
     fixed = ("parallelism.tp", "parallelism.pp", "parallelism.dp", "train.micro_batch", "optimizations.flash_attention")
     out_rows = []
     for i in range(args.repeats):
-        r = tune(w, ["torch"], ranks=1, fixed=fixed, budget_s=args.budget, max_runs=args.max_runs, out=out,
+        # tune's own max_runs unless given: what a user of tune gets
+        r = tune(w, ["torch"], ranks=1, fixed=fixed, budget_s=args.budget, out=out,
+                 **({"max_runs": args.max_runs} if args.max_runs else {}),
                  log=lambda m: None)
         # the two rows by what sets them apart (their labels also carry the workload's own layout, e.g. 'mb4')
         full = [row for row in r.rows if "recompute=full" in row["label"]]
@@ -226,7 +233,8 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--grid-runs", type=int, default=4)
-    p.add_argument("--max-runs", type=int, default=4)
+    p.add_argument("--max-runs", type=int, default=None,
+                   help="a tune candidate's most runs (default: --grid-runs against the grid, tune's own in --planted)")
     p.add_argument("--budget", type=float, default=900.0, help="tune's budget in seconds")
     p.add_argument("--budget-share", type=float, default=None,
                    help="tune's budget as this share of the grid's probe time (the grid runs first)")
