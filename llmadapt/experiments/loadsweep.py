@@ -464,10 +464,7 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
     ``floor``: only a capacity of ``start`` or more is sought (the load another configuration already meets): a
     first probe that fails ends the search, with no capacity, instead of halving down."""
     identity = _identity(workload, info, kind)
-    # More users in a closed loop than a probe sends requests is the same load as one user per request (all in
-    # flight at once): probes above it would tell apart only noise.
-    capped = kind == "concurrency" and maximum > workload.serve.requests
-    maximum = float(workload.serve.requests) if capped else maximum
+    maximum, capped = _within_requests(workload, kind, maximum)
     engine_dir, recorded = _resumable(out, "sla", "sla.json", identity, progress)
     engine_dir = engine_dir or _engine_dir(out, info.name, "sla")
     probes: list[Probe] = []
@@ -554,12 +551,22 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
     if not state.get("finished"):
         state["note"] = "the engine stopped the search early (its start failed, or it died: see the last run)"
     if capped and state["hi"] is None and state["lo"] == maximum:
-        state["note"] = "; ".join(filter(None, [state["note"], (
-            f"met the objectives with all {maximum:g} requests of a probe in flight at once: a higher concurrency "
-            "is the same load (raise serve.requests to search above it)")]))
+        state["note"] = "; ".join(filter(None, [state["note"], CAPPED.format(maximum)]))
     result = _sla_result(info.name, kind, objectives, probes, state, start, resolution, repeats)
     _write(engine_dir / "sla.json", {**attrs.asdict(result), **identity, "state": "finished"})
     return engine_dir, result
+
+
+CAPPED = ("met the objectives with all {:g} requests of a probe in flight at once: a higher concurrency is the same "
+          "load (raise serve.requests to search above it)")
+
+
+def _within_requests(workload: Workload, kind: str, maximum: float) -> tuple[float, bool]:
+    """(the search's maximum, whether it was lowered): more users in a closed loop than a probe's requests is the same
+    load as one user per request (all in flight at once), so a search over concurrency goes no higher (probes above
+    it would tell apart only noise)."""
+    capped = kind == "concurrency" and maximum > workload.serve.requests
+    return (float(workload.serve.requests) if capped else maximum), capped
 
 
 def _halved(kind: str, start: float, lowest: float) -> float | None:
