@@ -69,8 +69,13 @@ def _engines(args) -> list[tuple[Any, Any]]:
 def _refuse_beyond_requests(engines, kind: str, load: float, what: str) -> None:
     """More users in a closed loop than a probe's requests is the same load as one per request (all in flight at
     once): refused in one line before any engine starts."""
-    requests = min((w.serve.requests for _, w in engines), default=None)
-    if kind == "concurrency" and requests is not None and load > requests:
+    from llmadapt.experiments.loadsweep import within_requests
+
+    if not engines:
+        return
+    workload = engines[0][1]  # only serve.engine varies between them: every one sends the same requests
+    if within_requests(workload, kind, load)[1]:
+        requests = workload.serve.requests
         raise LlmadaptError(f"{what}: above serve.requests ({requests}) a closed loop has every request in flight at "
                             f"once, the same load as {requests}: keep it at most {requests} or raise serve.requests")
 

@@ -464,7 +464,7 @@ def sla_search(workload: Workload, info, objectives: list[Objective], kind: str,
     ``floor``: only a capacity of ``start`` or more is sought (the load another configuration already meets): a
     first probe that fails ends the search, with no capacity, instead of halving down."""
     identity = _identity(workload, info, kind)
-    maximum, capped = _within_requests(workload, kind, maximum)
+    maximum, capped = within_requests(workload, kind, maximum)
     engine_dir, recorded = _resumable(out, "sla", "sla.json", identity, progress)
     engine_dir = engine_dir or _engine_dir(out, info.name, "sla")
     probes: list[Probe] = []
@@ -561,7 +561,7 @@ CAPPED = ("met the objectives with all {:g} requests of a probe in flight at onc
           "load (raise serve.requests to search above it)")
 
 
-def _within_requests(workload: Workload, kind: str, maximum: float) -> tuple[float, bool]:
+def within_requests(workload: Workload, kind: str, maximum: float) -> tuple[float, bool]:
     """(the search's maximum, whether it was lowered): more users in a closed loop than a probe's requests is the same
     load as one user per request (all in flight at once), so a search over concurrency goes no higher (probes above
     it would tell apart only noise)."""
