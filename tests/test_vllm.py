@@ -19,8 +19,9 @@ from llmadapt.contract.jsonl import read_jsonl
 pytest.importorskip("aiohttp")
 pytest.importorskip("llmadapt_vllm", reason="the vllm adapter package is not installed (pip install -e plugins/vllm)")
 
-from llmadapt_vllm.server import environment_problem  # noqa: E402
+from llmadapt_vllm.server import MODEL_INFOS, environment_problem  # noqa: E402
 
+from llmadapt.host import state_dir
 from llmadapt.launch.environments import python_for
 from llmadapt.testing import environments_unready  # noqa: E402
 
@@ -124,6 +125,10 @@ def test_hf_and_vllm_on_the_same_workload(vllm_env, tmp_path):
     assert value(last, "vllm:num_requests_running") == 0
     assert (run_dir / "vllm-cache").is_dir()
     assert engine_pids(run_dir) == []
+    # vLLM's inspection of the model class is kept for later engines, as its own ~/.cache/vllm would keep it
+    info = "vllm-model_executor-models-llama-LlamaForCausalLM.json"
+    assert (state_dir() / MODEL_INFOS / info).is_file()
+    assert json.loads((run_dir / "engine.json").read_text())["model_infos_from"] == str(state_dir() / MODEL_INFOS)
 
 
 def test_chat_under_a_small_kv_cache_queues_and_preempts(vllm_env, tmp_path, monkeypatch):
@@ -151,3 +156,7 @@ def test_chat_under_a_small_kv_cache_queues_and_preempts(vllm_env, tmp_path, mon
     assert value(samples[-1], "vllm:num_preemptions_total") > 0
     assert value(samples[-1], "vllm:request_queue_time_seconds_count") == 32
     assert engine_pids(result.run_dir) == []
+    # a later engine starts from the kept inspection: vLLM found it and did not inspect again (a miss rewrites the
+    # file once the engine is up, after engine.json; a hit leaves it as copied before the engine started)
+    kept = result.run_dir / "vllm-cache" / "modelinfos" / "vllm-model_executor-models-llama-LlamaForCausalLM.json"
+    assert kept.stat().st_mtime_ns <= (result.run_dir / "engine.json").stat().st_mtime_ns

@@ -29,6 +29,7 @@ from llmadapt.adapter import (
     RunDir,
     engine_popen_options,
     installed_versions,
+    state_dir,
     stop_engine,
 )
 from llmadapt.adapter.sse import OpenAICompatibleServer, field
@@ -125,6 +126,39 @@ def environment_problem(python: Path | str) -> tuple[str | None, dict[str, str |
     return diagnose(found, python), found
 
 
+MODEL_INFOS = "vllm-modelinfos"
+"""Folder of the state folder where vLLM's model-class inspections are kept across runs (see share_model_infos)."""
+
+
+def share_model_infos(cache: Path) -> str:
+    """Seed a run's VLLM_CACHE_ROOT with the model-class inspections earlier runs made; return where they came from.
+
+    At start vLLM inspects the model's class in a child process that imports torch and vLLM again (about 8 s of CPU
+    here), unless VLLM_CACHE_ROOT/modelinfos holds the result, keyed by a hash of the model's source file. A
+    deployment keeps that cache across restarts (~/.cache/vllm); a run folder's cache of its own starts empty. Only
+    these files are shared: compiled graphs stay the run's own, so a run's start-up is never warmed by another's.
+    """
+    shared = state_dir() / MODEL_INFOS
+    (cache / "modelinfos").mkdir(exist_ok=True)
+    for info in shared.glob("*.json"):  # not the partial files keep_model_infos is writing
+        shutil.copyfile(info, cache / "modelinfos" / info.name)
+    return str(shared)
+
+
+def keep_model_infos(cache: Path | None) -> None:
+    """Keep the inspections this run's engine holds for later runs (vLLM rewrites one whose source hash changed).
+    Each file is written whole, then renamed into place: runs side by side share the folder."""
+    made = cache / "modelinfos" if cache is not None else None
+    if made is None or not made.is_dir():
+        return
+    shared = state_dir() / MODEL_INFOS
+    shared.mkdir(parents=True, exist_ok=True)
+    for info in made.glob("*.json"):
+        partial = shared / f".{info.name}.{os.getpid()}"
+        shutil.copyfile(info, partial)
+        partial.replace(shared / info.name)
+
+
 class VLLMServer(OpenAICompatibleServer):
     supports_ignore_eos = True  # vLLM's sampling params take ignore_eos: output lengths are forced
     metrics_prefixes = METRICS_PREFIXES
@@ -135,6 +169,7 @@ class VLLMServer(OpenAICompatibleServer):
 
     proc: subprocess.Popen | None = None
     tmp: Path | None = None
+    cache: Path | None = None
     _version = ""
 
     def model_name(self) -> str:
@@ -257,6 +292,8 @@ class VLLMServer(OpenAICompatibleServer):
         # absolute: the engine runs in the run folder, not relative to it
         cache = RunDir(ctx.run_dir).adapter_file("vllm-cache", RUN_FILES).absolute()
         cache.mkdir(exist_ok=True)
+        self.cache = cache
+        model_infos = share_model_infos(cache)
         # vLLM puts its ZeroMQ IPC sockets and its gloo file store (vllm_dist_*) in TMPDIR. A socket path must fit
         # in 107 bytes, which a run directory may not: a short private directory, removed at stop.
         self.tmp = socket_dir()
@@ -272,7 +309,7 @@ class VLLMServer(OpenAICompatibleServer):
         }
         RunDir(ctx.run_dir).engine_json.write_text(json.dumps({
             "engine": "vllm", "version": self._version, "command": cmd, "env": extra,
-            "kv_cache_memory_bytes": kv, "installed": found,
+            "kv_cache_memory_bytes": kv, "installed": found, "model_infos_from": model_infos,
         }, indent=2))
         self.log = open(RunDir(ctx.run_dir).engine_log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **extra},
@@ -293,6 +330,7 @@ class VLLMServer(OpenAICompatibleServer):
         stop_engine(proc, STOP_GRACE_S)  # SIGTERM to the API server: it shuts its engine-core down itself
         self.log.close()
         self.proc = None
+        keep_model_infos(self.cache)
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
