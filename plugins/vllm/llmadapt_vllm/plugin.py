@@ -45,7 +45,8 @@ ENGINE_FLAGS = {
 """workload.serve.engine's arguments as vLLM's own flags."""
 
 
-RUN_FILES = {"vllm-cache": "VLLM_CACHE_ROOT: vLLM's caches (compiled graphs, assets) for this run's engine"}
+RUN_FILES = {"vllm-cache": "VLLM_CACHE_ROOT: vLLM's caches (compiled graphs, assets) for this run's engine; its "
+                           "modelinfos/ starts from the model-class inspections earlier runs kept"}
 """What the adapter writes in a run folder beside the core's files (AdapterInfo.run_files)."""
 
 

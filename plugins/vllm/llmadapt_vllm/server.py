@@ -8,7 +8,8 @@ What it starts::
         --kv-cache-memory-bytes N --enforce-eager --disable-uvicorn-access-log
 
 in its own session (process group), logging to RUN_DIR/engine.log, with VLLM_CACHE_ROOT inside the
-run directory. The exact command line and the engine settings are written to RUN_DIR/engine.json.
+run directory (seeded with the model-class inspections earlier runs kept: share_model_infos). The exact command line
+and the engine settings are written to RUN_DIR/engine.json.
 """
 
 from __future__ import annotations
