@@ -9,11 +9,9 @@ ENVS    := llamacpp torch plain megatron deepspeed vllm colossalai hta mlflow
 
 .PHONY: demo test envs setup reference api real-data
 
-# --no-compile: Python compiles what is imported on first use instead of pip compiling every module (as in
-# llmadapt's environments: launch/environments.py).
 $(BIN)/.installed: pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check --no-compile -q -e '.[dev]' $(addprefix -e ,$(PLUGINS))
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]' $(addprefix -e ,$(PLUGINS))
 	touch $@
 
 setup: $(BIN)/.installed

@@ -132,9 +132,9 @@ def test_build_steps_in_order(monkeypatch, state):
     python = environments.create(s, log=lambda line: None)
     assert [what for what, _ in calls] == ["venv creation", "pip install", "pip install --no-deps", "pip uninstall"]
     install, no_deps, uninstall = (args for _, args in calls[1:])
-    assert install[:6] == [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--no-compile"]
+    assert install[:5] == [str(python), "-m", "pip", "install", "--disable-pip-version-check"]
     assert "torch==2.13.0" in install and "colossalai==0.5.0" not in install
-    assert no_deps[4:] == ["--disable-pip-version-check", "--no-compile", "--no-deps", "colossalai==0.5.0"]
+    assert no_deps[4:] == ["--disable-pip-version-check", "--no-deps", "colossalai==0.5.0"]
     assert uninstall[-3:] == ["-y", "torchvision", "triton"]
     assert environments.status(s) == "ready"
 

@@ -285,9 +285,7 @@ def _build(spec: EnvironmentSpec, target: Path, log: Callable[[str], None]) -> P
     checked_run([sys.executable, "-m", "venv", "--clear", str(target)], "venv creation")
     python = target / "bin" / "python"
     r = recipe(spec)
-    # --no-compile: pip would byte-compile every module installed (torch alone has 12,000), half of an environment's
-    # build; Python compiles the few a worker imports on first use and keeps them (__pycache__) for later runs.
-    args = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--no-compile", *r["requirements"],
+    args = [str(python), "-m", "pip", "install", "--disable-pip-version-check", *r["requirements"],
             *r["dependencies"]]
     env = {**os.environ, **dict(spec.install_env)}
     log(f"installing {len(r['requirements'])} pinned requirements and llmadapt's dependencies "
@@ -295,7 +293,7 @@ def _build(spec: EnvironmentSpec, target: Path, log: Callable[[str], None]) -> P
     checked_run(args, "pip install", stream=log, env=env, retries=2)
     if spec.no_deps_requirements:
         log(f"installing without dependencies: {' '.join(spec.no_deps_requirements)}")
-        checked_run([*args[:6], "--no-deps", *spec.no_deps_requirements], "pip install --no-deps", stream=log, env=env)
+        checked_run([*args[:5], "--no-deps", *spec.no_deps_requirements], "pip install --no-deps", stream=log, env=env)
     if spec.remove_after_install:
         log(f"removing {' '.join(spec.remove_after_install)}")
         checked_run([str(python), "-m", "pip", "uninstall", "--disable-pip-version-check", "-y",
