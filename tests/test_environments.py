@@ -5,6 +5,8 @@ vllm among them) run in `make test` before this suite; here the steps are checke
 """
 
 import json
+import os
+import subprocess
 import threading
 from pathlib import Path
 
@@ -13,6 +15,10 @@ import pytest
 from llmadapt.adapter.declaration import EnvironmentSpec
 from llmadapt.errors import EnvironmentNotReadyError, LlmadaptError
 from llmadapt.launch import environments
+
+
+REAL_STATE = os.environ.get("LLMADAPT_HOME")
+"""The state folder the built environments are in (the fixture below points every test elsewhere)."""
 
 
 @pytest.fixture(autouse=True)
@@ -132,9 +138,12 @@ def test_build_steps_in_order(monkeypatch, state):
     python = environments.create(s, log=lambda line: None)
     assert [what for what, _ in calls] == ["venv creation", "pip install", "pip install --no-deps", "pip uninstall"]
     install, no_deps, uninstall = (args for _, args in calls[1:])
-    assert install[:5] == [str(python), "-m", "pip", "install", "--disable-pip-version-check"]
+    assert install[:6] == [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--no-compile"]
     assert "torch==2.13.0" in install and "colossalai==0.5.0" not in install
-    assert no_deps[4:] == ["--disable-pip-version-check", "--no-deps", "colossalai==0.5.0"]
+    assert no_deps[4:] == ["--disable-pip-version-check", "--no-compile", "--no-deps", "colossalai==0.5.0"]
+    # installed without bytecode, its processes keep what they compile even where PYTHONDONTWRITEBYTECODE is set
+    assert (environments._site_packages(environments.env_dir(s)) / environments.KEEP_BYTECODE).read_text() == \
+        "import sys; sys.dont_write_bytecode = False\n"
     assert uninstall[-3:] == ["-y", "torchvision", "triton"]
     assert environments.status(s) == "ready"
 
@@ -239,3 +248,21 @@ def test_the_core_builds_checkpoints_in_its_tools_environment(monkeypatch):
         prepare.ensure_checkpoint(w, spec(name="colossalai", builds_checkpoint=False))
     assert asked == ["tools"] and TOOLS_ENVIRONMENT.name == "tools"
     assert "torch" not in {s.name for s in environments.TOOL_ENVIRONMENTS}
+
+
+def test_a_built_environment_keeps_the_bytecode_it_compiles_whatever_the_callers_setting(monkeypatch):
+    """Installed without bytecode, the reference adapter's real environment compiles what its processes import and
+    keeps it, under PYTHONDONTWRITEBYTECODE=1 and -B too: else every worker would compile torch from source."""
+    from llmadapt.reference.plugin import ENVIRONMENT
+
+    if REAL_STATE:
+        monkeypatch.setenv("LLMADAPT_HOME", REAL_STATE)
+    else:
+        monkeypatch.delenv("LLMADAPT_HOME")
+    try:
+        python = environments.python_for(ENVIRONMENT)
+    except EnvironmentNotReadyError as exc:
+        pytest.skip(str(exc))
+    done = subprocess.run([str(python), "-B", "-c", "import sys; print(sys.dont_write_bytecode)"], text=True,
+                          capture_output=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr
