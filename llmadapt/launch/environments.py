@@ -317,7 +317,7 @@ def _keep_bytecode(target: Path) -> None:
     """Installed with --no-compile, an environment's processes compile what they import and keep it (__pycache__).
 
     pip byte-compiles every module it installs: torch alone is 12,000, and three environments built side by side on
-    2 cores spent most of their time there (a torch environment 180 s against 51 s without). A worker imports a
+    2 cores spent most of their time there (a torch environment 180 s against 76 s without). A worker imports a
     fraction of them. But where PYTHONDONTWRITEBYTECODE (or -B) is set, as on some CI machines, nothing compiled at
     import is kept, and every process would compile torch from source again: this .pth line, run at each start of
     the environment's interpreter, keeps the bytecode of its own imports whatever the caller's setting. The first run
