@@ -71,13 +71,12 @@ def _refuse_beyond_requests(engines, kind: str, load: float, what: str) -> None:
     once): refused in one line before any engine starts."""
     from llmadapt.experiments.loadsweep import within_requests
 
-    if not engines:
-        return
-    workload = engines[0][1]  # only serve.engine varies between them: every one sends the same requests
-    if within_requests(workload, kind, load)[1]:
-        requests = workload.serve.requests
-        raise LlmadaptError(f"{what}: above serve.requests ({requests}) a closed loop has every request in flight at "
-                            f"once, the same load as {requests}: keep it at most {requests} or raise serve.requests")
+    for _, workload in engines:  # an adapter's own --set may give it other requests
+        if within_requests(workload, kind, load)[1]:
+            requests = workload.serve.requests
+            raise LlmadaptError(f"{what}: above serve.requests ({requests}) a closed loop has every request in flight "
+                                f"at once, the same load as {requests}: keep it at most {requests} or raise "
+                                "serve.requests")
 
 
 def config_label(info, workload) -> str:

@@ -146,11 +146,11 @@ def share_model_infos(cache: Path) -> str:
     return str(shared)
 
 
-def keep_model_infos(cache: Path | None) -> None:
+def keep_model_infos(cache: Path) -> None:
     """Keep the inspections this run's engine holds for later runs (vLLM rewrites one whose source hash changed).
     Each file is written whole, then renamed into place: runs side by side share the folder."""
-    made = cache / "modelinfos" if cache is not None else None
-    if made is None or not made.is_dir():
+    made = cache / "modelinfos"
+    if not made.is_dir():
         return
     shared = state_dir() / MODEL_INFOS
     shared.mkdir(parents=True, exist_ok=True)
@@ -170,7 +170,6 @@ class VLLMServer(OpenAICompatibleServer):
 
     proc: subprocess.Popen | None = None
     tmp: Path | None = None
-    cache: Path | None = None
     _version = ""
 
     def model_name(self) -> str:
@@ -293,7 +292,6 @@ class VLLMServer(OpenAICompatibleServer):
         # absolute: the engine runs in the run folder, not relative to it
         cache = RunDir(ctx.run_dir).adapter_file("vllm-cache", RUN_FILES).absolute()
         cache.mkdir(exist_ok=True)
-        self.cache = cache
         model_infos = share_model_infos(cache)
         # vLLM puts its ZeroMQ IPC sockets and its gloo file store (vllm_dist_*) in TMPDIR. A socket path must fit
         # in 107 bytes, which a run directory may not: a short private directory, removed at stop.
@@ -331,7 +329,7 @@ class VLLMServer(OpenAICompatibleServer):
         stop_engine(proc, STOP_GRACE_S)  # SIGTERM to the API server: it shuts its engine-core down itself
         self.log.close()
         self.proc = None
-        keep_model_infos(self.cache)
+        keep_model_infos(RunDir(self.ctx.run_dir).adapter_file("vllm-cache", RUN_FILES).absolute())
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
