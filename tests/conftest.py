@@ -89,7 +89,7 @@ def run_with_a_failing_sink(tmp_path):
     """Run tiny-llama (WORKLOAD) inline with a sink that fails: the run is ok, the console gets one warning naming the
     plugin and the failure, and every step record is on disk and reached on_record as well."""
     from llmadapt.contract.jsonl import read_jsonl
-    from llmadapt.launch.run import run
+    from llmadapt.launch.runner import run
 
     def check(workload, plugin: str, failure: str) -> None:
         events, seen = [], []

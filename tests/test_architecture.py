@@ -70,7 +70,7 @@ def test_a_module_left_out_of_the_layers_is_caught(tmp_path):
 
 
 @pytest.mark.parametrize("planted, broken", [
-    ("from llmadapt.launch.run import run", "layers"),  # the contract importing the orchestrator
+    ("from llmadapt.launch.runner import run", "layers"),  # the contract importing the orchestrator
     ("import llmadapt.reference.plugin", "reference adapter"),
     ("from llmadapt import Workload", "package root"),
     ("from llmadapt.analysis.report import show", "layers"),  # launch and analysis are independent
@@ -78,7 +78,7 @@ def test_a_module_left_out_of_the_layers_is_caught(tmp_path):
 def test_a_planted_import_breaks_a_contract(tmp_path, planted, broken):
     shutil.copytree(PACKAGE, tmp_path / "llmadapt", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    into = "launch/run.py" if "analysis" in planted else "contract/stats.py"
+    into = "launch/runner.py" if "analysis" in planted else "contract/stats.py"
     target = tmp_path / "llmadapt" / into
     target.write_text(target.read_text() + f"\n{planted}  # planted by the test\n")
     result = lint(tmp_path)
@@ -196,7 +196,7 @@ def test_an_import_outside_the_adapter_surface_is_caught(planted, caught):
 
 
 # The launcher's entry points, which start runs, engines or workers: llmadapt.experiments calls them, analysis not.
-LAUNCHER_MODULES = {"llmadapt.launch.run", "llmadapt.launch.serve", "llmadapt.launch.engine",
+LAUNCHER_MODULES = {"llmadapt.launch.runner", "llmadapt.launch.serve", "llmadapt.launch.engine",
                     "llmadapt.launch.loadpoint", "llmadapt.launch.multinode", "llmadapt.launch.slurm"}
 LAUNCHER_NAMES = {"llmadapt.launch": {"run"}, "llmadapt.launch.supervise": {"supervise", "worker_command"}}
 
@@ -226,7 +226,7 @@ def test_analysis_only_reads():
 
 
 @pytest.mark.parametrize("planted, caught", [
-    ("from llmadapt.launch.run import run", True),
+    ("from llmadapt.launch.runner import run", True),
     ("def f():\n    from llmadapt.launch import run", True),
     ("import llmadapt.launch.serve", True),
     ("from llmadapt.launch.serve import serve_points", True),
@@ -236,7 +236,7 @@ def test_analysis_only_reads():
     ("from subprocess import run", True),
     ("from llmadapt.contract.readback import load_records, summarise", False),
     ("from llmadapt.launch.supervise import default_threads", False),
-    ("from llmadapt.launch.run import RunResult", True),  # the module itself is the launcher
+    ("from llmadapt.launch.runner import RunResult", True),  # the module itself is the launcher
 ])
 def test_a_launch_from_analysis_is_caught(planted, caught):
     assert bool(launches(planted)) is caught

@@ -30,6 +30,7 @@ TRACES = ROOT.parent / "shared" / "data" / "kineto-gpu"  # as benchmarks/hta_cro
 # small there.
 SMOKE = {
     "cli_startup.py": ("test_cli_startup", "--smoke"),
+    "compare_walk.py": ("test_compare_walk", "--smoke"),
     "overhead.py": ("test_overhead", "--smoke"),
     "profile_overhead.py": ("test_profile_overhead", "--smoke"),
     "loadgen.py": ("test_loadgen", "--smoke"),
@@ -112,6 +113,18 @@ def test_cli_startup(tmp_path):
     assert r["repeat"] == 1 and set(r["commands"]) == {"--help", "adapters"}
     for row in r["commands"].values():
         has(row, "median_s", "over_floor_s", "loaded_heavy", "torch_loaded", "exit_codes")
+
+
+@unready("torch")
+def test_compare_walk(tmp_path):
+    r = json.loads(bench("compare_walk.py", "--smoke", "--json", cwd=tmp_path))
+    assert r["exit_code"] == 0
+    # The orchestrator's way from the command line through launch and back: each of these ran.
+    for module in ("cli/runs.py", "experiments/compare.py", "launch/runner.py", "launch/supervise.py",
+                   "contract/readback.py", "analysis/comparison.py"):
+        assert module in r["by_file"], f"{module} not in the walk: {sorted(r['by_file'])}"
+    assert r["files"] == len(r["by_file"]) and r["returns"] == r["stays"] - r["files"] >= 0
+    assert r["functions"] == sum(map(len, r["by_file"].values())) and r["launch_entries"] >= 1
 
 
 @needs_torch_here

@@ -267,7 +267,7 @@ def test_run_without_adapter_takes_the_kinds_default(monkeypatch, capsys, tmp_pa
     def run(workload, name, **options):
         raise LlmadaptError(f"would run on {name}")
 
-    monkeypatch.setattr(importlib.import_module("llmadapt.launch.run"), "run", run)
+    monkeypatch.setattr(importlib.import_module("llmadapt.launch.runner"), "run", run)
     with pytest.raises(SystemExit):
         main(["run", str(ROOT / "examples" / workload), "--out", str(tmp_path)])
     assert capsys.readouterr().err.strip() == f"error: would run on {adapter}"

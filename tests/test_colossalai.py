@@ -24,7 +24,7 @@ from llmadapt.adapter.plugins import get_adapter
 from llmadapt.analysis.paritycheck import loss_parity
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.errors import UnknownAdapterError, UnsupportedError
-from llmadapt.launch.run import run
+from llmadapt.launch.runner import run
 from llmadapt.testing import AdapterConformance, environments_unready, standard_workloads
 
 try:

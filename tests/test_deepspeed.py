@@ -31,7 +31,7 @@ from llmadapt import UnsupportedError
 from llmadapt.adapter.plugins import adapters, get_adapter
 from llmadapt.analysis.paritycheck import expert_load_parity, loss_parity
 from llmadapt.contract.jsonl import read_jsonl
-from llmadapt.launch.run import RunResult, run
+from llmadapt.launch.runner import RunResult, run
 from llmadapt.testing import AdapterConformance, standard_workloads
 
 if "deepspeed" not in adapters():

@@ -184,7 +184,7 @@ def test_estimate_refuses_jamba():
 # -- runs: the reference, DeepSpeed ZeRO-2 and ZeRO-3 on two ranks ----------------------------------------
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from llmadapt.launch.run import run
+    from llmadapt.launch.runner import run
 
     out = tmp_path_factory.mktemp("jamba")
     if "deepspeed" not in adapters():
@@ -248,7 +248,7 @@ def test_the_breakdown_names_the_mamba_mixer_and_adds_up(adapter, sets, tmp_path
     class's forward, backward and outside adding up to it). Before, the mixers' 93% of the step sat in 'model'."""
     from test_breakdown import assert_attributed
 
-    from llmadapt.launch.run import run
+    from llmadapt.launch.runner import run
     from llmadapt.testing import environments_unready
 
     reason = environments_unready(adapter) or (None if adapter in adapters() else f"{adapter} is not registered")

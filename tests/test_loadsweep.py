@@ -16,7 +16,7 @@ import attrs
 import pytest
 
 from llmadapt import Workload, adapters
-from llmadapt.cli.serving import attach_settings
+from llmadapt.cli.common import attach_settings
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.errors import LlmadaptError
 from llmadapt.experiments import loadsweep

@@ -15,7 +15,7 @@ from llmadapt.adapter.plugins import get_adapter
 from llmadapt.analysis.paritycheck import expert_load_parity, loss_parity
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.errors import UnknownAdapterError, UnsupportedError
-from llmadapt.launch.run import run
+from llmadapt.launch.runner import run
 from llmadapt.testing import AdapterConformance, standard_workloads
 
 try:

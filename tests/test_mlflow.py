@@ -16,7 +16,7 @@ import llmadapt
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.host import free_port
 from llmadapt.launch.environments import MLFLOW_ENVIRONMENT, EnvironmentNotReadyError, python_for
-from llmadapt.launch.run import run
+from llmadapt.launch.runner import run
 
 pytest.importorskip("llmadapt_mlflow", reason="pip install -e plugins/mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402 - after the skip

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 import runpy
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,3 +54,14 @@ def test_breaks_finds_a_removed_name_and_a_changed_signature_and_lets_a_deprecat
     current = ["m.f (a)", "m.C class(x, y=0) -> None"]  # f lost b, g is gone, old's deprecation is over
     assert API["breaks"](recorded, current) == ["m.f changed: (a, b=1) -> (a)",
                                                  "m.g disappeared without a deprecation"]
+
+
+def test_launch_run_stays_the_function_whatever_was_imported_before():
+    # Importing a submodule binds it on its package: a module named launch/run.py would replace the function
+    # llmadapt.launch.run once imported. Every submodule of launch is imported first, then the name is read.
+    code = ("import importlib, pkgutil, llmadapt.launch as l\n"
+            "for m in pkgutil.iter_modules(l.__path__): importlib.import_module(f'llmadapt.launch.{m.name}')\n"
+            "from llmadapt.launch import run\n"
+            "print(type(run).__name__, type(l.run).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["function", "function"]

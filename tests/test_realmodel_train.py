@@ -33,7 +33,7 @@ import pytest
 
 from llmadapt.analysis.paritycheck import loss_parity
 from llmadapt.contract.jsonl import read_jsonl
-from llmadapt.launch.run import run
+from llmadapt.launch.runner import run
 from llmadapt.packagedata import resolve
 from llmadapt.spec import Workload
 from llmadapt.testing import environments_unready

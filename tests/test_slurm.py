@@ -194,7 +194,7 @@ def test_a_job_that_fails_to_start_is_reported_with_slurms_reason(slurm, two_nod
     """An interpreter missing on the nodes: the job fails at once and the failure carries Slurm's state."""
     monkeypatch.setenv("LLMADAPT_PYTHON_TORCH", "/nonexistent/python")
     # The checkpoint is built before submission with that same interpreter: skip that step here.
-    monkeypatch.setattr("llmadapt.launch.run.ensure_checkpoint", lambda *a: None, raising=False)
+    monkeypatch.setattr("llmadapt.launch.runner.ensure_checkpoint", lambda *a: None, raising=False)
     result = run(WORKLOAD, "torch", launcher="slurm", slurm=two_nodes, out=tmp_path, timeout=120)
     assert not result.ok
     (failure,) = [f for f in result.summary.failures if f.rank is None]

@@ -72,7 +72,7 @@ def test_failed_cells_are_retried_then_stay_failed_and_done_cells_are_skipped(tm
     """The run itself replaced: the first cell fails every time, the second fails once, then succeeds."""
     import importlib
 
-    run_module = importlib.import_module("llmadapt.launch.run")
+    run_module = importlib.import_module("llmadapt.launch.runner")
 
     (tmp_path / "grid.toml").write_text(GRID)
     sweep = sweeps.load(tmp_path / "grid.toml", tmp_path / "runs")
@@ -113,7 +113,7 @@ def test_an_attempt_stopped_or_killed_mid_cell_stays_among_its_attempts_marked(t
     left beside them; it does not count against the retries; the next attempt follows it."""
     import importlib
 
-    run_module = importlib.import_module("llmadapt.launch.run")
+    run_module = importlib.import_module("llmadapt.launch.runner")
     (tmp_path / "grid.toml").write_text(GRID)
     sweep = sweeps.load(tmp_path / "grid.toml", tmp_path / "runs")
     cell = sweep.cells[0]

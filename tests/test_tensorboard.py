@@ -11,7 +11,7 @@ import pytest
 
 import llmadapt
 from llmadapt.contract.jsonl import read_jsonl
-from llmadapt.launch.run import run
+from llmadapt.launch.runner import run
 
 pytest.importorskip("llmadapt_tensorboard", reason="pip install -e plugins/tensorboard")
 from tensorboardX.proto import event_pb2  # noqa: E402 - after the skip

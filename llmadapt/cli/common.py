@@ -148,6 +148,23 @@ def attach_arg(p: argparse.ArgumentParser) -> None:
                         "run back to back)")
 
 
+def attach_settings(text: str | None, adapters: list[str]) -> list[str]:
+    """--attach hf=http://a:8000,vllm=http://b:8000 as per-adapter serve.url settings; an adapter that is not
+    in the comparison, or an entry that is no NAME=URL, is one line before anything starts."""
+    if not text:
+        return []
+    out = []
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        name, sep, url = entry.partition("=")
+        if not sep or not name or not url:
+            raise LlmadaptError(f"--attach {entry!r}: write ADAPTER=URL, e.g. vllm=http://127.0.0.1:8000")
+        if name not in adapters:
+            raise LlmadaptError(f"--attach names {name!r}, which is not among the adapters compared "
+                                f"({', '.join(adapters)})")
+        out.append(f"{name}:serve.url={url}")
+    return out
+
+
 def time_left(elapsed: float | None, done: float, total: float | None) -> str:
     """'0:01:23': the runs left at the mean time of a run so far (elapsed over runs done); '-:--:--' before the
     first run ends. (rich's own estimate needs several updates within 30 s: a comparison of minute-long runs

@@ -9,8 +9,8 @@ import shutil
 import sys
 from typing import Any
 
-from llmadapt.cli.common import (add_command, attach_arg, cells_progress, emit, name_list, printable, repeat_arg,
-                                 run_options, stall_arg, workload_args, workload_of)
+from llmadapt.cli.common import (add_command, attach_arg, attach_settings, cells_progress, emit, name_list, printable,
+                                 repeat_arg, run_options, stall_arg, workload_args, workload_of)
 from llmadapt.errors import LlmadaptError
 
 
@@ -19,7 +19,7 @@ def cmd_run(args) -> int:
 
     from llmadapt.analysis.report import render_summary
     from llmadapt.contract.rundir import RunDir
-    from llmadapt.launch.run import run
+    from llmadapt.launch.runner import run
 
     workload = workload_of(args)
     adapter = args.adapter or ("hf" if workload.kind == "serve" else "torch")  # each kind's documented default
@@ -114,7 +114,6 @@ def cmd_compare(args) -> int:
     else:
         if args.workload is None:
             raise LlmadaptError("name a workload file to run, or --runs QUERY to compare stored runs")
-        from llmadapt.cli.serving import attach_settings
 
         names = _adapter_names(args)
         named = names + [c.partition(":")[0] for c in args.cell or []]

@@ -9,25 +9,8 @@ import argparse
 import sys
 from typing import Any
 
-from llmadapt.cli.common import add_command, attach_arg, emit, name_list, workload_args, workload_of
+from llmadapt.cli.common import add_command, attach_arg, attach_settings, emit, name_list, workload_args, workload_of
 from llmadapt.errors import LlmadaptError
-
-
-def attach_settings(text: str | None, adapters: list[str]) -> list[str]:
-    """--attach hf=http://a:8000,vllm=http://b:8000 as per-adapter serve.url settings; an adapter that is not
-    in the comparison, or an entry that is no NAME=URL, is one line before anything starts."""
-    if not text:
-        return []
-    out = []
-    for entry in (e.strip() for e in text.split(",") if e.strip()):
-        name, sep, url = entry.partition("=")
-        if not sep or not name or not url:
-            raise LlmadaptError(f"--attach {entry!r}: write ADAPTER=URL, e.g. vllm=http://127.0.0.1:8000")
-        if name not in adapters:
-            raise LlmadaptError(f"--attach names {name!r}, which is not among the adapters compared "
-                                f"({', '.join(adapters)})")
-        out.append(f"{name}:serve.url={url}")
-    return out
 
 
 def _engines(args) -> list[tuple[Any, Any]]:

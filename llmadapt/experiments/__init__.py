@@ -1,5 +1,5 @@
 """Experiments: the commands that plan several runs and launch them, each through ``llmadapt.launch``'s entry
-points (``launch.run.run`` for a run, ``launch.serve`` for serving points against one engine).
+points (``launch.runner.run`` for a run, ``launch.serve`` for serving points against one engine).
 
 - compare: cells (adapters, layouts) on a matrix of overrides, repeated in shuffled rounds, reused, settled;
 - parity: two cells of one problem, their losses checked step by step;

@@ -1,5 +1,5 @@
 """``compare``: plan the cells of a comparison (adapters, layouts, a matrix of overrides), launch their runs
-through ``llmadapt.launch.run`` (repeated in shuffled rounds, reused from the store, settled), and keep the table
+through ``llmadapt.launch.runner`` (repeated in shuffled rounds, reused from the store, settled), and keep the table
 on disk as each run ends. The rows and the table they make are read in ``llmadapt.analysis.comparison``.
 """
 
@@ -17,7 +17,7 @@ from llmadapt.experiments.cells import Cell, as_cells, plan, same_threads
 from llmadapt.analysis.comparison import HEADLINE, Comparison, Row, estimates_of, from_json_summary, row_of_runs
 from llmadapt.contract.schema import to_json
 from llmadapt.errors import LlmadaptError
-from llmadapt.launch.run import RunResult, run
+from llmadapt.launch.runner import RunResult, run
 from llmadapt.launch.sinks import ExperimentSinks
 from llmadapt.spec import Workload
 

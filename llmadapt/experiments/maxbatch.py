@@ -185,7 +185,7 @@ def _real_probe(adapter: str, launcher: str, timeout: float | None, fault: dict 
                 cap_kind: str | None) -> Callable[[Workload, int, Path], Probe]:
     """A probe that runs the batch for real: one run of the workload, classified."""
     def real_probe(pw: Workload, b: int, where: Path) -> Probe:
-        from llmadapt.launch.run import run
+        from llmadapt.launch.runner import run
 
         t0 = time.monotonic()
         result = run(pw, adapter, launcher=launcher, out=where, timeout=timeout, fault=fault,

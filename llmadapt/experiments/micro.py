@@ -1,6 +1,6 @@
 """Micro-benchmarks: operators with a workload's shapes, device peaks, collectives (orchestrator side).
 
-Each suite is a worker of kind ``micro``, started through launch (``llmadapt.launch.run.run_micro``) in the
+Each suite is a worker of kind ``micro``, started through launch (``llmadapt.launch.runner.run_micro``) in the
 core's tools environment (the orchestrator never imports torch): one process for ``ops`` and ``peak``,
 torchrun with N ranks (gloo on CPU, NCCL on GPU, 127.0.0.1, a free port) for ``comm``. The worker streams contract records to ``RUN_DIR/rank-NNNNN.jsonl``:
 
@@ -28,7 +28,7 @@ from llmadapt.contract.catalog import save_device, today
 from llmadapt.contract.launch import CommSpec, MicroSpec, OpCost, OpSpec, PeakSpec, Timing
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
-from llmadapt.launch.run import run_micro
+from llmadapt.launch.runner import run_micro
 from llmadapt.spec import Workload
 
 OPS = ("qkv", "output", "fc1", "fc2", "lm_head", "attention", "rmsnorm", "rotary", "swiglu", "moe_router",

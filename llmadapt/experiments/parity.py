@@ -1,4 +1,4 @@
-"""``parity``: run two cells of one problem through ``llmadapt.launch.run`` and check their losses agree step by
+"""``parity``: run two cells of one problem through ``llmadapt.launch.runner`` and check their losses agree step by
 step (``llmadapt.analysis.paritycheck`` reads the verdict).
 """
 
@@ -12,7 +12,7 @@ import attrs
 from llmadapt.experiments.cells import Cell, as_cells, plan
 from llmadapt.analysis.paritycheck import PARITY_ATOL, PARITY_RTOL, ParityReport, loss_parity
 from llmadapt.errors import LlmadaptError, TraceMismatchError
-from llmadapt.launch.run import run
+from llmadapt.launch.runner import run
 from llmadapt.spec import Workload, problem_difference
 
 

@@ -134,7 +134,7 @@ class Sweep:
     def run_cell(self, cell: SweepCell, *, log: Callable[[str], None] = lambda m: None,
                  **run_options: Any) -> dict[str, Any]:
         """Run one cell unless it is done: up to 1 + retries attempts, each recorded as it starts and ends."""
-        from llmadapt.launch.run import run
+        from llmadapt.launch.runner import run
 
         done = self.finished(cell)
         if done:

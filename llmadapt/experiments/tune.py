@@ -219,7 +219,7 @@ class _Search:
 
     def probe(self, c: Candidate) -> None:
         """One more run of ``c``: a finished one from the state where there is one, else a new run."""
-        from llmadapt.launch.run import run
+        from llmadapt.launch.runner import run
 
         n = self.used.get(c.key, 0)
         self.used[c.key] = n + 1

@@ -1,7 +1,8 @@
 """The orchestrator: checks a request, builds the run folder, starts and supervises the workers (locally,
 torchrun across nodes, Slurm), serves, gathers records and writes the summary. Never imports torch.
 
-- run: ``run()``, the entry point, and ``RunResult``
+- runner: ``run()``, the entry point, and ``RunResult`` (a module not named ``run``, so that importing it never
+  hides the function ``llmadapt.launch.run``)
 - settings: launchers, ``NodeSettings``, the run options checked before anything starts
 - supervise: worker command lines and environments, process supervision, exit codes read as failures
 - multinode, collect, slurm: several machines
@@ -15,19 +16,17 @@ the rest of the orchestrator (nor the worker runtime below it).
 
 from __future__ import annotations
 
-import sys
-import types
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
-    from llmadapt.launch.run import run
+    from llmadapt.launch.runner import run
     from llmadapt.launch.settings import LAUNCHERS, NodeSettings
     from llmadapt.contract.readback import RunResult, load_records, summarise
     from llmadapt.launch.supervise import kill_tagged, worker_command
 
 __all__ = ["LAUNCHERS", "NodeSettings", "RunResult", "kill_tagged", "load_records", "run", "summarise", "worker_command"]
 
-_HOME = {"run": "llmadapt.launch.run", **dict.fromkeys(["LAUNCHERS", "NodeSettings"], "llmadapt.launch.settings"),
+_HOME = {"run": "llmadapt.launch.runner", **dict.fromkeys(["LAUNCHERS", "NodeSettings"], "llmadapt.launch.settings"),
          **dict.fromkeys(["RunResult", "load_records", "summarise"], "llmadapt.contract.readback"),
          **dict.fromkeys(["kill_tagged", "worker_command"], "llmadapt.launch.supervise")}
 
@@ -41,16 +40,3 @@ def __getattr__(name: str):
     globals()[name] = value
     return value
 
-
-class _Package(types.ModuleType):
-    """This package, whose ``run`` stays the function: importing the submodule ``llmadapt.launch.run`` binds the
-    module on its package, which would hide the function from ``from llmadapt.launch import run`` (the eager
-    import this package did before bound the function over it)."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name == "run" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -17,7 +17,7 @@ from llmadapt.adapter.plugins import get_adapter
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import UnknownAdapterError
-from llmadapt.launch.run import RunResult
+from llmadapt.launch.runner import RunResult
 from llmadapt.spec import Workload
 from llmadapt.testing.common import environments_unready
 

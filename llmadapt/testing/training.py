@@ -14,7 +14,7 @@ from llmadapt.analysis.paritycheck import loss_parity
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import UnsupportedError
-from llmadapt.launch.run import RunResult, run
+from llmadapt.launch.runner import RunResult, run
 from llmadapt.spec import Workload
 
 
