@@ -9,9 +9,12 @@ ENVS    := llamacpp torch plain megatron deepspeed vllm colossalai hta mlflow
 
 .PHONY: demo test envs setup reference api real-data
 
+# Installed without byte-compiling (torch alone is 12,000 modules); its processes keep the bytecode of what they
+# import, also under PYTHONDONTWRITEBYTECODE, as the environments do (llmadapt.launch.environments.keep_bytecode).
 $(BIN)/.installed: pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]' $(addprefix -e ,$(PLUGINS))
+	$(BIN)/pip install --disable-pip-version-check -q --no-compile -e '.[dev]' $(addprefix -e ,$(PLUGINS))
+	$(BIN)/python -c 'from llmadapt.launch.environments import keep_bytecode; keep_bytecode("$(VENV)")'
 	touch $@
 
 setup: $(BIN)/.installed

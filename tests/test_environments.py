@@ -7,6 +7,7 @@ vllm among them) run in `make test` before this suite; here the steps are checke
 import json
 import os
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -264,5 +265,15 @@ def test_a_built_environment_keeps_the_bytecode_it_compiles_whatever_the_callers
     except EnvironmentNotReadyError as exc:
         pytest.skip(str(exc))
     done = subprocess.run([str(python), "-B", "-c", "import sys; print(sys.dont_write_bytecode)"], text=True,
+                          capture_output=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+@pytest.mark.skipif(Path(sys.prefix).resolve() != (Path(__file__).resolve().parents[1] / ".venv").resolve(),
+                    reason="runs in the Makefile's development venv (.venv beside tests/) only")
+def test_the_development_venv_keeps_the_bytecode_it_compiles():
+    """`make setup` installs without byte-compiling and keeps what the venv's processes compile (the tests' own
+    interpreter: pytest workers and the commands they start import torch and transformers)."""
+    done = subprocess.run([sys.executable, "-B", "-c", "import sys; print(sys.dont_write_bytecode)"], text=True,
                           capture_output=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, timeout=60)
     assert done.stdout.strip() == "False", done.stderr

@@ -126,7 +126,7 @@ def recipe(spec: EnvironmentSpec) -> dict:
         "requirements": list(spec.requirements),
         "dependencies": dependencies,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
-        "bytecode": BYTECODE,  # see _keep_bytecode
+        "bytecode": BYTECODE,  # see keep_bytecode
     }
     # Optional parts join the recipe only when used.
     if spec.install_env:
@@ -301,7 +301,7 @@ def _build(spec: EnvironmentSpec, target: Path, log: Callable[[str], None]) -> P
         log(f"removing {' '.join(spec.remove_after_install)}")
         checked_run([str(python), "-m", "pip", "uninstall", "--disable-pip-version-check", "-y",
                 *spec.remove_after_install], "pip uninstall", stream=log, env=env)
-    _keep_bytecode(target)
+    keep_bytecode(target)
     (target / MARKER).write_text(
         json.dumps({"recipe_hash": recipe_hash(spec), "recipe": r, "created": time.time(),
                     "distributions": _distributions(target)}, indent=2)
@@ -313,8 +313,9 @@ def _build(spec: EnvironmentSpec, target: Path, log: Callable[[str], None]) -> P
 KEEP_BYTECODE = "llmadapt-keep-bytecode.pth"
 
 
-def _keep_bytecode(target: Path) -> None:
+def keep_bytecode(target: Path | str) -> None:
     """Installed with --no-compile, an environment's processes compile what they import and keep it (__pycache__).
+    The Makefile does the same for the development venv.
 
     pip byte-compiles every module it installs: torch alone is 12,000, and three environments built side by side on
     2 cores spent most of their time there (a torch environment 180 s against 76 s without). A worker imports a
@@ -323,7 +324,7 @@ def _keep_bytecode(target: Path) -> None:
     the environment's interpreter, keeps the bytecode of its own imports whatever the caller's setting. The first run
     in a new environment compiles what it imports (a few seconds, once).
     """
-    (_site_packages(target) / KEEP_BYTECODE).write_text("import sys; sys.dont_write_bytecode = False\n")
+    (_site_packages(Path(target)) / KEEP_BYTECODE).write_text("import sys; sys.dont_write_bytecode = False\n")
 
 
 # What pip prints when a download, not the recipe, failed: a truncated wheel fails its pinned hash, a
