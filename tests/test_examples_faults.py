@@ -15,6 +15,7 @@ one per kind and adapter (SIGTERM_SET), at the smallest sizes.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -69,6 +70,7 @@ def name(path: Path) -> str:
     return str(path.relative_to(EXAMPLES))
 
 
+@functools.cache  # read once per process: the tests' parameters need each example several times at collection
 def load(path: Path) -> Workload:
     return Workload.from_file(path)
 
