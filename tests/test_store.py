@@ -27,6 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.steps=4", "train.warmup_steps=1",
          "telemetry.interval_s=0", "parallelism.threads_per_rank=1"]
 
+# The store reads run folders, however their runs were launched: each run here is made in this process (inline),
+# which spares the worker's start (3.5 s of CPU a run, most of it importing torch and transformers) fifteen times.
+INLINE = "inline"
+
 pytestmark = pytest.mark.skipif(bool(environments_unready("torch", "plain")),
                                 reason=environments_unready("torch", "plain") or "")
 
@@ -50,9 +54,9 @@ def root(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs")
     for _ in range(4):  # interleaved, so that the machine's drift falls on every side alike
         for name in ("base", "cand"):
-            assert run(workload(name), "torch", out=out).ok
-        assert run(workload("slow"), "torch", out=out, fault={"kind": "slow", "seconds": 1.5}).ok
-    assert run(workload("plain-one"), "plain", out=out).ok
+            assert run(workload(name), "torch", out=out, launcher=INLINE).ok
+        assert run(workload("slow"), "torch", out=out, fault={"kind": "slow", "seconds": 1.5}, launcher=INLINE).ok
+    assert run(workload("plain-one"), "plain", out=out, launcher=INLINE).ok
     return out
 
 
@@ -187,14 +191,14 @@ def test_a_regression_check_passes_on_identical_runs_and_fails_on_a_slower_one(r
 
 
 def test_parity_of_stored_runs_refuses_two_problems(root):
-    pair = [run(workload("pair"), "plain", out=root).run_dir for _ in range(2)]
+    pair = [run(workload("pair"), "plain", out=root, launcher=INLINE).run_dir for _ in range(2)]
     out = cli("parity", "--runs", "workload=pair", "--out", root)
     assert out.returncode == 0, out.stdout + out.stderr
     line = out.stdout.strip().splitlines()[-1]  # the result line names the two runs
     assert line.startswith("parity ok: run ") and all(f"run {folder.name} (" in line for folder in pair), line
     for folder in pair:  # forgotten by the store with their folders
         shutil.rmtree(folder)
-    other = run(workload("other-problem", "train.lr=0.01"), "plain", out=root)
+    other = run(workload("other-problem", "train.lr=0.01"), "plain", out=root, launcher=INLINE)
     out = cli("parity", "--runs", f"run={other.run_dir.name[:30]},workload=other-problem", "--out", root)
     assert out.returncode == 2 and "exactly two stored runs" in out.stderr
     with RunStore(root) as store:
