@@ -135,9 +135,10 @@ def share_model_infos(cache: Path) -> str:
     """Seed a run's VLLM_CACHE_ROOT with the model-class inspections earlier runs made; return where they came from.
 
     At start vLLM inspects the model's class in a child process that imports torch and vLLM again (4.5 s of CPU and
-    4 s of start-up here), unless VLLM_CACHE_ROOT/modelinfos holds the result, keyed by a hash of the model's source file. A
-    deployment keeps that cache across restarts (~/.cache/vllm); a run folder's cache of its own starts empty. Only
-    these files are shared: compiled graphs stay the run's own, so a run's start-up is never warmed by another's.
+    4 s of start-up here), unless VLLM_CACHE_ROOT/modelinfos holds the result, keyed by a hash of the model's source
+    file. A deployment keeps that cache across restarts (~/.cache/vllm); a run folder's cache of its own starts
+    empty. Only these files are shared: compiled graphs stay the run's own, so a run's start-up is never warmed by
+    another's.
     """
     shared = state_dir() / MODEL_INFOS
     (cache / "modelinfos").mkdir(exist_ok=True)
@@ -289,8 +290,7 @@ class VLLMServer(OpenAICompatibleServer):
         kv = ctx.workload.serve.engine.kv_cache_bytes or int(os.environ.get(KV_CACHE_ENV) or default_kv_bytes(
             ctx.workload))
         cmd = self.command(kv)
-        # absolute: the engine runs in the run folder, not relative to it
-        cache = RunDir(ctx.run_dir).adapter_file("vllm-cache", RUN_FILES).absolute()
+        cache = self._cache_dir()
         cache.mkdir(exist_ok=True)
         model_infos = share_model_infos(cache)
         # vLLM puts its ZeroMQ IPC sockets and its gloo file store (vllm_dist_*) in TMPDIR. A socket path must fit
@@ -319,6 +319,10 @@ class VLLMServer(OpenAICompatibleServer):
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
 
+    def _cache_dir(self) -> Path:
+        """This run's VLLM_CACHE_ROOT, absolute: the engine runs in the run folder, not relative to it."""
+        return RunDir(self.ctx.run_dir).adapter_file("vllm-cache", RUN_FILES).absolute()
+
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
@@ -329,7 +333,7 @@ class VLLMServer(OpenAICompatibleServer):
         stop_engine(proc, STOP_GRACE_S)  # SIGTERM to the API server: it shuts its engine-core down itself
         self.log.close()
         self.proc = None
-        keep_model_infos(RunDir(self.ctx.run_dir).adapter_file("vllm-cache", RUN_FILES).absolute())
+        keep_model_infos(self._cache_dir())
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
