@@ -45,8 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def command(args: argparse.Namespace, out: Path) -> list[str]:
-    cmd = ["compare", str(ROOT / "examples" / "tiny-llama.toml"), "--adapters", "torch", "--out", str(out)]
+def command(args: argparse.Namespace) -> list[str]:
+    """The compare to walk (its --out is added where it runs)."""
+    cmd = ["compare", str(ROOT / "examples" / "tiny-llama.toml"), "--adapters", "torch"]
     if args.smoke:
         return cmd + ["--set", "train.steps=2"]
     return cmd + ["--set", f"train.steps={args.steps}", "--matrix", "optimizations.recompute=none,full",
@@ -97,11 +98,11 @@ def walk(calls: list[tuple[str, str, int]]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    cmd = command(args)
     with tempfile.TemporaryDirectory() as tmp:
-        argv_ = command(args, Path(tmp) / "runs")
-        calls, code, output = trace(argv_)
-    shown = ["llmadapt", *argv_[:1], "examples/tiny-llama.toml", *argv_[2:4], *argv_[6:]]  # no temporary --out
-    result = {"command": " ".join(shown), "exit_code": code, **walk(calls)}
+        calls, code, output = trace([*cmd, "--out", str(Path(tmp) / "runs")])
+    shown = " ".join(["llmadapt", *cmd]).replace(str(ROOT) + os.sep, "")  # the example's path from the checkout
+    result = {"command": shown, "exit_code": code, **walk(calls)}
     if code:
         print(output[-3000:], file=sys.stderr)
     if args.json:
