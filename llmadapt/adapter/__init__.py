@@ -72,7 +72,8 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
         WorkloadError,
     )
     from llmadapt.host import VERSION, state_dir
-    from llmadapt.models import checkpoint_key, recorded_weights_hash
+    from llmadapt.models import recorded_weights_hash
+    from llmadapt.spec.model import checkpoint_key
 
 # Each public name and the module it lives in.
 _HOME = {
@@ -92,7 +93,8 @@ _HOME = {
     **dict.fromkeys(["ContractError", "EnvironmentNotReadyError", "LlmadaptError", "TraceMismatchError",
                      "UnknownAdapterError", "UnsupportedError", "WorkloadError"], "llmadapt.errors"),
     **dict.fromkeys(["VERSION", "state_dir"], "llmadapt.host"),
-    **dict.fromkeys(["checkpoint_key", "recorded_weights_hash"], "llmadapt.models"),
+    "recorded_weights_hash": "llmadapt.models",
+    "checkpoint_key": "llmadapt.spec.model",
 }
 
 

@@ -24,7 +24,7 @@ from llmadapt.spec import Workload
 
 
 def checkpoint_dir(workload: Workload) -> Path:
-    from llmadapt.models import checkpoint_key
+    from llmadapt.spec.model import checkpoint_key
 
     return state_dir() / "checkpoints" / checkpoint_key(workload.model, workload.seed)
 

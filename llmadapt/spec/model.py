@@ -1,7 +1,10 @@
-"""The model section: its shape (``ModelSpec``), the presets, and the recipe of a preset's canonical checkpoint."""
+"""The model section: its shape (``ModelSpec``), the presets, and the recipe and folder key of the canonical
+checkpoint."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Any
 
@@ -160,3 +163,14 @@ CHECKPOINT_RECIPE = 2
 """How llmadapt builds a preset's canonical checkpoint (llmadapt.models); bump whenever the weights it writes for a
 preset and seed change (2: written streaming, in shards). A preset problem's identity includes it: the same preset
 and seed with other weights is another problem (tests/test_docs.py fails when a documented loss stops reproducing)."""
+
+
+def checkpoint_key(model: ModelSpec, seed: int) -> str:
+    """The canonical checkpoint's folder name under the state folder's ``checkpoints``: a hash of what builds it (the
+    model's shapes, the seed, the recipe), so equal models share one checkpoint."""
+    data = attrs.asdict(model)
+    for key in ("name", "path", "checksum"):
+        data.pop(key)
+    drop_unset_layout(data)
+    text = json.dumps({"model": data, "seed": seed, "recipe": CHECKPOINT_RECIPE}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
