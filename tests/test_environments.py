@@ -149,6 +149,34 @@ def test_build_steps_in_order(monkeypatch, state):
     assert environments.status(s) == "ready"
 
 
+def test_build_files_are_written_before_pip_and_named_in_the_install_env(monkeypatch, state):
+    """A file the build reads (llamacpp's CMake script) is in the environment's build-files folder when pip runs,
+    its path in the variable that names it; the recipe holds its text and no path, so clones share the build."""
+    seen = {}
+
+    def check(args, what, stream=None, env=None, retries=0):
+        if what == "venv creation":
+            environments._site_packages(environments.env_dir(s)).mkdir(parents=True)
+            (environments.env_dir(s) / "bin").mkdir()
+            (environments.env_dir(s) / "bin" / "python").touch()
+        if what == "pip install":
+            path = Path(env["CMAKE_ARGS"].split("=", 1)[1])
+            seen.update(path=path, text=path.read_text())
+
+    monkeypatch.setattr(environments, "checked_run", check)
+    s = spec(install_env=(("CMAKE_ARGS", "-DCMAKE_PROJECT_INCLUDE={build_files}/opts.cmake"),),
+             build_files=(("opts.cmake", "set(X OFF)\n"),))
+    environments.create(s, log=lambda line: None)
+    assert seen == {"path": environments.env_dir(s) / environments.BUILD_FILES / "opts.cmake", "text": "set(X OFF)\n"}
+    r = environments.recipe(s)
+    assert r["build_files"] == [["opts.cmake", "set(X OFF)\n"]] and str(state) not in json.dumps(r)
+    assert environments.recipe_hash(s) != environments.recipe_hash(spec(install_env=s.install_env,
+                                                                        build_files=(("opts.cmake", "set(X ON)\n"),)))
+    assert "build_files" not in environments.recipe(spec())
+    with pytest.raises(ValueError, match="'../x' is not a plain file name"):
+        spec(build_files=(("../x", ""),))
+
+
 def test_a_second_builder_waits_for_the_first_and_builds_nothing(monkeypatch):
     started, release = threading.Event(), threading.Event()
     builds, logs = [], []

@@ -33,6 +33,8 @@ from llmadapt.errors import EnvironmentNotReadyError, LlmadaptError
 from llmadapt.host import VERSION, state_dir
 
 MARKER = "llmadapt-env.json"
+BUILD_FILES = "build-files"
+"""The folder of an environment holding its spec's ``build_files`` (kept: what its build read)."""
 
 BYTECODE = "on first import"
 
@@ -135,6 +137,8 @@ def recipe(spec: EnvironmentSpec) -> dict:
         out["no_deps_requirements"] = list(spec.no_deps_requirements)
     if spec.remove_after_install:
         out["remove_after_install"] = list(spec.remove_after_install)
+    if spec.build_files:
+        out["build_files"] = [list(kv) for kv in spec.build_files]
     return out
 
 
@@ -290,7 +294,11 @@ def _build(spec: EnvironmentSpec, target: Path, log: Callable[[str], None]) -> P
     r = recipe(spec)
     args = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--no-compile", *r["requirements"],
             *r["dependencies"]]
-    env = {**os.environ, **dict(spec.install_env)}
+    build_files = target / BUILD_FILES
+    for name, text in spec.build_files:
+        build_files.mkdir(exist_ok=True)
+        (build_files / name).write_text(text)
+    env = {**os.environ, **{k: v.replace("{build_files}", str(build_files)) for k, v in spec.install_env}}
     log(f"installing {len(r['requirements'])} pinned requirements and llmadapt's dependencies "
         "(this takes a few minutes)")
     checked_run(args, "pip install", stream=log, env=env, retries=2)

@@ -17,6 +17,14 @@ LLAMA_CPP_PYTHON = "0.3.36"
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 """Compiler flags that leave AMX out of a native build (README, "The environment", says why)."""
 
+NO_COMMON = """\
+# llama-cpp-python forces llama.cpp's `common` library on (a cache variable set with FORCE, so -D cannot), and with
+# it cpp-httplib, yet loads only libllama, libggml and libmtmd. A normal variable of the same name hides that cache
+# entry (CMP0126), so neither is compiled: 45% of the build's CPU (README, "The environment").
+set(LLAMA_BUILD_COMMON OFF)
+"""
+"""Read at llama-cpp-python's project() (CMAKE_PROJECT_INCLUDE)."""
+
 # Exact pins: llama-cpp-python with its server's dependencies, and the gguf writer (numpy, no torch).
 REQUIREMENTS = (
     f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
@@ -37,7 +45,11 @@ ENVIRONMENT = EnvironmentSpec(
     # No llava/mtmd library: text models only. GGML_NATIVE: kernels for the CPU that builds (and runs) them, but
     # not AMX: built by GCC 12, ggml's AMX matmul loads an empty tile configuration and every quantized prompt
     # batch crashed the engine (SIGILL, SIGSEGV); quantized weights use the AVX-512 VNNI kernels instead.
-    install_env=(("CMAKE_ARGS", "-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON"), ("CFLAGS", NO_AMX), ("CXXFLAGS", NO_AMX)),
+    # No llama.cpp `common` library (NO_COMMON): nothing here loads it.
+    install_env=(("CMAKE_ARGS", "-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON "
+                                "-DCMAKE_PROJECT_INCLUDE={build_files}/no-common.cmake"),
+                 ("CFLAGS", NO_AMX), ("CXXFLAGS", NO_AMX)),
+    build_files=(("no-common.cmake", NO_COMMON),),
     builds_checkpoint=False,  # no torch or transformers here: the core's tools environment builds the checkpoint
 )
 
