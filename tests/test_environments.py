@@ -123,6 +123,24 @@ def test_a_local_package_that_is_not_a_source_folder_is_refused(tmp_path):
         environments.recipe(spec(local_packages=(str(tmp_path),)))
 
 
+def calls_without_install_env(monkeypatch) -> list[str]:
+    """The pip install command of an environment without install_env."""
+    seen = []
+
+    def check(args, what, stream=None, env=None, retries=0):
+        if what == "venv creation":
+            environments._site_packages(environments.env_dir(plain)).mkdir(parents=True)
+            (environments.env_dir(plain) / "bin").mkdir()
+            (environments.env_dir(plain) / "bin" / "python").touch()
+        if what == "pip install":
+            seen.extend(args)
+
+    monkeypatch.setattr(environments, "checked_run", check)
+    plain = spec(name="plain-demo", requirements=("numpy==2.4.6",))
+    environments.create(plain, log=lambda line: None)
+    return seen
+
+
 def test_build_steps_in_order(monkeypatch, state):
     calls = []
 
@@ -141,7 +159,10 @@ def test_build_steps_in_order(monkeypatch, state):
     install, no_deps, uninstall = (args for _, args in calls[1:])
     assert install[:6] == [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--no-compile"]
     assert "torch==2.13.0" in install and "colossalai==0.5.0" not in install
-    assert no_deps[4:] == ["--disable-pip-version-check", "--no-compile", "--no-deps", "colossalai==0.5.0"]
+    # install_env changes what a source build makes, which pip's wheel cache does not know: no cache then
+    assert install[6] == "--no-cache-dir" and "--no-cache-dir" not in calls_without_install_env(monkeypatch)
+    assert no_deps[4:] == ["--disable-pip-version-check", "--no-compile", "--no-cache-dir", "--no-deps",
+                           "colossalai==0.5.0"]
     # installed without bytecode, its processes keep what they compile even where PYTHONDONTWRITEBYTECODE is set
     assert (environments._site_packages(environments.env_dir(s)) / environments.KEEP_BYTECODE).read_text() == \
         "import sys; sys.dont_write_bytecode = False\n"

@@ -73,7 +73,10 @@ def test_registered_with_a_pinned_environment_that_compiles_llama_cpp():
     assert "llama-cpp-python==0.3.36" in spec.requirements and "gguf==0.19.0" in spec.requirements
     assert all("==" in r for r in spec.requirements)
     env = dict(spec.install_env)
-    assert env["CMAKE_ARGS"] == "-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON"
+    assert env["CMAKE_ARGS"] == ("-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON "
+                                 "-DCMAKE_PROJECT_INCLUDE={build_files}/no-common.cmake")
+    # llama.cpp's common library, which nothing here loads, is not compiled (README, "The environment")
+    assert dict(spec.build_files)["no-common.cmake"].endswith("\nset(LLAMA_BUILD_COMMON OFF)\n")
     # no AMX kernels: built here, they crashed every quantized prompt batch (README, "The environment")
     assert env["CFLAGS"] == env["CXXFLAGS"] == "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     assert not spec.builds_checkpoint  # no torch there
@@ -129,6 +132,19 @@ print(json.dumps(rows))
 
 PROMPTS = ["Hello world, this is a test.", "  two  spaces and\ttabs\nnewline", "numbers 12345 and 3.14!",
            "unicode: caf\u00e9 na\u00efve \u2014 ok", "Write a short poem about the sea."]
+
+
+def test_the_build_loads_without_llama_cpps_common_library(env):
+    """llama-cpp-python loads its libraries (llama, ggml) in the environment, and llama.cpp's common library, which
+    its build forces on and nothing loads, was not compiled (README, "The environment")."""
+    python, penv = env
+    code = ("import json, sysconfig, llama_cpp; print(json.dumps([sysconfig.get_paths()['purelib'], "
+            "llama_cpp.llama_cpp._lib._name, bool(llama_cpp.llama_supports_mmap())]))")
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=penv, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    site, loaded, _ = json.loads(done.stdout.splitlines()[-1])
+    assert Path(loaded).name == "libllama.so" and Path(loaded).parent == Path(site) / "llama_cpp" / "lib"
+    assert not list(Path(site).glob("lib/libllama-common*")), "llama.cpp's common library was built"
 
 
 def test_the_gguf_file_computes_what_the_checkpoint_computes(env, checkpoint, tmp_path):

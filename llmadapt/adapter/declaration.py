@@ -44,7 +44,8 @@ class EnvironmentSpec:
     """Source folders of local packages (e.g. the adapter's own): their declared dependencies are installed,
     the packages themselves are put on the worker's PYTHONPATH."""
     install_env: tuple[tuple[str, str], ...] = ()
-    """Environment variables for the install (e.g. (("DS_BUILD_OPS", "0"),)); part of the recipe."""
+    """Environment variables for the install (e.g. (("DS_BUILD_OPS", "0"),)); part of the recipe. An environment
+    that sets any is installed without pip's cache, whose wheels built from source do not record them."""
     no_deps_requirements: tuple[str, ...] = ()
     """Installed afterwards with ``pip install --no-deps``: for a framework whose declared dependencies
     cannot be resolved next to the shared torch (ColossalAI pins torch<=2.5.1) but run with it."""

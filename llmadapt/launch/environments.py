@@ -292,8 +292,11 @@ def _build(spec: EnvironmentSpec, target: Path, log: Callable[[str], None]) -> P
     checked_run([sys.executable, "-m", "venv", "--clear", str(target)], "venv creation")
     python = target / "bin" / "python"
     r = recipe(spec)
-    args = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--no-compile", *r["requirements"],
-            *r["dependencies"]]
+    # pip keys the wheels it builds from source by the source alone, not by install_env: a wheel built with other
+    # flags (another environment's, an older recipe's) would be taken from its cache. Such builds skip the cache.
+    no_cache = ["--no-cache-dir"] if spec.install_env else []
+    args = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--no-compile", *no_cache,
+            *r["requirements"], *r["dependencies"]]
     build_files = target / BUILD_FILES
     for name, text in spec.build_files:
         build_files.mkdir(exist_ok=True)
@@ -304,7 +307,8 @@ def _build(spec: EnvironmentSpec, target: Path, log: Callable[[str], None]) -> P
     checked_run(args, "pip install", stream=log, env=env, retries=2)
     if spec.no_deps_requirements:
         log(f"installing without dependencies: {' '.join(spec.no_deps_requirements)}")
-        checked_run([*args[:6], "--no-deps", *spec.no_deps_requirements], "pip install --no-deps", stream=log, env=env)
+        checked_run([*args[:6], *no_cache, "--no-deps", *spec.no_deps_requirements], "pip install --no-deps",
+                    stream=log, env=env)
     if spec.remove_after_install:
         log(f"removing {' '.join(spec.remove_after_install)}")
         checked_run([str(python), "-m", "pip", "uninstall", "--disable-pip-version-check", "-y",
