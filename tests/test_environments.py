@@ -123,44 +123,34 @@ def test_a_local_package_that_is_not_a_source_folder_is_refused(tmp_path):
         environments.recipe(spec(local_packages=(str(tmp_path),)))
 
 
-def calls_without_install_env(monkeypatch) -> list[str]:
-    """The pip install command of an environment without install_env."""
-    seen = []
-
-    def check(args, what, stream=None, env=None, retries=0):
-        if what == "venv creation":
-            environments._site_packages(environments.env_dir(plain)).mkdir(parents=True)
-            (environments.env_dir(plain) / "bin").mkdir()
-            (environments.env_dir(plain) / "bin" / "python").touch()
-        if what == "pip install":
-            seen.extend(args)
-
-    monkeypatch.setattr(environments, "checked_run", check)
-    plain = spec(name="plain-demo", requirements=("numpy==2.4.6",))
-    environments.create(plain, log=lambda line: None)
-    return seen
-
-
-def test_build_steps_in_order(monkeypatch, state):
+def fake_build(monkeypatch, s: EnvironmentSpec, during=lambda what, args, env: None):
+    """``create(s)`` with the build's commands replaced: the interpreter and each step's (what, args, env); the
+    venv step lays out what venv would, ``during`` sees each step as it runs."""
     calls = []
 
     def check(args, what, stream=None, env=None, retries=0):
-        calls.append((what, args))
+        calls.append((what, args, env))
         if what == "venv creation":
             environments._site_packages(environments.env_dir(s)).mkdir(parents=True)
             (environments.env_dir(s) / "bin").mkdir()
             (environments.env_dir(s) / "bin" / "python").touch()
+        during(what, args, env)
 
     monkeypatch.setattr(environments, "checked_run", check)
+    return environments.create(s, log=lambda line: None), calls
+
+
+def test_build_steps_in_order(monkeypatch, state):
     s = spec(no_deps_requirements=("colossalai==0.5.0",), remove_after_install=("torchvision", "triton"),
              install_env=(("DS_BUILD_OPS", "0"),))
-    python = environments.create(s, log=lambda line: None)
-    assert [what for what, _ in calls] == ["venv creation", "pip install", "pip install --no-deps", "pip uninstall"]
-    install, no_deps, uninstall = (args for _, args in calls[1:])
+    python, calls = fake_build(monkeypatch, s)
+    assert [what for what, _, _ in calls] == ["venv creation", "pip install", "pip install --no-deps", "pip uninstall"]
+    install, no_deps, uninstall = (args for _, args, _ in calls[1:])
     assert install[:6] == [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--no-compile"]
     assert "torch==2.13.0" in install and "colossalai==0.5.0" not in install
     # install_env changes what a source build makes, which pip's wheel cache does not know: no cache then
-    assert install[6] == "--no-cache-dir" and "--no-cache-dir" not in calls_without_install_env(monkeypatch)
+    _, plain_calls = fake_build(monkeypatch, spec(name="plain-demo", requirements=("numpy==2.4.6",)))
+    assert install[6] == "--no-cache-dir" and "--no-cache-dir" not in plain_calls[1][1]
     assert no_deps[4:] == ["--disable-pip-version-check", "--no-compile", "--no-cache-dir", "--no-deps",
                            "colossalai==0.5.0"]
     # installed without bytecode, its processes keep what they compile even where PYTHONDONTWRITEBYTECODE is set
@@ -175,19 +165,14 @@ def test_build_files_are_written_before_pip_and_named_in_the_install_env(monkeyp
     its path in the variable that names it; the recipe holds its text and no path, so clones share the build."""
     seen = {}
 
-    def check(args, what, stream=None, env=None, retries=0):
-        if what == "venv creation":
-            environments._site_packages(environments.env_dir(s)).mkdir(parents=True)
-            (environments.env_dir(s) / "bin").mkdir()
-            (environments.env_dir(s) / "bin" / "python").touch()
+    def at_pip(what, args, env):
         if what == "pip install":
             path = Path(env["CMAKE_ARGS"].split("=", 1)[1])
             seen.update(path=path, text=path.read_text())
 
-    monkeypatch.setattr(environments, "checked_run", check)
     s = spec(install_env=(("CMAKE_ARGS", "-DCMAKE_PROJECT_INCLUDE={build_files}/opts.cmake"),),
              build_files=(("opts.cmake", "set(X OFF)\n"),))
-    environments.create(s, log=lambda line: None)
+    fake_build(monkeypatch, s, during=at_pip)
     assert seen == {"path": environments.env_dir(s) / environments.BUILD_FILES / "opts.cmake", "text": "set(X OFF)\n"}
     r = environments.recipe(s)
     assert r["build_files"] == [["opts.cmake", "set(X OFF)\n"]] and str(state) not in json.dumps(r)
