@@ -157,6 +157,25 @@ def test_summary_round_trips_through_its_schema():
     validate(json.loads(json.dumps(attrs.asdict(summary))))
 
 
+def test_a_summary_read_back_is_the_summary_written_and_a_damaged_field_is_named():
+    """summary.json read back as the record type (the comparison's reader) goes through the launch record's
+    converter: the same Summary, its nested records (step-time statistics, failures) rebuilt; a field of the wrong
+    shape is one ContractError naming it, not an error from inside the walk."""
+    from llmadapt.analysis.comparison import from_json_summary
+
+    def launch(**train):
+        return LaunchRequest(run_id="r", role="train", adapter="x", launcher="subprocess",
+                             workload=Workload.from_dict({"train": train}))
+
+    ok = aggregate("r", [step()], launch(steps=1, warmup_steps=0))
+    failed = aggregate("r", [step(0, 0, warmup=True)], launch(steps=3))
+    assert ok.step_time_s is not None and failed.failures, "both shapes of nesting must be there to test anything"
+    for summary in (ok, failed):
+        assert from_json_summary(json.loads(json.dumps(to_json(summary)))) == summary
+    with pytest.raises(ContractError, match=r"summary\.step_time_s: expected a JSON object for Stats, got str"):
+        from_json_summary({**to_json(ok), "step_time_s": "fast"})
+
+
 def test_model_parallel_ranks_do_not_multiply_tokens():
     """With tp=2, both ranks of the one replica report the same tokens: they count once."""
     launch = LaunchRequest(run_id="r", role="train", adapter="x", launcher="torchrun",

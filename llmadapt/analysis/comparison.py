@@ -512,10 +512,10 @@ def parse_matrix(items: list[str]) -> dict[str, list[Any]]:
 
 def from_json_summary(data: dict[str, Any]):
     """A summary as the run wrote it (summary.json), as the record type."""
-    from llmadapt.contract.jsonl import from_json
+    from llmadapt.contract.launch import structure
     from llmadapt.contract.records import Summary
 
-    return from_json(Summary, data)
+    return structure(Summary, data, "summary")
 
 
 def row_of_runs(label: str, adapter: str, variant: str, cell: str, results: list[tuple[str, dict[str, Any]]],

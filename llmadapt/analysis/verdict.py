@@ -191,7 +191,7 @@ def quality_gate(q: Any) -> str:
 
 def quality_line(q: dict) -> str:
     """``show``'s line for a serving run's quality (the summary's, as JSON), and its gate."""
-    from llmadapt.contract.jsonl import from_json
+    from llmadapt.contract.launch import structure
     from llmadapt.contract.records import Quality
 
     line = (f"quality    {q['identical']}/{q['texts']} greedy responses identical to {q['reference']}'s; output "
@@ -200,7 +200,7 @@ def quality_line(q: dict) -> str:
         line += (f"; same top token {q['same_top_share']:.1%}, KL {q['kl_mean']:.2e} (top-{q['top_logprobs']}, a "
                  f"lower bound), ppl {q['perplexity']:.3f} vs {q['reference_perplexity']:.3f} over {q['positions']} "
                  "positions")
-    line += f"; gate: {quality_gate(from_json(Quality, q))}"
+    line += f"; gate: {quality_gate(structure(Quality, q, 'quality'))}"
     return line + (f" ({q['note']})" if q.get("note") else "")
 
 

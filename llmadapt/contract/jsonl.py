@@ -1,17 +1,14 @@
-"""JSONL files of records: the writer (one flushed line per record, so a crash keeps every earlier one),
-the reader (schema-checked, old names upgraded), and ``from_json``, which rebuilds records from JSON.
+"""JSONL files of records: the writer (one flushed line per record, so a crash keeps every earlier one) and
+the reader (schema-checked, old names upgraded). A record read back as its attrs class is the one converter's
+(``llmadapt.contract.launch.structure``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import types
-import typing
 from pathlib import Path
 from typing import Any
-
-import attrs
 
 from llmadapt.contract.schema import to_json_line, upgrade, validate
 from llmadapt.errors import ContractError
@@ -71,21 +68,3 @@ def read_jsonl(path: str | Path, *, check: bool = True) -> list[dict[str, Any]]:
         records.append(record)
     return records
 
-
-def from_json(hint: Any, value: Any) -> Any:
-    """An attrs instance from its JSON form (nested attrs classes, lists, optionals): node 0's summary."""
-    if value is None:
-        return None
-    if attrs.has(hint):
-        hints = typing.get_type_hints(hint)
-        return hint(**{k: from_json(hints[k], v) for k, v in value.items() if k in hints})
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is list:
-        return [from_json(args[0], v) for v in value]
-    if origin in (typing.Union, types.UnionType):
-        for arg in args:
-            if attrs.has(arg) and isinstance(value, dict):
-                return from_json(arg, value)
-            if typing.get_origin(arg) is list and isinstance(value, list):
-                return from_json(arg, value)
-    return value

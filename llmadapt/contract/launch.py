@@ -8,7 +8,9 @@ that every process names the run, its adapter and its launcher alike.
 
 Typed all the way down: the workload is a ``Workload``, the fault a ``Fault``, a micro-benchmark's spec a
 ``MicroSpec``. One converter turns the record into JSON and back: ``unstructure`` (attrs' own ``asdict``) and
-``structure`` (a walk of the attrs classes' field types, with one hook, the workload's own checked builder).
+``structure`` (a walk of the attrs classes' field types, with one hook, the workload's own checked builder). The
+same ``structure`` rebuilds the trace records that are read back as their classes (a summary, a quality record, a
+topology): one reader of the contract's JSON, whose errors name the field.
 Why not cattrs: it is not a dependency of the core nor of the adapters' environments, where the workers read this
 record, and the walk needs only attrs classes, optionals, lists and string-keyed dicts (about 30 lines).
 """
@@ -212,7 +214,7 @@ def unstructure(value: Any) -> Any:
 
 
 def structure(cls: Any, data: Any, where: str = "launch") -> Any:
-    """``cls`` (an attrs class of this module, or a type hint over them) from plain data: nested records built,
+    """``cls`` (an attrs class of the contract, or a type hint over them) from plain data: nested records built,
     unknown keys left (a newer file), missing ones defaulted; a workload is built and checked by the workload's own
     builder. Anything else wrong is one ContractError naming the field (``where``)."""
     origin, args = typing.get_origin(cls), typing.get_args(cls)

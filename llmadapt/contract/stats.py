@@ -25,7 +25,7 @@ from llmadapt.contract.breakdowns import (
     interference_summary,
     telemetry_summary,
 )
-from llmadapt.contract.launch import LaunchRequest
+from llmadapt.contract.launch import LaunchRequest, structure
 from llmadapt.contract.records import (
     Device,
     Evaluation,
@@ -235,17 +235,13 @@ def _training_status(records: list[dict[str, Any]], failures: list[Failure], com
 
 
 def _last(records: list[dict[str, Any]], kind: str, cls: type):
-    from llmadapt.contract.jsonl import from_json  # contract.jsonl imports this module
-
     found = [r for r in records if r["type"] == kind]
-    return from_json(cls, found[-1]) if found else None
+    return structure(cls, found[-1], kind) if found else None
 
 
 def _evaluations(records: list[dict[str, Any]]) -> list[Evaluation] | None:
-    from llmadapt.contract.jsonl import from_json  # contract.jsonl imports this module
-
     found = sorted((r for r in records if r["type"] == "evaluation"), key=lambda r: r["step"])
-    return [from_json(Evaluation, r) for r in found] or None
+    return [structure(Evaluation, r, "evaluation") for r in found] or None
 
 
 def _peak(memory: dict[str, Any]) -> int | None:
@@ -259,10 +255,8 @@ def _notes(headers: Iterable[dict[str, Any]]) -> list[str]:
 
 def _topology(headers: dict[int, dict[str, Any]]) -> Topology | None:
     """Rank 0's topology (the lowest rank's where rank 0 wrote no header), as its header recorded it."""
-    from llmadapt.contract.jsonl import from_json  # contract.jsonl imports this module
-
     found = [headers[r].get("topology") for r in sorted(headers) if headers[r].get("topology")]
-    return from_json(Topology, found[0]) if found else None
+    return structure(Topology, found[0], "topology") if found else None
 
 
 def _patches(headers: Iterable[dict[str, Any]]) -> list[Patch]:

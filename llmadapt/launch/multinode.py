@@ -10,8 +10,8 @@ from typing import Callable
 import attrs
 
 from llmadapt.adapter.declaration import EnvironmentSpec
-from llmadapt.contract.jsonl import JsonlWriter, from_json
-from llmadapt.contract.launch import LaunchRequest, NodeLayout
+from llmadapt.contract.jsonl import JsonlWriter
+from llmadapt.contract.launch import LaunchRequest, NodeLayout, structure
 from llmadapt.contract.records import Failure, Summary
 from llmadapt.contract.rundir import RunDir
 from llmadapt.errors import LlmadaptError
@@ -111,7 +111,7 @@ def run_node_agent(workload: Workload, python, environment: EnvironmentSpec, nod
                             f"this node's records are in {node_dir}")
     RunDir(node_dir).write_summary(link.summary)
     RunDir(node_dir).write_launch(_with_nodes_seen(launch, link.nodes))
-    return RunResult(run_dir=node_dir, summary=from_json(Summary, link.summary))
+    return RunResult(run_dir=node_dir, summary=structure(Summary, link.summary, "summary"))
 
 
 def gather(collector: Collector, run_dir: Path, failures: list[Failure], progress) -> None:
