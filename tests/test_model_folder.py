@@ -90,6 +90,22 @@ def test_the_folder_gives_the_shape_and_its_content_hash(folder, tmp_path):
     assert Workload.from_dict(w.to_dict()).with_overrides(["model.preset=tiny-llama"]).model.path is None
 
 
+
+def test_a_folder_reached_through_a_link_keeps_the_path_as_given(folder, tmp_path, monkeypatch):
+    """model.path through a symbolic link stays as written, made absolute: it is the name a server started on that
+    path answers to (transformers serve answers only the path it was given, so an attached run that named the real
+    path got HTTP 400 for every request), and the folder's name is the link's. The content, so every hash, is the
+    folder's."""
+    link = tmp_path / "models" / "smol"
+    link.parent.mkdir()
+    link.symlink_to(folder)
+    w = Workload.from_dict({"model": {"path": str(link)}})
+    assert (w.model.path, w.model.name) == (str(link), "smol")
+    real = Workload.from_dict({"model": {"path": str(folder)}})
+    assert (w.content_hash, w.problem_hash) == (real.content_hash, real.problem_hash)
+    monkeypatch.chdir(tmp_path)
+    assert Workload().with_overrides(["model.path=models/smol"]).model.path == str(link)
+
 def _break(folder: Path, tmp_path: Path, how: str) -> str:
     bad = Path(shutil.copytree(folder, tmp_path / how))
     config = json.loads((bad / "config.json").read_text())

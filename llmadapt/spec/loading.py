@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import types
 import typing
 from importlib import metadata
@@ -231,7 +232,9 @@ def _model_folder(data: dict[str, Any], where: str) -> dict[str, Any]:
     from llmadapt.modelfolder import FolderError, content_hash, shape_of
 
     if Path(folder).exists():
-        folder = str(Path(folder).resolve())
+        # Absolute, with its symbolic links as given: the path is the name a server started on it answers to
+        # (transformers serve answers only that path), and its last part is the model's name.
+        folder = os.path.abspath(folder)
     try:
         if is_gguf(folder):  # converted to a model folder before launch (llmadapt.models.gguf_checkpoint)
             fields, checksum = gguf_shape(folder)[0], gguf_hash(folder)
