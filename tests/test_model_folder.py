@@ -90,7 +90,6 @@ def test_the_folder_gives_the_shape_and_its_content_hash(folder, tmp_path):
     assert Workload.from_dict(w.to_dict()).with_overrides(["model.preset=tiny-llama"]).model.path is None
 
 
-
 def test_a_folder_reached_through_a_link_keeps_the_path_as_given(folder, tmp_path, monkeypatch):
     """model.path through a symbolic link stays as written, made absolute: it is the name a server started on that
     path answers to (transformers serve answers only the path it was given, so an attached run that named the real

@@ -1,6 +1,6 @@
 """JSONL files of records: the writer (one flushed line per record, so a crash keeps every earlier one) and
-the reader (schema-checked, old names upgraded). A record read back as its attrs class is the one converter's
-(``llmadapt.contract.launch.structure``).
+the reader (schema-checked, old names upgraded). Records read back as their attrs classes go through the one
+converter (``llmadapt.contract.launch.structure``).
 """
 
 from __future__ import annotations
