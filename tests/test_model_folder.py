@@ -105,6 +105,7 @@ def test_a_folder_reached_through_a_link_keeps_the_path_as_given(folder, tmp_pat
     monkeypatch.chdir(tmp_path)
     assert Workload().with_overrides(["model.path=models/smol"]).model.path == str(link)
 
+
 def _break(folder: Path, tmp_path: Path, how: str) -> str:
     bad = Path(shutil.copytree(folder, tmp_path / how))
     config = json.loads((bad / "config.json").read_text())
